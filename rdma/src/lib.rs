@@ -1,0 +1,1 @@
+//! RDMA NIC discovery (sysfs) and the transport between node proxies.

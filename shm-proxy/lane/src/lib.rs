@@ -1,0 +1,4 @@
+//! What the preload library, `flowlaned` and the CNI plugin share: the
+//! shared-memory ring format and the daemon's wire protocol.
+
+pub mod notify;
