@@ -1,0 +1,31 @@
+//! The commands a person runs on a node. Each subcommand lives in its own
+//! module and returns the process exit code.
+
+mod status;
+
+const USAGE: &str = "\
+flowlane: CNI plugin and node tool for ML training networks
+
+When run by a container runtime (CNI_COMMAND set) it is the CNI plugin.
+Commands for people:
+  flowlane status [--json] [--socket PATH]   lanes, connections and counters of the node daemon
+  flowlane version                           print the version
+";
+
+pub fn main(args: Vec<String>) -> i32 {
+    match args.first().map(String::as_str) {
+        Some("status") => status::main(&args[1..]),
+        Some("version") | Some("--version") | Some("-V") => {
+            println!("flowlane {}", env!("CARGO_PKG_VERSION"));
+            0
+        }
+        Some("help") | Some("--help") | Some("-h") | None => {
+            print!("{USAGE}");
+            0
+        }
+        Some(other) => {
+            eprintln!("flowlane: unknown command {other:?}\n\n{USAGE}");
+            2
+        }
+    }
+}
