@@ -1,4 +1,5 @@
 //! What the preload library, `flowlaned` and the CNI plugin share: the
 //! shared-memory ring format and the daemon's wire protocol.
 
+pub mod client;
 pub mod notify;
