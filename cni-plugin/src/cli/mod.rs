@@ -1,6 +1,9 @@
 //! The commands a person runs on a node. Each subcommand lives in its own
 //! module and returns the process exit code.
 
+mod cluster;
+mod demo;
+mod diag;
 mod status;
 
 const USAGE: &str = "\
@@ -9,12 +12,18 @@ flowlane: CNI plugin and node tool for ML training networks
 When run by a container runtime (CNI_COMMAND set) it is the CNI plugin.
 Commands for people:
   flowlane status [--json] [--socket PATH]   lanes, connections and counters of the node daemon
+  flowlane diag [--json] [options]           check this node and explain every problem
+  flowlane cluster up|down|status [options]  a local training cluster on this machine
+  flowlane demo [--out DIR]                  run the training-traffic demo and write a report
   flowlane version                           print the version
 ";
 
 pub fn main(args: Vec<String>) -> i32 {
     match args.first().map(String::as_str) {
         Some("status") => status::main(&args[1..]),
+        Some("diag") => diag::main(&args[1..]),
+        Some("cluster") => cluster::main(&args[1..]),
+        Some("demo") => demo::main(&args[1..]),
         Some("version") | Some("--version") | Some("-V") => {
             println!("flowlane {}", env!("CARGO_PKG_VERSION"));
             0
