@@ -1,0 +1,412 @@
+//! The shared-memory region of one connection: a small header page holding
+//! two ring control blocks, then two single-producer/single-consumer byte
+//! rings, one per direction (client→server, server→client).
+//!
+//! ```text
+//! offset 0      page 0: control blocks (RingCtl c2s at 512, RingCtl s2c at 1024)
+//! offset 4096   ring data client→server   (ring_size bytes, a power of two)
+//! offset 4096+R ring data server→client   (ring_size bytes)
+//! ```
+//!
+//! A freshly created (all-zero) region is a valid empty region, so neither
+//! side has to initialise it and neither has to wait for the other.
+//!
+//! Positions (`head`, `tail`) are free-running `u64` byte counters; the byte
+//! at position `p` lives at `p & (ring_size - 1)`. `tail - head` is the fill.
+//! `tail` is written only by the producer, `head` only by the consumer, each
+//! on its own 128-byte line (two lines, so the adjacent-line prefetcher does
+//! not couple them). The rarely written flags live on a third line, so the
+//! producer's per-write check of `reader_waiting` hits a line that stays
+//! shared in both cores' caches.
+//!
+//! Memory ordering (the whole argument):
+//! - Data: the producer copies bytes, then `tail.store(Release)`; the consumer
+//!   `tail.load(Acquire)` then copies them out: the bytes happen-before the read.
+//!   Symmetrically the consumer copies out, then `head.store(Release)`; the
+//!   producer `head.load(Acquire)` before overwriting that space.
+//! - Sleeping without lost wake-ups (Dekker): a consumer that wants to sleep
+//!   stores `reader_waiting = 1`, issues a SeqCst fence, and re-checks `tail`.
+//!   A producer stores `tail`, issues a SeqCst fence, and loads
+//!   `reader_waiting`. The two fences are totally ordered, so at least one of
+//!   them sees the other's store: either the consumer sees the new data and
+//!   does not sleep, or the producer sees the flag and rings the doorbell.
+//!   The same pattern with `writer_waiting`/`head` covers a producer waiting
+//!   for room. Whoever rings clears the flag with `swap`, so one sleep costs
+//!   at most one doorbell.
+//! - Close: the producer publishes its last `tail`, then `producer_closed`
+//!   (Release). A consumer that finds the ring empty and the flag set
+//!   re-reads `tail` once more (the Acquire on the flag makes every earlier
+//!   `tail` visible) before reporting end-of-stream.
+
+use std::io::IoSlice;
+use std::ptr;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+/// Size of the control page at the start of the region.
+pub const HEADER_LEN: usize = 4096;
+/// Default bytes per direction (`FLOWLANE_RING_SIZE`): 1 MiB.
+pub const DEFAULT_RING_SIZE: usize = 1 << 20;
+/// Smallest ring the library accepts.
+pub const MIN_RING_SIZE: usize = 4096;
+/// Largest ring the library asks for (the daemon may bound it lower).
+pub const MAX_RING_SIZE: usize = 64 << 20;
+
+const CTL_OFFSET: [usize; 2] = [512, 1024];
+
+/// Which end of the connection a process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The connecting end: produces into ring 0, consumes ring 1.
+    Client,
+    /// The accepting end: produces into ring 1, consumes ring 0.
+    Server,
+}
+
+/// A value alone on a 128-byte line.
+#[repr(C, align(128))]
+struct Line<T>(T);
+
+/// Control block of one direction, inside the shared region.
+#[repr(C)]
+pub struct RingCtl {
+    tail: Line<AtomicU64>,
+    head: Line<AtomicU64>,
+    flags: Line<Flags>,
+}
+
+#[repr(C)]
+struct Flags {
+    /// Consumer is (about to be) asleep and needs a doorbell for new data.
+    reader_waiting: AtomicU32,
+    /// Producer is (about to be) asleep and needs a doorbell for free room.
+    writer_waiting: AtomicU32,
+    /// Producer will write no more (shutdown(SHUT_WR) or close).
+    producer_closed: AtomicU32,
+    /// Consumer will read no more (close): writes fail with EPIPE.
+    consumer_closed: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<RingCtl>() == 384);
+const _: () = assert!(CTL_OFFSET[0] + std::mem::size_of::<RingCtl>() <= CTL_OFFSET[1]);
+const _: () = assert!(CTL_OFFSET[1] + std::mem::size_of::<RingCtl>() <= HEADER_LEN);
+
+/// The per-direction ring size that fits a region of `region_len` bytes:
+/// the largest power of two with `HEADER_LEN + 2 * size <= region_len`.
+/// Both ends compute it from the same length, so they always agree.
+pub fn ring_size_for(region_len: usize) -> Option<usize> {
+    let per_dir = region_len.checked_sub(HEADER_LEN)? / 2;
+    if per_dir < MIN_RING_SIZE {
+        return None;
+    }
+    Some(1usize << (usize::BITS - 1 - per_dir.leading_zeros()))
+}
+
+/// The region length to request for `ring_size` bytes per direction
+/// (rounded to a power of two and clamped to the library's bounds).
+pub fn region_len_for(ring_size: usize) -> usize {
+    let r = ring_size.clamp(MIN_RING_SIZE, MAX_RING_SIZE).next_power_of_two();
+    HEADER_LEN + 2 * r
+}
+
+/// One direction of a region, as raw pointers into the mapping.
+#[derive(Clone, Copy)]
+struct RingRef {
+    ctl: *const RingCtl,
+    data: *mut u8,
+    size: usize,
+}
+
+// SAFETY: RingRef only points into a shared mapping that outlives it (the
+// owner of the mapping keeps it alive); all shared mutable state is atomics or
+// byte ranges handed over by the SPSC protocol above.
+unsafe impl Send for RingRef {}
+// SAFETY: as above; `&RingRef` only allows atomic access and copies guarded
+// by the protocol.
+unsafe impl Sync for RingRef {}
+
+impl RingRef {
+    fn ctl(&self) -> &RingCtl {
+        // SAFETY: `ctl` points at an aligned RingCtl inside a live mapping
+        // (checked at construction); RingCtl is all atomics, valid for any bits.
+        unsafe { &*self.ctl }
+    }
+}
+
+/// Splits a region into the producer and consumer ends for `side`.
+///
+/// # Safety
+/// `base` must point to a mapping of at least `region_len` bytes, aligned to a
+/// page, that stays mapped (and is shared with at most one peer end) for as
+/// long as the returned values are used.
+pub unsafe fn endpoints(base: *mut u8, region_len: usize, side: Side) -> Option<(Producer, Consumer)> {
+    let size = ring_size_for(region_len)?;
+    let ring = |i: usize| RingRef {
+        // SAFETY (for both `add`s): offsets are below HEADER_LEN + 2*size <= region_len.
+        ctl: unsafe { base.add(CTL_OFFSET[i]) } as *const RingCtl,
+        data: unsafe { base.add(HEADER_LEN + i * size) },
+        size,
+    };
+    let (tx, rx) = match side {
+        Side::Client => (ring(0), ring(1)),
+        Side::Server => (ring(1), ring(0)),
+    };
+    Some((Producer { ring: tx, head_cache: 0 }, Consumer { ring: rx, tail_cache: 0 }))
+}
+
+/// The writing end of one ring.
+pub struct Producer {
+    ring: RingRef,
+    /// Last `head` seen; stale values only under-estimate free room.
+    head_cache: u64,
+}
+
+/// The reading end of one ring.
+pub struct Consumer {
+    ring: RingRef,
+    /// Last `tail` seen; stale values only under-estimate available bytes.
+    tail_cache: u64,
+}
+
+impl Producer {
+    /// Ring capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.ring.size
+    }
+
+    /// Bytes that can be written now without blocking.
+    pub fn free(&mut self) -> usize {
+        let ctl = self.ring.ctl();
+        let tail = ctl.tail.0.load(Ordering::Relaxed);
+        self.head_cache = ctl.head.0.load(Ordering::Acquire);
+        self.ring.size - (tail - self.head_cache) as usize
+    }
+
+    /// Copies as much of `src` as fits; returns the count (0 when full).
+    pub fn write(&mut self, src: &[u8]) -> usize {
+        self.write_vectored(&[IoSlice::new(src)])
+    }
+
+    /// Copies as much of the slices (in order) as fits, publishing once.
+    pub fn write_vectored(&mut self, srcs: &[IoSlice<'_>]) -> usize {
+        let ctl = self.ring.ctl();
+        let start = ctl.tail.0.load(Ordering::Relaxed); // we are the only writer of tail
+        let want: usize = srcs.iter().map(|s| s.len()).sum();
+        let mut free = self.ring.size - (start - self.head_cache) as usize;
+        if free < want {
+            self.head_cache = ctl.head.0.load(Ordering::Acquire);
+            free = self.ring.size - (start - self.head_cache) as usize;
+        }
+        let mut pos = start;
+        for s in srcs {
+            let room = free - (pos - start) as usize;
+            if room == 0 {
+                break;
+            }
+            let n = s.len().min(room);
+            // SAFETY: [pos, pos+n) is free room owned by the producer (n <= room).
+            unsafe { self.copy_in(pos, &s[..n]) };
+            pos += n as u64;
+        }
+        if pos != start {
+            ctl.tail.0.store(pos, Ordering::Release);
+        }
+        (pos - start) as usize
+    }
+
+    /// Copies `len` bytes produced by `fill` (which writes into the given
+    /// slice and returns how many it wrote) straight into the ring; used for
+    /// sendfile (pread into the ring). Returns the bytes published.
+    pub fn write_with(&mut self, max: usize, mut fill: impl FnMut(&mut [u8]) -> usize) -> usize {
+        let ctl = self.ring.ctl();
+        let tail = ctl.tail.0.load(Ordering::Relaxed);
+        self.head_cache = ctl.head.0.load(Ordering::Acquire);
+        let free = self.ring.size - (tail - self.head_cache) as usize;
+        let off = (tail as usize) & (self.ring.size - 1);
+        let n = max.min(free).min(self.ring.size - off); // contiguous part only
+        if n == 0 {
+            return 0;
+        }
+        // SAFETY: [off, off+n) is inside the data area and owned by the producer.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ring.data.add(off), n) };
+        let got = fill(dst).min(n);
+        if got > 0 {
+            ctl.tail.0.store(tail + got as u64, Ordering::Release);
+        }
+        got
+    }
+
+    /// # Safety
+    /// `[pos, pos + src.len())` must be free room (not readable by the consumer).
+    unsafe fn copy_in(&self, pos: u64, src: &[u8]) {
+        let off = (pos as usize) & (self.ring.size - 1);
+        let first = src.len().min(self.ring.size - off);
+        // SAFETY: both ranges lie inside the data area; the caller guarantees
+        // the consumer does not access them until `tail` is published.
+        unsafe {
+            ptr::copy_nonoverlapping(src.as_ptr(), self.ring.data.add(off), first);
+            ptr::copy_nonoverlapping(src.as_ptr().add(first), self.ring.data, src.len() - first);
+        }
+    }
+
+    /// After publishing data: true if the consumer may be asleep and must get
+    /// a doorbell (consumes the request).
+    pub fn take_reader_wakeup(&self) -> bool {
+        let f = &self.ring.ctl().flags.0;
+        fence(Ordering::SeqCst);
+        f.reader_waiting.load(Ordering::Relaxed) != 0 && f.reader_waiting.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// Before sleeping for room: announce it. The caller must re-check
+    /// `free()` afterwards and only sleep if still full.
+    pub fn prepare_wait(&self) {
+        self.ring.ctl().flags.0.writer_waiting.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Withdraws a `prepare_wait` (woken or not going to sleep).
+    pub fn cancel_wait(&self) {
+        self.ring.ctl().flags.0.writer_waiting.store(0, Ordering::Relaxed);
+    }
+
+    /// The producer will write no more; the consumer sees end-of-stream.
+    pub fn close(&self) {
+        self.ring.ctl().flags.0.producer_closed.store(1, Ordering::Release);
+    }
+
+    /// The producer already closed (shutdown(SHUT_WR)).
+    pub fn is_closed(&self) -> bool {
+        self.ring.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0
+    }
+
+    /// The consumer will read no more: writes should fail with EPIPE.
+    pub fn peer_gone(&self) -> bool {
+        self.ring.ctl().flags.0.consumer_closed.load(Ordering::Acquire) != 0
+    }
+}
+
+/// What a consumer found in its ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadState {
+    /// This many bytes are available (> 0).
+    Data(usize),
+    /// Empty, and the producer closed: end of stream.
+    Eof,
+    /// Empty, producer still open.
+    Empty,
+}
+
+impl Consumer {
+    /// Ring capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.ring.size
+    }
+
+    /// Bytes readable now.
+    pub fn available(&mut self) -> usize {
+        let ctl = self.ring.ctl();
+        let head = ctl.head.0.load(Ordering::Relaxed); // we are the only writer of head
+        self.tail_cache = ctl.tail.0.load(Ordering::Acquire);
+        (self.tail_cache - head) as usize
+    }
+
+    /// Data, end-of-stream or empty, without consuming anything.
+    pub fn state(&mut self) -> ReadState {
+        let n = self.available();
+        if n > 0 {
+            return ReadState::Data(n);
+        }
+        if self.ring.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0 {
+            // Every tail stored before the flag is visible now.
+            return match self.available() {
+                0 => ReadState::Eof,
+                n => ReadState::Data(n),
+            };
+        }
+        ReadState::Empty
+    }
+
+    /// Copies up to `dst.len()` bytes out and consumes them.
+    pub fn read(&mut self, dst: &mut [u8]) -> usize {
+        let n = self.peek(dst);
+        self.consume(n);
+        n
+    }
+
+    /// Copies up to `dst.len()` bytes out without consuming them.
+    pub fn peek(&mut self, dst: &mut [u8]) -> usize {
+        let head = self.ring.ctl().head.0.load(Ordering::Relaxed);
+        let mut avail = self.tail_cache.saturating_sub(head) as usize;
+        if avail < dst.len() {
+            avail = self.available();
+        }
+        let n = dst.len().min(avail);
+        let off = (head as usize) & (self.ring.size - 1);
+        let first = n.min(self.ring.size - off);
+        // SAFETY: [head, head+n) was published by the producer (Acquire on
+        // tail) and is not overwritten before we publish a larger head.
+        unsafe {
+            ptr::copy_nonoverlapping(self.ring.data.add(off), dst.as_mut_ptr(), first);
+            ptr::copy_nonoverlapping(self.ring.data, dst.as_mut_ptr().add(first), n - first);
+        }
+        n
+    }
+
+    /// Copies out into several buffers in order; consumes what was copied.
+    pub fn read_vectored(&mut self, dsts: &mut [&mut [u8]]) -> usize {
+        let mut total = 0;
+        for d in dsts.iter_mut() {
+            let n = self.read(d);
+            total += n;
+            if n < d.len() {
+                break;
+            }
+        }
+        total
+    }
+
+    /// Consumes `n` bytes (at most the available ones) without copying.
+    pub fn consume(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let ctl = self.ring.ctl();
+        let head = ctl.head.0.load(Ordering::Relaxed);
+        debug_assert!(head + n as u64 <= self.tail_cache);
+        ctl.head.0.store(head + n as u64, Ordering::Release);
+    }
+
+    /// After consuming: true if the producer may be asleep waiting for room
+    /// and must get a doorbell (consumes the request).
+    pub fn take_writer_wakeup(&self) -> bool {
+        let f = &self.ring.ctl().flags.0;
+        fence(Ordering::SeqCst);
+        f.writer_waiting.load(Ordering::Relaxed) != 0 && f.writer_waiting.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// Before sleeping for data: announce it. The caller must re-check
+    /// `state()` afterwards and only sleep if still empty.
+    pub fn prepare_wait(&self) {
+        self.ring.ctl().flags.0.reader_waiting.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Withdraws a `prepare_wait`.
+    pub fn cancel_wait(&self) {
+        self.ring.ctl().flags.0.reader_waiting.store(0, Ordering::Relaxed);
+    }
+
+    /// The consumer will read no more (its process closed the connection).
+    pub fn close(&self) {
+        self.ring.ctl().flags.0.consumer_closed.store(1, Ordering::Release);
+    }
+
+    /// The producer closed its side (used when the TCP connection reset, to
+    /// tell an orderly close from a crash).
+    pub fn producer_closed(&self) -> bool {
+        self.ring.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0
+    }
+}
+
+#[cfg(test)]
+#[path = "ring_tests.rs"]
+mod tests;

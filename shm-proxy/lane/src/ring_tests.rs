@@ -1,0 +1,348 @@
+//! Ring tests: the wrap-around arithmetic against a model, two threads
+//! streaming checksummed data, the sleep/wake protocol with a real kernel
+//! wait (a pipe as doorbell), and two processes sharing a memfd.
+
+use super::*;
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// Small deterministic PRNG (xorshift64*), so failures reproduce.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// A page-aligned anonymous shared mapping standing in for the memfd.
+struct Region {
+    map: memmap2::MmapMut,
+}
+impl Region {
+    fn new(len: usize) -> Self {
+        Region { map: memmap2::MmapMut::map_anon(len).unwrap() }
+    }
+    fn ends(&mut self, side: Side) -> (Producer, Consumer) {
+        let len = self.map.len();
+        // SAFETY: the mapping is `len` bytes, page aligned, and outlives the
+        // ends within each test.
+        unsafe { endpoints(self.map.as_mut_ptr(), len, side) }.unwrap()
+    }
+}
+
+/// Byte `i` of the test stream with seed `s`.
+fn pattern(s: u64, i: u64) -> u8 {
+    let x = (i ^ s).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (x >> 56) as u8
+}
+
+#[test]
+fn sizes_are_powers_of_two_that_fit() {
+    assert_eq!(ring_size_for(HEADER_LEN + 2 * 4096), Some(4096));
+    assert_eq!(ring_size_for(HEADER_LEN + 2 * 5000), Some(4096));
+    assert_eq!(ring_size_for(region_len_for(1 << 20)), Some(1 << 20));
+    assert_eq!(ring_size_for(HEADER_LEN + 100), None);
+    assert_eq!(ring_size_for(10), None);
+    assert_eq!(region_len_for(3000), HEADER_LEN + 2 * 4096);
+    assert_eq!(region_len_for(usize::MAX / 4), HEADER_LEN + 2 * MAX_RING_SIZE);
+}
+
+#[test]
+fn empty_region_is_empty_and_open() {
+    let mut r = Region::new(region_len_for(4096));
+    let (mut p, mut c) = r.ends(Side::Client);
+    assert_eq!(p.free(), 4096);
+    assert_eq!(c.state(), ReadState::Empty);
+    assert!(!p.peer_gone());
+}
+
+#[test]
+fn wrap_around_matches_a_model() {
+    let mut r = Region::new(region_len_for(4096));
+    let (mut p, _) = r.ends(Side::Client);
+    let (_, mut c) = r.ends(Side::Server);
+    let mut model = VecDeque::new();
+    let mut rng = Rng(7);
+    let mut written = 0u64;
+    for round in 0..200_000 {
+        match rng.below(4) {
+            0 | 1 => {
+                let len = rng.below(3000);
+                let buf: Vec<u8> = (0..len as u64).map(|i| pattern(1, written + i)).collect();
+                let n = if round % 3 == 0 {
+                    let (a, b) = buf.split_at(len / 2);
+                    p.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])
+                } else {
+                    p.write(&buf)
+                };
+                assert_eq!(n, len.min(4096 - model.len()), "write must take exactly what fits");
+                model.extend(&buf[..n]);
+                written += n as u64;
+            }
+            2 => {
+                let mut buf = vec![0u8; rng.below(3000)];
+                let n = c.peek(&mut buf);
+                assert_eq!(n, buf.len().min(model.len()));
+                assert!(buf[..n].iter().zip(model.iter()).all(|(a, b)| a == b), "peek bytes");
+                assert_eq!(c.available(), model.len(), "peek consumes nothing");
+            }
+            _ => {
+                let mut buf = vec![0u8; rng.below(3000)];
+                let n = c.read(&mut buf);
+                assert_eq!(n, buf.len().min(model.len()));
+                for b in &buf[..n] {
+                    assert_eq!(Some(*b), model.pop_front());
+                }
+            }
+        }
+        assert_eq!(p.free(), 4096 - model.len());
+    }
+    assert!(written > 100 * 4096, "the test must wrap many times");
+}
+
+#[test]
+fn close_reports_eof_only_after_the_data() {
+    let mut r = Region::new(region_len_for(4096));
+    let (p, _) = r.ends(Side::Server);
+    let (_, mut c) = r.ends(Side::Client);
+    let mut p = p;
+    assert_eq!(p.write(b"last words"), 10);
+    p.close();
+    assert_eq!(c.state(), ReadState::Data(10));
+    let mut buf = [0u8; 64];
+    assert_eq!(c.read(&mut buf), 10);
+    assert_eq!(&buf[..10], b"last words");
+    assert_eq!(c.state(), ReadState::Eof);
+    c.close();
+    assert!(p.peer_gone());
+}
+
+/// Streams `total` bytes through a ring between two threads with random
+/// write and read sizes, spinning (yielding) when full/empty, and checks
+/// every byte.
+fn stream_two_threads(ring: usize, total: u64, max_msg: usize, seed: u64) {
+    let mut r = Region::new(region_len_for(ring));
+    let (mut p, _) = r.ends(Side::Client);
+    let (_, mut c) = r.ends(Side::Server);
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let mut rng = Rng(seed);
+            let mut buf = vec![0u8; max_msg];
+            let mut sent = 0u64;
+            while sent < total {
+                let len = (1 + rng.below(max_msg)).min((total - sent) as usize);
+                for (i, b) in buf[..len].iter_mut().enumerate() {
+                    *b = pattern(seed, sent + i as u64);
+                }
+                let mut off = 0;
+                while off < len {
+                    let n = p.write(&buf[off..len]);
+                    if n == 0 {
+                        std::thread::yield_now();
+                    }
+                    off += n;
+                }
+                sent += len as u64;
+            }
+            p.close();
+        });
+        let mut rng = Rng(seed ^ 0xABCD);
+        let mut buf = vec![0u8; max_msg];
+        let mut got = 0u64;
+        loop {
+            match c.state() {
+                ReadState::Eof => break,
+                ReadState::Empty => std::thread::yield_now(),
+                ReadState::Data(_) => {
+                    let want = 1 + rng.below(max_msg);
+                    let n = c.read(&mut buf[..want]);
+                    for (i, b) in buf[..n].iter().enumerate() {
+                        assert_eq!(*b, pattern(seed, got + i as u64), "byte {}", got + i as u64);
+                    }
+                    got += n as u64;
+                }
+            }
+        }
+        assert_eq!(got, total);
+    });
+}
+
+#[test]
+fn two_threads_small_ring_checksummed() {
+    stream_two_threads(4096, 64 << 20, 5000, 11);
+}
+
+#[test]
+fn two_threads_large_ring_checksummed() {
+    stream_two_threads(1 << 20, 512 << 20, 200_000, 12);
+}
+
+/// A pipe standing in for the TCP doorbell.
+fn pipe() -> (OwnedFd, OwnedFd) {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid 2-int array.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: pipe2 just returned these two fresh fds; we own them.
+    unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+}
+
+/// Waits up to `ms` for the pipe to be readable, drains it; false on timeout.
+fn wait_pipe(fd: &OwnedFd, ms: i32) -> bool {
+    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if r == 1 {
+        let mut b = [0u8; 64];
+        // SAFETY: reading into a local buffer of the given length.
+        unsafe { libc::read(fd.as_raw_fd(), b.as_mut_ptr().cast(), b.len()) };
+    }
+    r == 1
+}
+
+fn ring_bell(fd: &OwnedFd) {
+    // SAFETY: writing one byte from a local buffer.
+    unsafe { libc::write(fd.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+}
+
+/// Both sides sleep in the kernel when they cannot proceed (no spinning at
+/// all), so any lost wake-up shows up as a 20 s timeout.
+#[test]
+fn sleep_and_wake_never_loses_a_wakeup() {
+    let mut r = Region::new(region_len_for(4096));
+    let (mut p, _) = r.ends(Side::Client);
+    let (_, mut c) = r.ends(Side::Server);
+    let (to_reader_r, to_reader_w) = pipe();
+    let (to_writer_r, to_writer_w) = pipe();
+    let total: u64 = 16 << 20;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let mut rng = Rng(3);
+            let mut sent = 0u64;
+            let mut buf = vec![0u8; 9000];
+            while sent < total {
+                let len = (1 + rng.below(9000)).min((total - sent) as usize);
+                for (i, b) in buf[..len].iter_mut().enumerate() {
+                    *b = pattern(3, sent + i as u64);
+                }
+                let mut off = 0;
+                while off < len {
+                    let n = p.write(&buf[off..len]);
+                    off += n;
+                    if n > 0 && p.take_reader_wakeup() {
+                        ring_bell(&to_reader_w);
+                    }
+                    if n == 0 {
+                        p.prepare_wait();
+                        if p.free() == 0 {
+                            assert!(wait_pipe(&to_writer_r, 20_000), "writer lost a wake-up");
+                        }
+                        p.cancel_wait();
+                    }
+                }
+                sent += len as u64;
+            }
+            p.close();
+            if p.take_reader_wakeup() {
+                ring_bell(&to_reader_w);
+            }
+        });
+        let mut got = 0u64;
+        let mut buf = vec![0u8; 7000];
+        let mut rng = Rng(4);
+        loop {
+            match c.state() {
+                ReadState::Eof => break,
+                ReadState::Data(_) => {
+                    let want = 1 + rng.below(7000);
+                    let n = c.read(&mut buf[..want]);
+                    for (i, b) in buf[..n].iter().enumerate() {
+                        assert_eq!(*b, pattern(3, got + i as u64));
+                    }
+                    got += n as u64;
+                    if c.take_writer_wakeup() {
+                        ring_bell(&to_writer_w);
+                    }
+                }
+                ReadState::Empty => {
+                    c.prepare_wait();
+                    if c.state() == ReadState::Empty {
+                        assert!(wait_pipe(&to_reader_r, 20_000), "reader lost a wake-up");
+                    }
+                    c.cancel_wait();
+                }
+            }
+        }
+        assert_eq!(got, total);
+    });
+}
+
+/// Two processes (fork) share a sealed-size memfd region like the daemon
+/// hands out: the child streams a pattern, the parent checks it.
+#[test]
+fn two_processes_share_a_memfd_region() {
+    let len = region_len_for(64 << 10);
+    // SAFETY: the name is a valid C string.
+    let fd = unsafe { libc::memfd_create(c"ring-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: memfd_create returned a fresh fd we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain ftruncate on our fd.
+    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len as i64) }, 0);
+    // SAFETY: the memfd is `len` bytes and is not truncated while mapped.
+    let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&fd) }.unwrap();
+    let base = map.as_mut_ptr();
+    let total: u64 = 128 << 20;
+    // SAFETY: fork in a test; the child only uses the mapping, computes and _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: the mapping is inherited and stays mapped until _exit.
+        let (mut p, _) = unsafe { endpoints(base, len, Side::Server) }.unwrap();
+        let mut buf = vec![0u8; 100_000];
+        let mut sent = 0u64;
+        let mut rng = Rng(9);
+        while sent < total {
+            let l = (1 + rng.below(buf.len())).min((total - sent) as usize);
+            for (i, b) in buf[..l].iter_mut().enumerate() {
+                *b = pattern(9, sent + i as u64);
+            }
+            let mut off = 0;
+            while off < l {
+                off += p.write(&buf[off..l]);
+                std::hint::spin_loop();
+            }
+            sent += l as u64;
+        }
+        p.close();
+        // SAFETY: leave the forked test process without running destructors.
+        unsafe { libc::_exit(0) };
+    }
+    // SAFETY: the mapping outlives the consumer below.
+    let (_, mut c) = unsafe { endpoints(base, len, Side::Client) }.unwrap();
+    let mut buf = vec![0u8; 65536];
+    let mut got = 0u64;
+    let mut ok = true;
+    loop {
+        match c.state() {
+            ReadState::Eof => break,
+            ReadState::Empty => std::hint::spin_loop(),
+            ReadState::Data(_) => {
+                let n = c.read(&mut buf);
+                ok &= buf[..n].iter().enumerate().all(|(i, b)| *b == pattern(9, got + i as u64));
+                got += n as u64;
+            }
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(ok, "corrupted bytes across processes");
+    assert_eq!(got, total);
+    assert_eq!(status, 0);
+}
