@@ -1,2 +1,17 @@
 //! Harness for flowlane's end-to-end tests: network namespaces, the real
 //! binaries, and third-party programs.
+//!
+//! Everything here drives real kernel objects and real executables; every
+//! object a test creates is owned by a guard whose `Drop` removes it, so a
+//! failing (panicking) test still leaves the machine clean.
+
+pub mod binaries;
+pub mod cni;
+pub mod fsutil;
+pub mod host;
+pub mod names;
+pub mod netns;
+pub mod process;
+pub mod result;
+pub mod traffic;
+pub mod wait;

@@ -1,0 +1,87 @@
+//! Temporary directories and file listings.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// A directory removed with everything below it when dropped.
+#[derive(Debug)]
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    /// Creates `/tmp/flt-<tag>-<pid>-<n>`.
+    pub fn new(tag: &str) -> Self {
+        let path = std::env::temp_dir().join(crate::names::container_id(tag));
+        fs::create_dir_all(&path).expect("create temp dir");
+        TempDir { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn join(&self, p: impl AsRef<Path>) -> PathBuf {
+        self.path.join(p)
+    }
+
+    /// The path as a string (for JSON configs).
+    pub fn str(&self) -> String {
+        self.path.display().to_string()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        // Best effort: a mount left below (CRI test) would make this fail; such
+        // tests unmount first.
+        let _ = fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Every regular file below `dir` (recursive), sorted; empty if `dir` is missing.
+pub fn files_below(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(p),
+                Ok(_) => out.push(p),
+                Err(_) => {}
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Files below `dir` whose name is an IP address: the lease files of
+/// host-local's on-disk layout (`<dataDir>/<network>/<ip>`), which
+/// flowlane's allocator follows too.
+pub fn lease_files(dir: &Path) -> Vec<PathBuf> {
+    files_below(dir)
+        .into_iter()
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.parse::<std::net::IpAddr>().is_ok())
+        })
+        .collect()
+}
+
+/// Files below `dir` whose content mentions `needle` (e.g. a container id).
+pub fn files_mentioning(dir: &Path, needle: &str) -> Vec<PathBuf> {
+    files_below(dir)
+        .into_iter()
+        .filter(|p| {
+            fs::read(p)
+                .map(|b| String::from_utf8_lossy(&b).contains(needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}

@@ -1,0 +1,39 @@
+//! Unique names for kernel objects and files.
+//!
+//! Tests of one binary run two at a time and other suites run concurrently on
+//! the same machine, so every name carries the suite's prefix (`flt`), a
+//! per-test tag and a per-process counter. Linux interface names are at most
+//! 15 bytes, and so are these.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// The prefix every netns, bridge and directory of the CNI suites starts with.
+pub const PREFIX: &str = "flt";
+
+/// Maximum length of a Linux interface name (IFNAMSIZ - 1).
+pub const IFNAME_MAX: usize = 15;
+
+/// A name `flt<tag><n>` unique within this process, at most 15 bytes.
+/// `tag` is up to 7 characters chosen by the test (unique per test).
+pub fn unique(tag: &str) -> String {
+    assert!(tag.len() <= 7, "tag {tag:?} too long for an interface name");
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let name = format!("{PREFIX}{tag}{n:x}");
+    assert!(name.len() <= IFNAME_MAX, "{name} is too long");
+    name
+}
+
+/// A container id as a runtime would make it: long, unique, hex-ish.
+pub fn container_id(tag: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{PREFIX}-{tag}-{}-{n}-{:016x}", std::process::id(), nanos())
+}
+
+fn nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,319 @@
+//! ADD / CHECK / DEL of the real plugin binary in real network namespaces,
+//! driven exactly as a runtime does (environment + stdin).
+
+use std::net::IpAddr;
+
+use flowlane_e2e::binaries::PluginUnderTest;
+use flowlane_e2e::cni::{code, Pod, TestNet};
+use flowlane_e2e::result::{expect_valid, CniResult};
+use flowlane_e2e::traffic;
+
+/// Versions a test exercises: all result formats for flowlane; the reference
+/// plugin (harness self-check mode) stops at 1.0.0.
+fn versions() -> Vec<&'static str> {
+    match PluginUnderTest::from_env() {
+        PluginUnderTest::Flowlane => vec!["0.3.1", "0.4.0", "1.0.0", "1.1.0"],
+        PluginUnderTest::Reference => vec!["0.3.1", "0.4.0", "1.0.0"],
+    }
+}
+
+/// Asserts the pod's netns holds exactly what `res` claims: the interface
+/// with its MAC, up, carrying every result address; a default route via the
+/// gateway for every family with an address.
+fn assert_wired(pod: &Pod, res: &CniResult) {
+    let iface = res.sandbox_iface(&pod.netns.path_str()).unwrap_or_else(|| {
+        panic!(
+            "no interface with sandbox {} in {:#}",
+            pod.netns.path_str(),
+            res.raw
+        )
+    });
+    assert_eq!(iface.name, pod.ifname);
+    let link = pod
+        .netns
+        .link(&pod.ifname)
+        .unwrap_or_else(|| panic!("{} missing in {}", pod.ifname, pod.netns.name()));
+    assert!(link.is_up(), "{} is down: {link:?}", pod.ifname);
+    assert_eq!(
+        link.address.to_lowercase(),
+        iface.mac.to_lowercase(),
+        "MAC differs from result"
+    );
+    let cidrs = link.cidrs();
+    assert!(!res.ips.is_empty(), "result has no IPs");
+    for ip in &res.ips {
+        assert!(
+            cidrs.contains(&ip.cidr()),
+            "{} not on {}: {cidrs:?}",
+            ip.cidr(),
+            pod.ifname
+        );
+        if let Some(idx) = ip.interface {
+            assert_eq!(
+                res.interfaces[idx].name, pod.ifname,
+                "ips[].interface points elsewhere"
+            );
+        }
+        let gw = ip.gateway.expect("result IP has a gateway (isGateway)");
+        let family = if ip.address.is_ipv4() { 4 } else { 6 };
+        let routes = pod.netns.routes(family);
+        let has_default = routes.iter().any(|r| {
+            r["dst"] == "default"
+                && r["gateway"].as_str().and_then(|g| g.parse::<IpAddr>().ok()) == Some(gw)
+                && r["dev"] == pod.ifname.as_str()
+        });
+        assert!(has_default, "no default route via {gw} in {routes:#?}");
+    }
+    let default_dst = |r: &(String, Option<IpAddr>)| r.0 == "0.0.0.0/0" || r.0 == "::/0";
+    assert!(
+        res.routes.iter().any(default_dst),
+        "result lists no default route: {:#}",
+        res.raw
+    );
+}
+
+#[test]
+fn add_check_del_in_every_result_version() {
+    let net = TestNet::new("ver", &["10.201.1.0/24"]);
+    let mut ids = Vec::new();
+    for version in versions() {
+        let pod = Pod::new("ver");
+        let raw = net.add(&pod, version);
+        let res = expect_valid(version, &raw);
+        assert_eq!(res.ips.len(), 1, "{version}: one IPv4 expected: {raw:#}");
+        let ip = res.ipv4().unwrap();
+        assert!(
+            ip.cidr().starts_with("10.201.1."),
+            "{version}: {}",
+            ip.cidr()
+        );
+        assert_eq!(ip.prefix, 24);
+        assert_wired(&pod, &res);
+        // The bridge exists with the gateway address on it.
+        let br = flowlane_e2e::host::link(&net.name).expect("bridge created");
+        assert!(
+            br.cidrs().contains(&"10.201.1.1/24".to_string()),
+            "gateway not on bridge: {br:?}"
+        );
+        assert_eq!(flowlane_e2e::host::bridge_ports(&net.name).len(), 1);
+
+        if version != "0.3.1" {
+            // CHECK exists since 0.4.0.
+            net.check(&pod, version, &raw).expect_ok();
+        }
+        net.del(&pod, version, Some(&raw)).expect_ok();
+        assert!(
+            pod.netns.link(&pod.ifname).is_none(),
+            "{version}: link survived DEL"
+        );
+        if version != "0.3.1" {
+            let e = net.check(&pod, version, &raw).error();
+            assert!(
+                e.code == code::UNKNOWN_CONTAINER || e.code >= 100 || e.code == code::IO_FAILURE,
+                "{version}: CHECK after DEL: unexpected code {}: {}",
+                e.code,
+                e.msg
+            );
+        }
+        ids.push(pod.id.clone());
+        net.assert_clean(&[&pod.id]);
+    }
+}
+
+#[test]
+fn dual_stack_pods_talk_over_v4_and_v6() {
+    let net = TestNet::new("ds", &["10.201.2.0/24", "fd00:201:2::/64"]);
+    let a = Pod::new("dsa");
+    let b = Pod::new("dsb");
+    let ra = expect_valid("1.0.0", &net.add(&a, "1.0.0"));
+    let rb = expect_valid("1.0.0", &net.add(&b, "1.0.0"));
+    for r in [&ra, &rb] {
+        assert_eq!(
+            r.ips.len(),
+            2,
+            "dual stack gives two addresses: {:#}",
+            r.raw
+        );
+        assert!(
+            r.ipv6().unwrap().cidr().starts_with("fd00:201:2::"),
+            "{:#}",
+            r.raw
+        );
+        assert_eq!(r.ipv6().unwrap().prefix, 64);
+    }
+    assert_wired(&a, &ra);
+    assert_wired(&b, &rb);
+    let (a6, b6) = (ra.ipv6().unwrap().address, rb.ipv6().unwrap().address);
+    let b4 = rb.ipv4().unwrap().address;
+    assert!(traffic::ping(&a.netns, b4, 10), "ping {b4}");
+    assert!(traffic::ping(&a.netns, b6, 20), "ping6 {b6}");
+    // The gateway answers on v6 too.
+    let gw6 = ra.ipv6().unwrap().gateway.unwrap();
+    assert!(traffic::ping(&a.netns, gw6, 20), "ping6 gateway {gw6}");
+    let rep = traffic::tcp_echo(&b.netns, b6, 7601, &a.netns, 1 << 20).expect("tcp over v6");
+    assert_eq!(rep.received, rep.sent);
+    assert_eq!(rep.server_hash, rep.sent_hash);
+    assert_eq!(rep.echoed_hash, rep.sent_hash);
+    assert_eq!(rep.peer, a6, "server sees the client's pod address");
+    net.del(&a, "1.0.0", Some(&ra.raw)).expect_ok();
+    net.del(&b, "1.0.0", Some(&rb.raw)).expect_ok();
+    net.assert_clean(&[&a.id, &b.id]);
+}
+
+#[test]
+fn two_pods_exchange_a_tcp_stream_through_the_bridge() {
+    let net = TestNet::new("tcp", &["10.201.3.0/24"]);
+    let a = Pod::new("tcpa");
+    let b = Pod::new("tcpb");
+    let ra = expect_valid(version_latest(), &net.add(&a, version_latest()));
+    let rb = expect_valid(version_latest(), &net.add(&b, version_latest()));
+    let (a4, b4) = (ra.ipv4().unwrap().address, rb.ipv4().unwrap().address);
+    assert_ne!(a4, b4);
+    let rep = traffic::tcp_echo(&b.netns, b4, 7602, &a.netns, 8 << 20).expect("tcp stream");
+    assert_eq!(rep.received, 8 << 20, "every byte came back");
+    assert_eq!(rep.server_hash, rep.sent_hash, "server got the exact bytes");
+    assert_eq!(
+        rep.echoed_hash, rep.sent_hash,
+        "client got the exact bytes back"
+    );
+    assert_eq!(rep.peer, a4, "no NAT between pods on one bridge");
+    // The pod reaches its gateway (the host side of the bridge).
+    assert!(traffic::ping(
+        &a.netns,
+        ra.ipv4().unwrap().gateway.unwrap(),
+        5
+    ));
+    net.del(&a, version_latest(), Some(&ra.raw)).expect_ok();
+    net.del(&b, version_latest(), Some(&rb.raw)).expect_ok();
+    net.assert_clean(&[&a.id, &b.id]);
+}
+
+fn version_latest() -> &'static str {
+    versions().last().copied().unwrap()
+}
+
+#[test]
+fn del_is_idempotent_the_way_containerd_calls_it() {
+    let v = version_latest();
+    let net = TestNet::new("del", &["10.201.4.0/24"]);
+
+    // containerd: DEL with netns + prevResult, then DEL again with CNI_NETNS="" and no prevResult.
+    let pod = Pod::new("dela");
+    let raw = net.add(&pod, v);
+    net.del(&pod, v, Some(&raw)).expect_ok();
+    net.invoke("DEL")
+        .container_id(&pod.id)
+        .netns("")
+        .ifname(&pod.ifname)
+        .args(&pod.cni_args)
+        .config(&net.conf(v))
+        .run()
+        .expect_ok();
+    net.assert_clean(&[&pod.id]);
+
+    // DEL with CNI_NETNS empty, no prevResult, while the pod is still wired: the
+    // lease and registry entry go; the link goes with its netns.
+    let pod = Pod::new("delb");
+    let _raw = net.add(&pod, v);
+    net.invoke("DEL")
+        .container_id(&pod.id)
+        .netns("")
+        .ifname(&pod.ifname)
+        .config(&net.conf(v))
+        .run()
+        .expect_ok();
+    assert!(
+        net.leases().is_empty(),
+        "DEL without netns must still release the IP"
+    );
+    assert!(net.registry_entries().is_empty() || net.plugin == PluginUnderTest::Reference);
+    drop(pod);
+    assert!(flowlane_e2e::wait::until(
+        flowlane_e2e::wait::LIVENESS,
+        || { flowlane_e2e::host::bridge_ports(&net.name).is_empty() }
+    ));
+
+    // DEL whose netns is gone (pod sandbox already destroyed).
+    let pod = Pod::new("delc");
+    let raw = net.add(&pod, v);
+    let gone = pod.netns.path_str();
+    let id = pod.id.clone();
+    let (ifname, args) = (pod.ifname.clone(), pod.cni_args.clone());
+    drop(pod);
+    let mut conf = net.conf(v);
+    conf["prevResult"] = raw.clone();
+    net.invoke("DEL")
+        .container_id(&id)
+        .netns(&gone)
+        .ifname(&ifname)
+        .args(&args)
+        .config(&conf)
+        .run()
+        .expect_ok();
+    net.assert_clean(&[&id]);
+
+    // DEL whose link was already removed (netns still there).
+    let pod = Pod::new("deld");
+    let raw = net.add(&pod, v);
+    pod.netns
+        .ip(&["link", "del", &pod.ifname])
+        .expect_ok("ip link del");
+    net.del(&pod, v, Some(&raw)).expect_ok();
+    net.assert_clean(&[&pod.id]);
+
+    // DEL with an empty prevResult object.
+    let pod = Pod::new("dele");
+    let _raw = net.add(&pod, v);
+    net.del(&pod, v, Some(&serde_json::json!({}))).expect_ok();
+    assert!(pod.netns.link(&pod.ifname).is_none(), "link survived DEL");
+    net.assert_clean(&[&pod.id]);
+
+    // DEL of a container that was never added.
+    let pod = Pod::new("delf");
+    net.del(&pod, v, None).expect_ok();
+    net.del(&pod, v, None).expect_ok();
+    net.assert_clean(&[&pod.id]);
+}
+
+#[test]
+fn registry_entry_records_the_attachment() {
+    if PluginUnderTest::from_env() == PluginUnderTest::Reference {
+        return; // the registry is flowlane's own
+    }
+    let v = version_latest();
+    let net = TestNet::new("reg", &["10.201.5.0/24", "fd00:201:5::/64"]);
+    let pod = Pod::new("reg");
+    let before = flowlane_registry::now_unix();
+    let res = expect_valid(v, &net.add(&pod, v));
+    let entries = net.registry_entries();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let e = &entries[0];
+    let path = net
+        .state_dir()
+        .join("pods")
+        .join(&net.name)
+        .join(format!("{}-{}.json", pod.id, pod.ifname));
+    assert!(path.exists(), "entry file at {}", path.display());
+    assert_eq!(e.network, net.name);
+    assert_eq!(e.container_id, pod.id);
+    assert_eq!(e.ifname, "eth0");
+    assert_eq!(e.netns, pod.netns.path_str());
+    assert_eq!(e.netns_inode, pod.netns.inode());
+    let mut want: Vec<String> = res.ips.iter().map(|i| i.cidr()).collect();
+    let mut got = e.ips.clone();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want);
+    let mac = &res.sandbox_iface(&pod.netns.path_str()).unwrap().mac;
+    assert_eq!(e.mac.to_lowercase(), mac.to_lowercase());
+    assert_eq!(e.pod_namespace.as_deref(), Some("flt-ns"));
+    assert_eq!(e.pod_name.as_deref(), Some(pod.netns.name()));
+    assert_eq!(
+        e.pod_uid.as_deref(),
+        Some(format!("uid-{}", pod.netns.name()).as_str())
+    );
+    assert!(e.created_unix >= before && e.created_unix <= flowlane_registry::now_unix());
+    net.del(&pod, v, Some(&res.raw)).expect_ok();
+    assert!(!path.exists(), "DEL removes the entry");
+    net.assert_clean(&[&pod.id]);
+}
