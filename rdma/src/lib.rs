@@ -1,1 +1,21 @@
-//! RDMA NIC discovery (sysfs) and the transport between node proxies.
+//! RDMA NIC discovery (sysfs) and the cross-node view the RDMA lane needs.
+//!
+//! - [`discovery`] reads `/sys/class/infiniband` (and `/sys/class/net` for the
+//!   netdev mapping) into an [`Inventory`]: devices, ports, state, link layer,
+//!   MTU, rate and the GID table. Pure file reading: no RDMA library is
+//!   loaded, so it runs on any node, and the sysfs root is a parameter so
+//!   tests run against fake trees (`tests/fixtures/`).
+//! - [`gid`] chooses the GID a node's daemon uses for RoCE/InfiniBand
+//!   traffic, or explains why there is none.
+//! - [`topology`] is the cluster's node table: which node owns which pod
+//!   CIDR and which nodes have an RDMA lane.
+
+pub mod discovery;
+pub mod gid;
+pub mod sysfs;
+pub mod topology;
+
+pub use discovery::{discover, Device, GidEntry, GidType, Inventory, LinkLayer, Port, PortState};
+pub use gid::{select_gid, NoGidReason, NoUsableGid, NodeAddress, SelectedGid};
+pub use sysfs::Sysfs;
+pub use topology::{ClusterView, NodeDirectory, NodeEntry, RdmaLane, StaticNodeFile};
