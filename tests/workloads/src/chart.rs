@@ -1,0 +1,189 @@
+//! The scaling chart, hand-written SVG: one panel per model, speed-up
+//! against worker count, one curve per workload/lane/cluster series, and the
+//! ideal (linear) scaling as a dashed diagonal.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+
+use crate::report::{Report, RunRecord};
+
+const PANEL_W: f64 = 420.0;
+const PANEL_H: f64 = 300.0;
+const MARGIN: f64 = 50.0;
+const COLUMNS: usize = 2;
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+];
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// Renders the report's scaling curves.
+pub fn scaling_svg(report: &Report) -> String {
+    let ok: Vec<&RunRecord> = report
+        .runs
+        .iter()
+        .filter(|r| r.error.is_none() && r.speedup.is_some())
+        .collect();
+    let mut models: Vec<String> = Vec::new();
+    for r in &ok {
+        if !models.contains(&r.model) {
+            models.push(r.model.clone());
+        }
+    }
+    let series: Vec<String> = ok
+        .iter()
+        .map(|r| r.series())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let max_w = ok.iter().map(|r| r.workers).max().unwrap_or(1).max(2) as f64;
+    let rows = models.len().div_ceil(COLUMNS).max(1);
+    let legend_h = 22.0 * series.len() as f64 + 20.0;
+    let width = COLUMNS as f64 * PANEL_W;
+    let height = 40.0 + rows as f64 * PANEL_H + legend_h;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="24" font-size="16" text-anchor="middle">{}</text>"#,
+        width / 2.0,
+        esc("Speed-up vs one worker (dashed: linear scaling)")
+    );
+    for (i, model) in models.iter().enumerate() {
+        let ox = (i % COLUMNS) as f64 * PANEL_W;
+        let oy = 40.0 + (i / COLUMNS) as f64 * PANEL_H;
+        let (x0, y0) = (ox + MARGIN, oy + PANEL_H - MARGIN);
+        let (pw, ph) = (PANEL_W - 1.6 * MARGIN, PANEL_H - 1.6 * MARGIN);
+        let px = |w: f64| x0 + (w - 1.0) / (max_w - 1.0) * pw;
+        let py = |v: f64| y0 - (v / max_w).min(1.05) * ph;
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" font-size="14" text-anchor="middle">{}</text>"#,
+            ox + PANEL_W / 2.0,
+            oy + 16.0,
+            esc(model)
+        );
+        let _ = writeln!(
+            s,
+            r##"<line x1="{x0}" y1="{y0}" x2="{}" y2="{y0}" stroke="#333"/><line x1="{x0}" y1="{y0}" x2="{x0}" y2="{}" stroke="#333"/>"##,
+            x0 + pw,
+            y0 - ph
+        );
+        for w in 1..=max_w as u32 {
+            let x = px(w as f64);
+            let _ = writeln!(
+                s,
+                r#"<text x="{x}" y="{}" text-anchor="middle">{w}</text>"#,
+                y0 + 16.0
+            );
+            let y = py(w as f64);
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" text-anchor="end">{w}x</text>"#,
+                x0 - 6.0,
+                y + 4.0
+            );
+        }
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">workers</text>"#,
+            x0 + pw / 2.0,
+            y0 + 32.0
+        );
+        let _ = writeln!(
+            s,
+            r##"<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#999" stroke-dasharray="5,4"/>"##,
+            px(1.0),
+            py(1.0),
+            px(max_w),
+            py(max_w)
+        );
+        for (k, name) in series.iter().enumerate() {
+            let color = COLORS[k % COLORS.len()];
+            let mut pts: Vec<(f64, f64)> = ok
+                .iter()
+                .filter(|r| &r.model == model && &r.series() == name)
+                .map(|r| (r.workers as f64, r.speedup.unwrap_or(0.0)))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            if pts.is_empty() {
+                continue;
+            }
+            let path: Vec<String> = pts
+                .iter()
+                .map(|(w, v)| format!("{:.1},{:.1}", px(*w), py(*v)))
+                .collect();
+            let _ = writeln!(
+                s,
+                r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#,
+                path.join(" ")
+            );
+            for (w, v) in &pts {
+                let _ = writeln!(
+                    s,
+                    r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"><title>{}: {} workers, {:.2}x</title></circle>"#,
+                    px(*w),
+                    py(*v),
+                    esc(name),
+                    w,
+                    v
+                );
+            }
+        }
+    }
+    let ly = 40.0 + rows as f64 * PANEL_H;
+    for (k, name) in series.iter().enumerate() {
+        let color = COLORS[k % COLORS.len()];
+        let y = ly + 22.0 * k as f64;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{MARGIN}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            MARGIN + 30.0,
+            MARGIN + 38.0,
+            y + 4.0,
+            esc(&format!("workload / lane / cluster: {name}"))
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chart_has_a_curve_per_series() {
+        let run = |w: u32, lane: &str, speedup: f64| RunRecord {
+            workload: "allreduce".into(),
+            model: "vgg16<&>".into(),
+            cluster: "1x4".into(),
+            lane_measured: lane.into(),
+            workers: w,
+            speedup: Some(speedup),
+            ..Default::default()
+        };
+        let rep = Report {
+            runs: vec![
+                run(1, "tcp", 1.0),
+                run(2, "tcp", 1.5),
+                run(1, "shm", 1.0),
+                run(2, "shm", 1.9),
+            ],
+            ..Default::default()
+        };
+        let svg = scaling_svg(&rep);
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.contains("vgg16&lt;&amp;&gt;"));
+        assert!(svg.trim_end().ends_with("</svg>"));
+    }
+}

@@ -1,0 +1,370 @@
+//! The report: one record per run (workload, model, lane, cluster shape,
+//! worker count), derived figures (throughput, scaling efficiency, step time
+//! split), as JSON, a text table and a Markdown file.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::stats::WorkerResult;
+
+/// Which lane the daemon counters say a run's connections really used.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LaneEvidence {
+    /// Whether the node daemons' counters could be read before and after.
+    pub counters_read: bool,
+    /// Shared-memory channels opened during the run (all nodes).
+    pub shm_connections: u64,
+    /// Application bytes carried by shared-memory channels during the run.
+    pub shm_bytes: u64,
+    /// Connections the preload library left on TCP during the run.
+    pub tcp_fallbacks: u64,
+}
+
+/// One measured run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// `ps-sync`, `ps-async` or `allreduce`.
+    pub workload: String,
+    pub model: String,
+    /// Cluster shape and placement, e.g. `1 node x 4 pods`.
+    pub cluster: String,
+    /// Free-text placement of the workers (`same node`, `cross node`, ...).
+    pub placement: String,
+    /// The lane asked for: `tcp` (no preload library) or `shm` (preload).
+    pub lane_requested: String,
+    /// The lane the daemon counters show was used: `tcp`, `shm`, or
+    /// `shm+tcp` (some connections on each); `tcp` whenever there is no
+    /// evidence of shared memory.
+    pub lane_measured: String,
+    pub evidence: LaneEvidence,
+    pub workers: u32,
+    /// Parameter servers (0 for all-reduce).
+    pub servers: u32,
+    pub batch: u32,
+    /// Measured steps per worker.
+    pub steps: u32,
+    /// Bytes of one gradient tensor as exchanged (after scaling).
+    pub tensor_bytes: u64,
+    /// Mean time of one step, and its split.
+    pub step_s: f64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub steps_per_s: f64,
+    /// All workers together.
+    pub images_per_s: f64,
+    /// Speed-up against the same series with one worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speedup: Option<f64>,
+    /// `speedup / workers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling_efficiency: Option<f64>,
+    /// All-reduce: tensor bytes / communication time, and the bus bandwidth
+    /// `algbw * 2(W-1)/W` (NCCL's convention), in GB/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub algbw_gbps: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busbw_gbps: Option<f64>,
+    /// Parameter server: toy objective before and after (worker 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_first: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_last: Option<f64>,
+    /// Set when the run failed; the figures are then zero.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl RunRecord {
+    /// The series a run belongs to (its scaling curve).
+    pub fn series(&self) -> String {
+        format!(
+            "{} / {} / {}",
+            self.workload, self.lane_measured, self.cluster
+        )
+    }
+
+    /// Fills the figures from the workers' own measurements.
+    pub fn absorb(&mut self, results: &[WorkerResult]) {
+        if results.is_empty() {
+            return;
+        }
+        let n = results.len() as f64;
+        let per_step = |f: fn(&WorkerResult) -> f64| {
+            results
+                .iter()
+                .map(|r| {
+                    if r.steps > 0 {
+                        f(r) / r.steps as f64
+                    } else {
+                        0.0
+                    }
+                })
+                .sum::<f64>()
+                / n
+        };
+        self.steps = results.iter().map(|r| r.steps).min().unwrap_or(0);
+        self.tensor_bytes = results[0].tensor_bytes;
+        self.compute_s = per_step(|r| r.compute_s);
+        self.comm_s = per_step(|r| r.comm_s);
+        // The job goes as fast as its slowest worker.
+        let slowest = results
+            .iter()
+            .map(|r| {
+                if r.steps > 0 {
+                    r.wall_s / r.steps as f64
+                } else {
+                    0.0
+                }
+            })
+            .fold(0.0, f64::max);
+        self.step_s = slowest;
+        self.steps_per_s = if slowest > 0.0 { 1.0 / slowest } else { 0.0 };
+        self.images_per_s = self.steps_per_s * self.batch as f64 * self.workers as f64;
+        if self.workload == "allreduce" && self.workers > 1 && self.comm_s > 0.0 {
+            let alg = self.tensor_bytes as f64 / self.comm_s / 1e9;
+            let w = self.workers as f64;
+            self.algbw_gbps = Some(alg);
+            self.busbw_gbps = Some(alg * 2.0 * (w - 1.0) / w);
+        }
+        if let Some(r0) = results.iter().find(|r| r.rank == 0) {
+            self.loss_first = r0.loss_first;
+            self.loss_last = r0.loss_last;
+        }
+    }
+}
+
+/// Names the lane from the counters: shared memory only with evidence.
+pub fn measured_lane(e: &LaneEvidence) -> String {
+    if !e.counters_read || e.shm_connections == 0 {
+        "tcp".to_string()
+    } else if e.tcp_fallbacks > 0 {
+        "shm+tcp".to_string()
+    } else {
+        "shm".to_string()
+    }
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub title: String,
+    pub generated_unix: u64,
+    pub host_cpus: usize,
+    /// Fraction of the real model size every tensor and compute time was
+    /// multiplied by.
+    pub scale: f64,
+    /// What was scaled or assumed, and what the lanes were, in words.
+    pub notes: Vec<String>,
+    pub runs: Vec<RunRecord>,
+}
+
+impl Report {
+    /// Computes speed-up and scaling efficiency of every run against the
+    /// one-worker run of its series and model.
+    pub fn finish(&mut self) {
+        let base: Vec<(String, String, f64)> = self
+            .runs
+            .iter()
+            .filter(|r| r.workers == 1 && r.error.is_none() && r.images_per_s > 0.0)
+            .map(|r| (r.series(), r.model.clone(), r.images_per_s))
+            .collect();
+        for r in &mut self.runs {
+            let one = base
+                .iter()
+                .find(|(s, m, _)| *s == r.series() && *m == r.model)
+                .map(|b| b.2);
+            if let (Some(one), true) = (one, r.images_per_s > 0.0) {
+                let speedup = r.images_per_s / one;
+                r.speedup = Some(speedup);
+                r.scaling_efficiency = Some(speedup / r.workers as f64);
+            }
+        }
+    }
+
+    /// The table a person reads in the terminal.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:<10} {:<10} {:<16} {:<16} {:<8} {:>3} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}",
+            "workload",
+            "model",
+            "cluster",
+            "placement",
+            "lane",
+            "W",
+            "steps/s",
+            "images/s",
+            "eff",
+            "compute",
+            "comm",
+            "busbw"
+        );
+        for r in &self.runs {
+            if let Some(e) = &r.error {
+                let _ = writeln!(
+                    out,
+                    "{:<10} {:<10} {:<16} {:<16} {:<8} {:>3}  FAILED: {e}",
+                    r.workload, r.model, r.cluster, r.placement, r.lane_measured, r.workers
+                );
+                continue;
+            }
+            let eff = r
+                .scaling_efficiency
+                .map(|e| format!("{:.0}%", e * 100.0))
+                .unwrap_or_else(|| "-".into());
+            let bus = r
+                .busbw_gbps
+                .map(|b| format!("{b:.2}GB/s"))
+                .unwrap_or_else(|| "-".into());
+            let _ = writeln!(
+                out,
+                "{:<10} {:<10} {:<16} {:<16} {:<8} {:>3} {:>8.2} {:>9.1} {:>6} {:>8.1}ms {:>7.1}ms {:>8}",
+                r.workload,
+                r.model,
+                r.cluster,
+                r.placement,
+                r.lane_measured,
+                r.workers,
+                r.steps_per_s,
+                r.images_per_s,
+                eff,
+                r.compute_s * 1e3,
+                r.comm_s * 1e3,
+                bus
+            );
+        }
+        out
+    }
+
+    /// The report as Markdown: notes, then the table.
+    pub fn markdown(&self) -> String {
+        let mut out = format!("# {}\n\n", self.title);
+        for n in &self.notes {
+            let _ = writeln!(out, "- {n}");
+        }
+        out.push_str("\n| workload | model | cluster | placement | lane (measured) | lane (asked) | W | steps/s | images/s | speed-up | efficiency | compute/step | comm/step | busbw |\n");
+        out.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        for r in &self.runs {
+            let opt =
+                |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map(f).unwrap_or_else(|| "-".into());
+            if let Some(e) = &r.error {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} | {} | failed: {} |||||||",
+                    r.workload,
+                    r.model,
+                    r.cluster,
+                    r.placement,
+                    r.lane_measured,
+                    r.lane_requested,
+                    r.workers,
+                    e
+                );
+                continue;
+            }
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {} | {} | {:.1} ms | {:.1} ms | {} |",
+                r.workload,
+                r.model,
+                r.cluster,
+                r.placement,
+                r.lane_measured,
+                r.lane_requested,
+                r.workers,
+                r.steps_per_s,
+                r.images_per_s,
+                opt(r.speedup, &|v| format!("{v:.2}x")),
+                opt(r.scaling_efficiency, &|v| format!("{:.0}%", v * 100.0)),
+                r.compute_s * 1e3,
+                r.comm_s * 1e3,
+                opt(r.busbw_gbps, &|v| format!("{v:.2} GB/s")),
+            );
+        }
+        out
+    }
+
+    /// Writes `report.json`, `report.md` and `scaling.svg` into `dir`;
+    /// returns their paths.
+    pub fn write(&self, dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+        std::fs::create_dir_all(dir)?;
+        let json = dir.join("report.json");
+        let md = dir.join("report.md");
+        let svg = dir.join("scaling.svg");
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        write_atomic(&json, text.as_bytes())?;
+        write_atomic(&md, self.markdown().as_bytes())?;
+        write_atomic(&svg, crate::chart::scaling_svg(self).as_bytes())?;
+        Ok(vec![json, md, svg])
+    }
+}
+
+fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(rank: u32, wall: f64, compute: f64) -> WorkerResult {
+        WorkerResult {
+            role: "ps-worker".into(),
+            rank,
+            workers: 2,
+            tensor_bytes: 400,
+            steps: 10,
+            wall_s: wall,
+            compute_s: compute,
+            comm_s: wall - compute,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn lane_needs_evidence() {
+        let mut e = LaneEvidence::default();
+        assert_eq!(measured_lane(&e), "tcp");
+        e.shm_connections = 3;
+        assert_eq!(measured_lane(&e), "tcp", "unread counters are no evidence");
+        e.counters_read = true;
+        assert_eq!(measured_lane(&e), "shm");
+        e.tcp_fallbacks = 1;
+        assert_eq!(measured_lane(&e), "shm+tcp");
+    }
+
+    #[test]
+    fn efficiency_against_one_worker() {
+        let mut one = RunRecord {
+            workload: "ps-sync".into(),
+            model: "m".into(),
+            lane_measured: "tcp".into(),
+            workers: 1,
+            batch: 32,
+            ..Default::default()
+        };
+        one.absorb(&[worker(0, 1.0, 0.5)]);
+        let mut two = RunRecord {
+            workers: 2,
+            ..one.clone()
+        };
+        two.absorb(&[worker(0, 1.0, 0.5), worker(1, 2.0, 0.5)]);
+        let mut rep = Report {
+            runs: vec![one, two],
+            ..Default::default()
+        };
+        rep.finish();
+        let two = &rep.runs[1];
+        // Slowest worker: 0.2 s/step -> 5 steps/s x 32 x 2 = 320 images/s,
+        // against 320 images/s for one worker: speed-up 1, efficiency 50%.
+        assert!((two.images_per_s - 320.0).abs() < 1e-9);
+        assert!((two.speedup.unwrap() - 1.0).abs() < 1e-9);
+        assert!((two.scaling_efficiency.unwrap() - 0.5).abs() < 1e-9);
+        assert!(rep.table().contains("ps-sync"));
+    }
+}
