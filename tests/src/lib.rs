@@ -7,6 +7,7 @@
 
 pub mod binaries;
 pub mod cni;
+pub mod cri;
 pub mod fsutil;
 pub mod host;
 pub mod names;
