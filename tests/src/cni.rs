@@ -243,9 +243,14 @@ pub struct TestNet {
 impl TestNet {
     /// A network tagged `tag` (≤7 chars) with one IPAM range set per subnet.
     pub fn new(tag: &str, subnets: &[&str]) -> Self {
+        Self::with_plugin(tag, subnets, PluginUnderTest::from_env())
+    }
+
+    /// Like [`TestNet::new`] for an explicit plugin (the benchmark runs both).
+    pub fn with_plugin(tag: &str, subnets: &[&str], plugin: PluginUnderTest) -> Self {
         let name = crate::names::unique(tag);
         TestNet {
-            plugin: PluginUnderTest::from_env(),
+            plugin,
             bridge: LinkGuard::new(&name),
             name: name.clone(),
             subnets: subnets.iter().map(|s| s.to_string()).collect(),
@@ -378,6 +383,32 @@ impl TestNet {
         for id in container_ids {
             let left = crate::fsutil::files_mentioning(self.dir.path(), id);
             assert!(left.is_empty(), "files still mention {id}: {left:?}");
+        }
+    }
+}
+
+/// Runs a prepared DEL when dropped (unless disarmed), so that host-wide
+/// state a plugin installs for a pod (masquerade rules) never outlives a
+/// failing test.
+pub struct DelOnDrop {
+    del: Option<Invocation>,
+}
+
+impl DelOnDrop {
+    pub fn new(del: Invocation) -> Self {
+        DelOnDrop { del: Some(del) }
+    }
+
+    /// The test ran its own DEL.
+    pub fn disarm(mut self) {
+        self.del = None;
+    }
+}
+
+impl Drop for DelOnDrop {
+    fn drop(&mut self) {
+        if let Some(d) = self.del.take() {
+            let _ = d.run();
         }
     }
 }

@@ -1,0 +1,380 @@
+//! `flowlane diag` on a real node: a bridge and pods wired by the real
+//! `flowlane` plugin (invoked as a runtime invokes it), the real
+//! `flowlaned`, an installed conflist and bin dir in temporary directories.
+//! Each test breaks one thing the way it breaks on real nodes and checks
+//! that diag names it (problem id in `--json`) and exits non-zero; the
+//! untouched node must come out healthy with exit 0.
+//!
+//! Names: bridges, netns `fldg*`, subnets 10.204.<k>.0/24 (one `k` per test).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use flowlane_e2e::binaries;
+use flowlane_e2e::cni::Invocation;
+use flowlane_e2e::fsutil::TempDir;
+use flowlane_e2e::host::LinkGuard;
+use flowlane_e2e::netns::Netns;
+use flowlane_e2e::process::{self, ChildGuard};
+use flowlane_e2e::wait;
+use serde_json::{json, Value};
+
+/// One node: config dir, bin dir, state and IPAM dirs, bridge, daemon, pods.
+struct Node {
+    dir: TempDir,
+    k: u8,
+    network: String,
+    daemon: Option<ChildGuard>,
+    pods: Vec<(Netns, String)>,
+    // Dropped last: the pods' veths hang off it.
+    _bridge: LinkGuard,
+}
+
+impl Node {
+    /// A node with the flowlane conflist installed, the plugin in its bin
+    /// dir, flowlaned running, and `pods` pods wired by the plugin.
+    fn new(k: u8, pods: usize) -> Node {
+        let network = format!("fldg{k}");
+        let dir = TempDir::new(&format!("dg{k}"));
+        for sub in ["net.d", "bin", "state", "ipam"] {
+            std::fs::create_dir_all(dir.join(sub)).unwrap();
+        }
+        std::os::unix::fs::symlink(binaries::flowlane(), dir.join("bin/flowlane")).unwrap();
+        let mut node = Node {
+            _bridge: LinkGuard::new(&network),
+            dir,
+            k,
+            network,
+            daemon: None,
+            pods: Vec::new(),
+        };
+        node.write_conflist();
+        node.start_daemon();
+        for i in 0..pods {
+            node.add_pod(i);
+        }
+        node
+    }
+
+    fn conf_dir(&self) -> PathBuf {
+        self.dir.join("net.d")
+    }
+    fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+    fn socket(&self) -> PathBuf {
+        self.dir.join("flowlaned.sock")
+    }
+    fn lease_dir(&self) -> PathBuf {
+        self.dir.join("ipam").join(&self.network)
+    }
+    fn conflist_path(&self) -> PathBuf {
+        self.conf_dir().join("10-flowlane.conflist")
+    }
+
+    /// The flowlane plugin's entry of the conflist.
+    fn plugin_conf(&self) -> Value {
+        json!({
+            "type": "flowlane",
+            "bridge": self.network,
+            "isGateway": true,
+            "ipMasq": false,
+            "stateDir": self.state_dir(),
+            "daemonSocket": self.socket(),
+            "ipam": {
+                "type": "flowlane",
+                "ranges": [[{ "subnet": format!("10.204.{}.0/24", self.k) }]],
+                "dataDir": self.dir.join("ipam"),
+            },
+        })
+    }
+
+    fn write_conflist(&self) {
+        let list = json!({
+            "cniVersion": "1.1.0",
+            "name": self.network,
+            "plugins": [self.plugin_conf()],
+        });
+        std::fs::write(
+            self.conflist_path(),
+            serde_json::to_vec_pretty(&list).unwrap(),
+        )
+        .unwrap();
+    }
+
+    fn start_daemon(&mut self) {
+        let mut cmd = Command::new(binaries::workspace_artifact("flowlaned"));
+        cmd.arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--socket")
+            .arg(self.socket())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let guard = ChildGuard::new(cmd.spawn().expect("start flowlaned"));
+        let sock = self.socket();
+        let up = wait::until(Duration::from_secs(20), || {
+            std::os::unix::net::UnixStream::connect(&sock).is_ok()
+        });
+        assert!(up, "flowlaned did not listen on {}", sock.display());
+        self.daemon = Some(guard);
+    }
+
+    fn stop_daemon(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            d.terminate(Duration::from_secs(10));
+        }
+    }
+
+    /// CNI ADD exactly as a runtime runs a conflist's first plugin: the
+    /// plugin's entry plus the list's name and cniVersion on stdin.
+    fn add_pod(&mut self, i: usize) {
+        let ns = Netns::named(&format!("fldg{}p{i}", self.k));
+        let id = format!("fldg-{}-{}-{i}", self.k, std::process::id());
+        let mut conf = self.plugin_conf();
+        conf["name"] = json!(self.network);
+        conf["cniVersion"] = json!("1.1.0");
+        let result = Invocation::new(binaries::flowlane(), "ADD")
+            .container_id(&id)
+            .netns(ns.path_str())
+            .ifname("eth0")
+            .args(&format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=diag;K8S_POD_NAME=pod{i}"
+            ))
+            .cni_path(&self.dir.join("bin").display().to_string())
+            .config(&conf)
+            .run()
+            .expect_json();
+        assert!(
+            result["ips"][0]["address"].as_str().is_some(),
+            "ADD result {result}"
+        );
+        self.pods.push((ns, id));
+    }
+
+    /// Runs `flowlane diag --json` against this node; (exit code, report).
+    fn diag(&self) -> (i32, Value) {
+        let no_rdma = self.dir.join("sys-without-rdma");
+        std::fs::create_dir_all(&no_rdma).unwrap();
+        let out = process::run(
+            Command::new(binaries::flowlane())
+                .arg("diag")
+                .arg("--json")
+                .arg("--cni-conf-dir")
+                .arg(self.conf_dir())
+                .arg("--cni-bin-dir")
+                .arg(self.dir.join("bin"))
+                .arg("--state-dir")
+                .arg(self.state_dir())
+                .arg("--socket")
+                .arg(self.socket())
+                .arg("--sysfs")
+                .arg(&no_rdma)
+                .env_remove("CNI_COMMAND"),
+            Duration::from_secs(60),
+        )
+        .expect("run flowlane diag");
+        let report: Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "diag --json printed no JSON ({e}):\n{}\n{}",
+                out.stdout, out.stderr
+            )
+        });
+        (out.status.code().unwrap_or(-1), report)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop_daemon();
+        // Netns guards delete the pods' namespaces (and with them the veths).
+        self.pods.clear();
+    }
+}
+
+/// `(id, severity)` of every problem in a report.
+fn problems(report: &Value) -> Vec<(String, String)> {
+    report["problems"]
+        .as_array()
+        .expect("problems array")
+        .iter()
+        .map(|p| {
+            (
+                p["id"].as_str().unwrap().to_string(),
+                p["severity"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn has_error(report: &Value, id: &str) -> bool {
+    problems(report)
+        .iter()
+        .any(|(i, s)| i == id && s == "error")
+}
+
+fn finding_ids(report: &Value, section: &str) -> Vec<String> {
+    report["sections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["name"] == section)
+        .flat_map(|s| s["findings"].as_array().unwrap().iter())
+        .map(|f| f["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn assert_fix_given(report: &Value) {
+    for p in report["problems"].as_array().unwrap() {
+        assert!(
+            p["fix"].as_str().is_some_and(|f| !f.is_empty()),
+            "problem without a fix: {p}"
+        );
+    }
+}
+
+#[test]
+fn diag_reports_a_healthy_node_as_healthy() {
+    let node = Node::new(1, 2);
+    let (code, report) = node.diag();
+    assert_eq!(
+        problems(&report),
+        Vec::<(String, String)>::new(),
+        "{report:#}"
+    );
+    assert_eq!(code, 0);
+    assert_eq!(report["healthy"], true);
+    for (section, id) in [
+        ("cni_config", "cni.config_ok"),
+        ("binaries", "bin.version_ok"),
+        ("bridge", "bridge.up"),
+        ("bridge", "bridge.gateway_ok"),
+        ("bridge", "bridge.route_ok"),
+        ("ipam", "ipam.usage"),
+        ("daemon", "daemon.up"),
+        ("pods", "pods.live"),
+        ("rdma", "rdma.none"),
+        ("host", "host.memlock"),
+    ] {
+        assert!(
+            finding_ids(&report, section).contains(&id.to_string()),
+            "{id} missing: {report:#}"
+        );
+    }
+    // The usage line counts the two real leases.
+    let usage = report["sections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "ipam")
+        .unwrap()["findings"][0]["summary"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(usage.contains("2 of 253"), "{usage}");
+}
+
+#[test]
+fn diag_detects_a_broken_conflist() {
+    let node = Node::new(2, 1);
+    let text = std::fs::read_to_string(node.conflist_path()).unwrap();
+    // A half-written file, as a non-atomic installer leaves it.
+    std::fs::write(node.conflist_path(), &text[..text.len() / 2]).unwrap();
+    let (code, report) = node.diag();
+    assert!(has_error(&report, "cni.invalid_json"), "{report:#}");
+    assert_ne!(code, 0);
+    assert_fix_given(&report);
+
+    // A valid non-flowlane config sorting first shadows flowlane's.
+    node.write_conflist();
+    std::fs::write(
+        node.conf_dir().join("05-other.conf"),
+        r#"{"cniVersion": "1.0.0", "name": "other", "type": "bridge"}"#,
+    )
+    .unwrap();
+    let (code, report) = node.diag();
+    assert!(has_error(&report, "cni.not_flowlane"), "{report:#}");
+    assert!(has_error(&report, "cni.flowlane_shadowed"), "{report:#}");
+    assert_ne!(code, 0);
+
+    std::fs::remove_file(node.conf_dir().join("05-other.conf")).unwrap();
+    let (code, report) = node.diag();
+    assert_eq!(code, 0, "repaired: {report:#}");
+}
+
+#[test]
+fn diag_detects_a_stopped_daemon() {
+    let mut node = Node::new(3, 1);
+    node.stop_daemon();
+    let (code, report) = node.diag();
+    assert!(has_error(&report, "daemon.down"), "{report:#}");
+    assert_ne!(code, 0);
+    assert_fix_given(&report);
+    // Nothing else is wrong: the pods still have their network.
+    assert_eq!(problems(&report).len(), 1, "{report:#}");
+}
+
+#[test]
+fn diag_detects_a_leaked_lease() {
+    let node = Node::new(4, 1);
+    // An address taken by a container that has no pod registry entry, as a
+    // plugin killed between IPAM and the registry write leaves it.
+    std::fs::write(
+        node.lease_dir().join("10.204.4.200"),
+        "f00dfeedcafe0001\r\neth0",
+    )
+    .unwrap();
+    let (code, report) = node.diag();
+    assert!(has_error(&report, "ipam.leaked_lease"), "{report:#}");
+    let leaked: Vec<Value> = report["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["id"] == "ipam.leaked_lease")
+        .cloned()
+        .collect();
+    assert_eq!(
+        leaked.len(),
+        1,
+        "only the stray lease, not the pod's: {leaked:?}"
+    );
+    assert!(leaked[0]["summary"]
+        .as_str()
+        .unwrap()
+        .contains("10.204.4.200"));
+    assert_ne!(code, 0);
+    assert_fix_given(&report);
+}
+
+#[test]
+fn diag_detects_a_pod_registered_without_its_netns() {
+    let mut node = Node::new(5, 2);
+    // The runtime lost the pod without CNI DEL: its netns is gone, its
+    // registry entry and lease stay.
+    let (gone, gone_id) = node.pods.remove(1);
+    let path = gone.path().to_path_buf();
+    drop(gone);
+    assert!(!Path::new(&path).exists());
+    let (code, report) = node.diag();
+    assert!(has_error(&report, "pods.netns_missing"), "{report:#}");
+    assert!(
+        has_error(&report, "ipam.leaked_lease"),
+        "its lease is leaked too: {report:#}"
+    );
+    let missing = report["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == "pods.netns_missing")
+        .unwrap();
+    assert!(
+        missing["fix"].as_str().unwrap().contains(&gone_id),
+        "{missing}"
+    );
+    assert!(
+        finding_ids(&report, "pods").contains(&"pods.live".to_string()),
+        "the other pod is fine"
+    );
+    assert_ne!(code, 0);
+}
