@@ -1,0 +1,187 @@
+//! IPAM usage and leaked leases, for the built-in allocator and host-local
+//! (same on-disk layout: `<dataDir>/<network>/<ip>` holding
+//! `"<containerID>\r\n<ifname>"`).
+//!
+//! A lease is leaked when no registered pod holds it, or when the pod that
+//! holds it has lost its network namespace: the address stays taken until
+//! someone runs CNI DEL, and a full pool stops new pods from starting.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::cni_config::{nth_host, FlowlaneNet, Range};
+use super::pods::{short, NetnsState, PodState};
+use super::report::Section;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Lease {
+    pub ip: IpAddr,
+    pub container_id: String,
+    pub ifname: Option<String>,
+    /// `live`, `no_pod` or `netns_gone`.
+    pub state: &'static str,
+}
+
+pub fn check(net: Option<&FlowlaneNet>, pods: &[PodState]) -> Section {
+    let mut s = Section::new("ipam", "IP address management");
+    let Some(net) = net else {
+        s.info(
+            "ipam.skipped",
+            "no usable flowlane config, so no address pool to check",
+        );
+        return s;
+    };
+    let Some(dir) = &net.lease_dir else {
+        s.info(
+            "ipam.external",
+            format!(
+                "IPAM is delegated to {:?}; its leases are not inspected",
+                net.ipam_type.as_deref().unwrap_or("none")
+            ),
+        );
+        return s;
+    };
+    let leases = match read_leases(dir) {
+        Ok(l) => l,
+        Err(e) => {
+            s.error(
+                "ipam.unreadable",
+                format!("cannot read the lease directory {}: {e}", dir.display()),
+                "check its permissions; the plugin must be able to write there",
+            );
+            return s;
+        }
+    };
+    let leases: Vec<Lease> = leases
+        .into_iter()
+        .map(|(ip, cid, ifname)| {
+            let holder = pods.iter().find(|p| {
+                let a = &p.attachment;
+                a.network == net.network
+                    && a.container_id == cid
+                    && ifname.as_ref().is_none_or(|i| *i == a.ifname)
+            });
+            let state = match holder.map(|p| p.netns_state) {
+                None => "no_pod",
+                Some(NetnsState::Present) => "live",
+                Some(_) => "netns_gone",
+            };
+            Lease {
+                ip,
+                container_id: cid,
+                ifname,
+                state,
+            }
+        })
+        .collect();
+
+    for r in &net.ranges {
+        let used = leases.iter().filter(|l| r.subnet.contains(l.ip)).count() as u128;
+        let cap = capacity(r);
+        let pct = (used * 100).checked_div(cap).unwrap_or(100);
+        let line = format!(
+            "{}: {used} of {cap} address(es) leased ({pct}%), leases in {}",
+            r.subnet,
+            dir.display()
+        );
+        if cap > 0 && pct >= 90 {
+            s.warn(
+                "ipam.pool_nearly_full",
+                line,
+                "free leaked leases (below) or give the node a larger pod CIDR",
+            );
+        } else {
+            s.info("ipam.usage", line);
+        }
+    }
+    for l in leases.iter().filter(|l| l.state != "live") {
+        let why = if l.state == "no_pod" {
+            "has no pod registry entry"
+        } else {
+            "belongs to a pod whose network namespace is gone"
+        };
+        s.error(
+            "ipam.leaked_lease",
+            format!(
+                "lease {} (container {}, {}) {why}",
+                l.ip,
+                short(&l.container_id),
+                l.ifname.as_deref().unwrap_or("?")
+            ),
+            format!(
+                "run CNI DEL for container {} (the runtime does when it removes the pod); if that \
+                 container no longer exists anywhere, remove {}",
+                l.container_id,
+                dir.join(l.ip.to_string()).display()
+            ),
+        );
+    }
+    s.data = serde_json::json!({ "lease_dir": dir, "leases": leases });
+    s
+}
+
+/// Lease files of one network; other files (`lock`, `last_reserved_ip.0`) are skipped.
+fn read_leases(dir: &Path) -> std::io::Result<Vec<(IpAddr, String, Option<String>)>> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let Some(ip) = e
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<IpAddr>().ok())
+        else {
+            continue;
+        };
+        let Ok(text) = std::fs::read_to_string(e.path()) else {
+            continue;
+        };
+        let mut lines = text.split(['\r', '\n']).filter(|l| !l.trim().is_empty());
+        let cid = lines.next().unwrap_or_default().trim().to_string();
+        let ifname = lines.next().map(|l| l.trim().to_string());
+        out.push((ip, cid, ifname));
+    }
+    out.sort_by_key(|l| l.0);
+    Ok(out)
+}
+
+/// Addresses the allocator can hand out in a range (host-local's rules:
+/// network and broadcast addresses and the gateway are never leased).
+fn capacity(r: &Range) -> u128 {
+    let bits = if r.subnet.is_ipv4() { 32 } else { 128 };
+    let size: u128 = if bits - r.subnet.prefix() as u32 >= 128 {
+        u128::MAX
+    } else {
+        1u128 << (bits - r.subnet.prefix() as u32)
+    };
+    let to_u128 = |ip: IpAddr| match ip {
+        IpAddr::V4(a) => u32::from(a) as u128,
+        IpAddr::V6(a) => u128::from(a),
+    };
+    let first = r.range_start.or_else(|| nth_host(r.subnet, 1));
+    let last = r.range_end.or_else(|| {
+        let broadcast_skip = if r.subnet.is_ipv4() { 2 } else { 1 };
+        size.checked_sub(broadcast_skip)
+            .and_then(|n| nth_host(r.subnet, n))
+    });
+    let (Some(first), Some(last)) = (first, last) else {
+        return 0;
+    };
+    let (a, b) = (to_u128(first), to_u128(last));
+    if b < a {
+        return 0;
+    }
+    let mut n = b - a + 1;
+    if let Some(gw) = r.effective_gateway() {
+        let g = to_u128(gw);
+        if g >= a && g <= b {
+            n -= 1;
+        }
+    }
+    n
+}
