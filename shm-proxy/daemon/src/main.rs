@@ -1,1 +1,158 @@
-fn main() {}
+//! `flowlaned`: the node daemon of flowlane.
+//!
+//! It knows the node's pods (from the pod registry the CNI plugin writes),
+//! authenticates every client by its network namespace, and brokers
+//! shared-memory channels between co-located pods: one sealed memfd per TCP
+//! connection, handed to both ends with SCM_RIGHTS. The bytes then flow ring
+//! to ring without the daemon; it only keeps counters.
+
+mod broker;
+mod counters;
+mod identity;
+mod listener_store;
+mod memfd;
+mod metrics;
+mod pods;
+mod server;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+
+use broker::{Broker, DaemonFacts, Limits};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "flowlaned",
+    version,
+    about = "flowlane node daemon: pod registry, shared-memory channel broker"
+)]
+struct Args {
+    /// Node state directory (holds the pod registry).
+    #[arg(long, default_value = flowlane_lane::notify::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    /// Unix socket clients connect to.
+    #[arg(long, default_value = flowlane_lane::notify::DEFAULT_DAEMON_SOCKET)]
+    socket: PathBuf,
+    /// Log filter (e.g. info, debug, flowlaned=trace); else env FLOWLANE_LOG; else info.
+    #[arg(long)]
+    log_level: Option<String>,
+    /// Seconds an announced channel waits for the server's claim.
+    #[arg(long, default_value_t = 30.0)]
+    intent_timeout: f64,
+    /// Serve Prometheus metrics over HTTP on this address (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Largest channel region (bytes) a client may request.
+    #[arg(long, default_value_t = 64 << 20)]
+    max_region: u64,
+}
+
+fn init_logging(level: Option<&str>) {
+    let filter = level
+        .map(str::to_string)
+        .or_else(|| std::env::var("FLOWLANE_LOG").ok())
+        .unwrap_or_else(|| "info".to_string());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Lets the daemon serve many clients: raise the soft fd limit to the hard one.
+fn raise_fd_limit() {
+    // SAFETY: getrlimit/setrlimit with a valid, initialised struct.
+    unsafe {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
+async fn shutdown_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    })
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_logging(args.log_level.as_deref());
+    raise_fd_limit();
+    if !(args.intent_timeout.is_finite() && args.intent_timeout > 0.0) {
+        anyhow::bail!("--intent-timeout must be a positive number of seconds");
+    }
+    let limits = Limits {
+        intent_ttl: Duration::from_secs_f64(args.intent_timeout),
+        max_region: args.max_region,
+        ..Limits::default()
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    rt.block_on(run(args, limits))
+}
+
+async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
+    let facts = DaemonFacts {
+        state_dir: args.state_dir.clone(),
+        socket: args.socket.clone(),
+    };
+    let shared = server::Shared::new(Broker::new(facts, limits));
+    // Signals first, so a SIGTERM right after start is handled gracefully.
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        match shutdown_signal().await {
+            Ok(sig) => tracing::info!(signal = sig, "shutting down"),
+            Err(e) => tracing::error!(error = %e, "cannot watch signals"),
+        }
+        let _ = stop_tx.send(());
+    });
+    let listener = server::bind(&args.socket)?;
+    tracing::info!(
+        socket = %args.socket.display(),
+        state_dir = %args.state_dir.display(),
+        pods = shared.lock().pod_count(),
+        "flowlaned serving"
+    );
+    if let Some(addr) = args.metrics_addr {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            if let Err(e) = metrics::serve(addr, shared).await {
+                tracing::error!(%addr, error = %e, "metrics endpoint failed");
+            }
+        });
+    }
+    let ticker = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                iv.tick().await;
+                shared.lock().tick(std::time::Instant::now());
+            }
+        })
+    };
+    server::serve(listener, args.socket.clone(), shared, async {
+        let _ = stop_rx.await;
+    })
+    .await;
+    ticker.abort();
+    tracing::info!("flowlaned stopped");
+    Ok(())
+}

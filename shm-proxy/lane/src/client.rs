@@ -6,12 +6,27 @@
 //! INTERFACE CONTRACT between the daemon (owner of `proto.rs` and this file's
 //! bodies) and the preload library (caller). Signatures may grow, but change
 //! them only together with the callers.
+//!
+//! Every socket operation here is a raw system call (`libc::syscall`), not a
+//! libc wrapper: inside an application the preload library interposes
+//! `connect`, `send*`, `recv*` and `close`, and the daemon connection must
+//! neither recurse into those wrappers nor be tracked by them. Sends use
+//! `MSG_NOSIGNAL`, so a vanished daemon never raises SIGPIPE in the app.
+//!
+//! After any I/O failure or malformed answer the connection is marked broken
+//! (its byte stream may be out of step) and every later call fails fast;
+//! open a new client to retry.
 
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use crate::proto::{self, ErrorCode, NoChannelReason, Request, Response, Stats};
+
+pub use crate::proto::FallbackReason;
 
 /// A brokered shared-memory channel for one TCP connection.
 #[derive(Debug)]
@@ -25,72 +40,529 @@ pub struct Channel {
     pub len: usize,
 }
 
-/// Why a connection stayed on TCP (counted by the daemon per reason).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FallbackReason {
-    NoDaemon,
-    NotLocalPod,
-    NoPeerLibrary,
-    Unsupported,
-    InternalError,
-}
-
 /// One connection to the node daemon.
 pub struct DaemonClient {
-    _private: (),
+    fd: RawFd,
+    timeout: Duration,
+    broken: bool,
 }
+
+/// Most fds one response may carry; extra ones are closed.
+const MAX_FDS: usize = 4;
 
 impl DaemonClient {
     /// Connects to the daemon's Unix socket; fails fast when no daemon listens.
-    pub fn connect(_socket: &Path, _timeout: Duration) -> io::Result<Self> {
-        Err(io::Error::new(io::ErrorKind::Unsupported, "daemon client not implemented yet"))
+    pub fn connect(socket: &Path, timeout: Duration) -> io::Result<Self> {
+        let addr = unix_addr(socket)?;
+        // Zero means "forever" to SO_*TIMEO: never allow that.
+        let timeout = timeout.max(Duration::from_millis(1));
+        let fd = sys::socket_unix_stream()?;
+        let client = DaemonClient {
+            fd,
+            timeout,
+            broken: false,
+        };
+        // Dropping `client` on error closes the fd.
+        sys::set_timeouts(fd, timeout)?;
+        sys::connect(fd, &addr)?;
+        Ok(client)
+    }
+
+    /// The per-call timeout this client was created with.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// True after a failure left the connection unusable.
+    pub fn is_broken(&self) -> bool {
+        self.broken
     }
 
     /// The calling process's pod listens on `addr` (0.0.0.0/:: = all its IPs).
-    pub fn register_listener(&mut self, _addr: SocketAddr) -> io::Result<()> {
-        Err(io::ErrorKind::Unsupported.into())
+    pub fn register_listener(&mut self, addr: SocketAddr) -> io::Result<()> {
+        self.expect_ok(&Request::RegisterListener { addr })
     }
 
     /// The listener on `addr` closed.
-    pub fn unregister_listener(&mut self, _addr: SocketAddr) -> io::Result<()> {
-        Err(io::ErrorKind::Unsupported.into())
+    pub fn unregister_listener(&mut self, addr: SocketAddr) -> io::Result<()> {
+        self.expect_ok(&Request::UnregisterListener { addr })
     }
 
     /// Called by a client BEFORE its TCP connect, with its bound source
     /// address: `Some(channel)` when `dst` is a co-located pod with a
     /// flowlane listener (the connection then uses the ring from its first
     /// byte), `None` to stay on TCP. `region_len` is the requested size.
+    ///
+    /// `src` may have an unspecified IP (socket bound to 0.0.0.0:port): the
+    /// daemon then uses the calling pod's address facing `dst`. When the
+    /// answer is `None` the daemon has already counted the fallback; do not
+    /// also `report_fallback` it.
     pub fn connect_intent(
         &mut self,
-        _src: SocketAddr,
-        _dst: SocketAddr,
-        _region_len: usize,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: usize,
     ) -> io::Result<Option<Channel>> {
-        Err(io::ErrorKind::Unsupported.into())
+        let req = Request::ConnectIntent {
+            src,
+            dst,
+            region_len: region_len as u64,
+        };
+        self.expect_channel(&req)
     }
 
     /// The client's connect failed after `connect_intent`: drop the channel.
-    pub fn cancel_intent(&mut self, _channel_id: u64) -> io::Result<()> {
-        Err(io::ErrorKind::Unsupported.into())
+    pub fn cancel_intent(&mut self, channel_id: u64) -> io::Result<()> {
+        self.expect_ok(&Request::CancelIntent { channel_id })
     }
 
     /// Called by a server right after `accept`: the channel the client
     /// `peer` announced for its connection to our `local` address, if any.
     pub fn claim_accepted(
         &mut self,
-        _local: SocketAddr,
-        _peer: SocketAddr,
+        local: SocketAddr,
+        peer: SocketAddr,
     ) -> io::Result<Option<Channel>> {
-        Err(io::ErrorKind::Unsupported.into())
+        self.expect_channel(&Request::ClaimAccepted { local, peer })
     }
 
     /// A channel ended; `sent`/`received` are the application bytes moved.
-    pub fn report_closed(&mut self, _channel_id: u64, _sent: u64, _received: u64) -> io::Result<()> {
-        Err(io::ErrorKind::Unsupported.into())
+    pub fn report_closed(&mut self, channel_id: u64, sent: u64, received: u64) -> io::Result<()> {
+        self.expect_ok(&Request::ReportClosed {
+            channel_id,
+            sent,
+            received,
+        })
     }
 
     /// A connection stayed on TCP for `reason`.
-    pub fn report_fallback(&mut self, _reason: FallbackReason) -> io::Result<()> {
-        Err(io::ErrorKind::Unsupported.into())
+    pub fn report_fallback(&mut self, reason: FallbackReason) -> io::Result<()> {
+        self.expect_ok(&Request::ReportFallback { reason })
+    }
+
+    /// Asks the daemon to reread the pod registry.
+    pub fn registry_changed(&mut self) -> io::Result<()> {
+        self.expect_ok(&Request::RegistryChanged)
+    }
+
+    /// The daemon's counters, connections and listeners (allowed from the
+    /// node, refused to pods).
+    pub fn stats(&mut self) -> io::Result<Stats> {
+        match self.call(&Request::Stats)? {
+            (Response::Stats { stats }, _) => Ok(*stats),
+            (other, _) => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Sends one request and reads its answer (and any fds that came with
+    /// it). Public for tests and tools; the typed methods are the API.
+    pub fn call(&mut self, req: &Request) -> io::Result<(Response, Vec<OwnedFd>)> {
+        if self.broken {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "daemon connection is broken",
+            ));
+        }
+        let result = self.call_inner(req);
+        if result.is_err() {
+            self.broken = true;
+        }
+        result
+    }
+
+    fn call_inner(&mut self, req: &Request) -> io::Result<(Response, Vec<OwnedFd>)> {
+        let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
+        let deadline = Instant::now() + self.timeout;
+        sys::send_all(self.fd, &frame, deadline)?;
+        let mut fds = Vec::new();
+        let mut header = [0u8; proto::HEADER_LEN];
+        sys::recv_exact(self.fd, &mut header, &mut fds, deadline)?;
+        let len = proto::frame_len(header, proto::MAX_RESPONSE_FRAME).map_err(invalid_data)?;
+        let mut body = vec![0u8; len];
+        sys::recv_exact(self.fd, &mut body, &mut fds, deadline)?;
+        let resp = proto::decode_response(&body).map_err(invalid_data)?;
+        Ok((resp, fds))
+    }
+
+    fn expect_ok(&mut self, req: &Request) -> io::Result<()> {
+        match self.call(req)? {
+            (Response::Ok, _) => Ok(()),
+            (other, _) => Err(self.unexpected(other)),
+        }
+    }
+
+    fn expect_channel(&mut self, req: &Request) -> io::Result<Option<Channel>> {
+        match self.call(req)? {
+            (Response::Channel { id, len }, mut fds) => {
+                let len = usize::try_from(len).map_err(|_| {
+                    self.broken = true;
+                    invalid_data("channel length does not fit in memory")
+                })?;
+                if fds.len() != 1 {
+                    self.broken = true;
+                    return Err(invalid_data(format!(
+                        "channel answer carried {} fds instead of 1",
+                        fds.len()
+                    )));
+                }
+                let memfd = fds.remove(0);
+                Ok(Some(Channel { id, memfd, len }))
+            }
+            (Response::NoChannel { reason }, _) => {
+                let _: NoChannelReason = reason;
+                Ok(None)
+            }
+            (other, _) => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Turns an error answer (or an answer of the wrong kind) into io::Error.
+    fn unexpected(&mut self, resp: Response) -> io::Error {
+        match resp {
+            Response::Error { code, message } => {
+                let kind = match code {
+                    ErrorCode::UnknownPod | ErrorCode::Forbidden => io::ErrorKind::PermissionDenied,
+                    ErrorCode::TooLarge | ErrorCode::BadRequest => io::ErrorKind::InvalidInput,
+                    ErrorCode::Internal => io::ErrorKind::Other,
+                };
+                io::Error::new(kind, format!("flowlaned: {message}"))
+            }
+            other => {
+                self.broken = true;
+                invalid_data(format!("unexpected daemon answer {other:?}"))
+            }
+        }
+    }
+}
+
+impl Drop for DaemonClient {
+    fn drop(&mut self) {
+        sys::close(self.fd);
+    }
+}
+
+fn invalid_data(e: impl ToString) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e.to_string())
+}
+
+fn unix_addr(path: &Path) -> io::Result<libc::sockaddr_un> {
+    // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    // Leave room for the terminating NUL.
+    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "daemon socket path is empty, too long or contains NUL",
+        ));
+    }
+    for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    Ok(addr)
+}
+
+/// Raw system calls on the daemon socket (see the module comment for why).
+mod sys {
+    use super::*;
+
+    fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
+        if ret < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(ret)
+        }
+    }
+
+    pub fn socket_unix_stream() -> io::Result<RawFd> {
+        // SAFETY: socket(2) with constant arguments; no memory is passed.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_socket,
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+                0,
+            )
+        };
+        Ok(check(ret)? as RawFd)
+    }
+
+    pub fn set_timeouts(fd: RawFd, timeout: Duration) -> io::Result<()> {
+        let tv = libc::timeval {
+            tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        };
+        for opt in [libc::SO_SNDTIMEO, libc::SO_RCVTIMEO] {
+            // SAFETY: `tv` is a valid timeval that outlives the call and its
+            // exact size is passed.
+            let ret = unsafe {
+                libc::syscall(
+                    libc::SYS_setsockopt,
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    &tv as *const libc::timeval,
+                    std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+                )
+            };
+            check(ret)?;
+        }
+        Ok(())
+    }
+
+    pub fn connect(fd: RawFd, addr: &libc::sockaddr_un) -> io::Result<()> {
+        let mut retried = false;
+        loop {
+            // SAFETY: `addr` is a valid sockaddr_un and its size is passed.
+            let ret = unsafe {
+                libc::syscall(
+                    libc::SYS_connect,
+                    fd,
+                    addr as *const libc::sockaddr_un,
+                    std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+                )
+            };
+            match check(ret) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => retried = true,
+                // A retried connect that meanwhile completed.
+                Err(e) if retried && e.raw_os_error() == Some(libc::EISCONN) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "flowlaned is not accepting connections",
+                    ))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn timed_out() -> io::Error {
+        io::Error::new(io::ErrorKind::TimedOut, "flowlaned did not answer in time")
+    }
+
+    fn past(deadline: Instant) -> io::Result<()> {
+        if Instant::now() >= deadline {
+            Err(timed_out())
+        } else {
+            Ok(())
+        }
+    }
+
+    fn is_timeout(e: &io::Error) -> bool {
+        matches!(e.raw_os_error(), Some(libc::EAGAIN))
+    }
+
+    pub fn send_all(fd: RawFd, mut buf: &[u8], deadline: Instant) -> io::Result<()> {
+        while !buf.is_empty() {
+            // SAFETY: `buf` is a valid readable slice of the given length.
+            let ret = unsafe {
+                libc::syscall(
+                    libc::SYS_sendto,
+                    fd,
+                    buf.as_ptr(),
+                    buf.len(),
+                    libc::MSG_NOSIGNAL,
+                    std::ptr::null::<libc::sockaddr>(),
+                    0,
+                )
+            };
+            match check(ret) {
+                Ok(n) => buf = buf.get(n as usize..).unwrap_or(&[]),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if is_timeout(&e) => return Err(timed_out()),
+                Err(e) => return Err(e),
+            }
+            if !buf.is_empty() {
+                past(deadline)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `buf` completely, collecting fds from SCM_RIGHTS data.
+    pub fn recv_exact(
+        fd: RawFd,
+        buf: &mut [u8],
+        fds: &mut Vec<OwnedFd>,
+        deadline: Instant,
+    ) -> io::Result<()> {
+        let mut filled = 0;
+        while filled < buf.len() {
+            let rest = &mut buf[filled..];
+            match recv_some(fd, rest, fds) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "flowlaned closed the connection",
+                    ))
+                }
+                Ok(n) => filled += n,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if is_timeout(&e) => return Err(timed_out()),
+                Err(e) => return Err(e),
+            }
+            if filled < buf.len() {
+                past(deadline)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One recvmsg(2); received fds are owned (and closed when dropped).
+    fn recv_some(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+        // Aligned space for one SCM_RIGHTS message with up to MAX_FDS fds.
+        let mut cmsg_space = [0u64; 16];
+        let cmsg_bytes = std::mem::size_of_val(&cmsg_space);
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let needed =
+            unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        debug_assert!(needed <= cmsg_bytes);
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: msghdr is plain old data; all-zero is valid.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg_space.as_mut_ptr().cast();
+        msg.msg_controllen = needed.min(cmsg_bytes) as _;
+        // SAFETY: `msg` points at a valid iovec over `buf` and at a control
+        // buffer of `msg_controllen` bytes; both outlive the call.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_recvmsg,
+                fd,
+                &mut msg as *mut libc::msghdr,
+                libc::MSG_CMSG_CLOEXEC,
+            )
+        };
+        let n = check(ret)? as usize;
+        // SAFETY: the kernel filled `msg`'s control area; the CMSG_* macros
+        // walk it within `msg_controllen`, and every SCM_RIGHTS payload is an
+        // array of fds that now belong to this process.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(cmsg) as *const RawFd;
+                    let payload = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let count = payload / std::mem::size_of::<RawFd>();
+                    for i in 0..count {
+                        let raw = std::ptr::read_unaligned(data.add(i));
+                        fds.push(OwnedFd::from_raw_fd(raw));
+                    }
+                }
+                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(invalid_data("daemon sent more fds than expected"));
+        }
+        Ok(n)
+    }
+
+    pub fn close(fd: RawFd) {
+        // SAFETY: `fd` is owned by the DaemonClient being dropped; the return
+        // value is irrelevant (the fd is gone either way on Linux).
+        unsafe {
+            libc::syscall(libc::SYS_close, fd);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+
+    fn temp_socket(name: &str) -> std::path::PathBuf {
+        let p = std::env::temp_dir().join(format!("fl-client-{}-{name}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        p
+    }
+
+    #[test]
+    fn no_daemon_fails_fast() {
+        let p = temp_socket("none");
+        let t = Instant::now();
+        let err = DaemonClient::connect(&p, Duration::from_secs(5))
+            .err()
+            .expect("no daemon");
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn silent_daemon_times_out_and_breaks_the_client() {
+        let p = temp_socket("silent");
+        let listener = UnixListener::bind(&p).unwrap();
+        let mut c = DaemonClient::connect(&p, Duration::from_millis(100)).unwrap();
+        let (_conn, _) = listener.accept().unwrap();
+        let err = c
+            .register_listener("10.0.0.1:80".parse().unwrap())
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(c.is_broken());
+        assert_eq!(
+            c.report_fallback(FallbackReason::Unsupported)
+                .unwrap_err()
+                .kind(),
+            io::ErrorKind::NotConnected
+        );
+        let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn garbage_answer_is_an_error_not_a_panic() {
+        let p = temp_socket("garbage");
+        let listener = UnixListener::bind(&p).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut req = [0u8; 64];
+            let _ = conn.read(&mut req);
+            conn.write_all(&[5, 0, 0, 0, b'x', b'y']).unwrap();
+            conn.write_all(b"zzz").unwrap();
+        });
+        let mut c = DaemonClient::connect(&p, Duration::from_secs(5)).unwrap();
+        let err = c.stats().unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+        server.join().unwrap();
+        let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn error_answers_map_to_permission_denied() {
+        let p = temp_socket("denied");
+        let listener = UnixListener::bind(&p).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut hdr = [0u8; 4];
+            conn.read_exact(&mut hdr).unwrap();
+            let mut body = vec![0u8; u32::from_le_bytes(hdr) as usize];
+            conn.read_exact(&mut body).unwrap();
+            assert!(matches!(
+                proto::decode_request(&body).unwrap(),
+                Request::ClaimAccepted { .. }
+            ));
+            let resp = Response::error(ErrorCode::UnknownPod, "who are you");
+            conn.write_all(&proto::encode_frame(&resp, proto::MAX_RESPONSE_FRAME).unwrap())
+                .unwrap();
+        });
+        let mut c = DaemonClient::connect(&p, Duration::from_secs(5)).unwrap();
+        let err = c
+            .claim_accepted(
+                "10.0.0.1:80".parse().unwrap(),
+                "10.0.0.2:4000".parse().unwrap(),
+            )
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        assert!(!c.is_broken(), "an error answer keeps the stream in step");
+        server.join().unwrap();
+        let _ = std::fs::remove_file(&p);
     }
 }

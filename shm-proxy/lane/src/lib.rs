@@ -4,3 +4,4 @@
 pub mod client;
 pub mod notify;
 pub mod ring;
+pub mod proto;

@@ -1,0 +1,1150 @@
+//! The channel broker: flowlane listeners per pod, pending channels
+//! (announced by a client, not yet claimed by the server), brokered
+//! connections, and the authorisation of every request.
+//!
+//! Pure state machine over the pod table: it takes an authenticated caller
+//! and a decoded request and returns the answer (and the memfd to pass, if
+//! any). Sockets live in `server.rs`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use flowlane_lane::proto::{
+    ConnectionInfo, DaemonInfo, Endpoint, ErrorCode, LaneStats, ListenerInfo, NoChannelReason,
+    Request, Response, Stats, PROTOCOL_VERSION,
+};
+use flowlane_registry::Registry;
+
+use crate::counters::{reason, Counters};
+use crate::identity::ProcessId;
+use crate::listener_store::{ListenerRecord, ListenerStore};
+use crate::memfd;
+use crate::pods::{PodId, PodTable};
+
+/// The only lane this broker hands out today.
+pub const SHM_LANE: &str = "shm";
+
+/// Bounds the daemon enforces.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest channel region a client may request.
+    pub max_region: u64,
+    /// Smallest (anything below cannot hold the ring headers).
+    pub min_region: u64,
+    /// How long an announced channel waits for the server's claim.
+    pub intent_ttl: Duration,
+    /// Pending channels one pod may have at a time.
+    pub max_pending_per_pod: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_region: 64 << 20,
+            min_region: 4096,
+            intent_ttl: Duration::from_secs(30),
+            max_pending_per_pod: 4096,
+        }
+    }
+}
+
+/// Who sent a request, as far as the kernel and `/proc` tell.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller {
+    /// Inode of the caller's network namespace (None: unknown process).
+    pub netns: Option<u64>,
+    pub process: Option<ProcessId>,
+}
+
+/// The answer to one request.
+#[derive(Debug)]
+pub struct Answer {
+    pub response: Response,
+    /// The channel's memfd, passed with SCM_RIGHTS.
+    pub fd: Option<OwnedFd>,
+}
+
+impl From<Response> for Answer {
+    fn from(response: Response) -> Self {
+        Answer { response, fd: None }
+    }
+}
+
+/// Pending channels are found again by the client's source address and the
+/// destination port: exactly what the server sees after accept, even behind
+/// DNAT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct IntentKey {
+    src: SocketAddr,
+    dst_port: u16,
+}
+
+#[derive(Debug)]
+struct Pending {
+    id: u64,
+    memfd: OwnedFd,
+    len: u64,
+    client_pod: PodId,
+    server_pod: PodId,
+    key: IntentKey,
+    dst: SocketAddr,
+    client_process: Option<ProcessId>,
+    created: Instant,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct SideReport {
+    sent: u64,
+    received: u64,
+}
+
+#[derive(Debug)]
+struct Active {
+    id: u64,
+    client_pod: PodId,
+    server_pod: PodId,
+    client_addr: SocketAddr,
+    server_addr: SocketAddr,
+    len: u64,
+    opened: Instant,
+    client_process: Option<ProcessId>,
+    server_process: Option<ProcessId>,
+    client_report: Option<SideReport>,
+    server_report: Option<SideReport>,
+}
+
+impl Active {
+    fn bytes(&self) -> (u64, u64) {
+        let c = self.client_report.unwrap_or_default();
+        let s = self.server_report.unwrap_or_default();
+        (c.sent.max(s.received), s.sent.max(c.received))
+    }
+}
+
+/// Static facts for stats answers.
+#[derive(Debug, Clone)]
+pub struct DaemonFacts {
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+}
+
+pub struct Broker {
+    registry: Registry,
+    registry_stamp: Vec<(PathBuf, u64)>,
+    pods: PodTable,
+    listeners: BTreeMap<(PodId, SocketAddr), Vec<ProcessId>>,
+    store: ListenerStore,
+    pending: HashMap<IntentKey, Pending>,
+    pending_ids: HashMap<u64, IntentKey>,
+    active: BTreeMap<u64, Active>,
+    next_id: u64,
+    counters: Counters,
+    limits: Limits,
+    facts: DaemonFacts,
+    started: Instant,
+}
+
+impl Broker {
+    /// A broker for the node whose registry lives in `facts.state_dir`;
+    /// reads the registry and the saved listeners.
+    pub fn new(facts: DaemonFacts, limits: Limits) -> Self {
+        // Channel ids stay unique across restarts: connections brokered by
+        // an earlier daemon still report their ids when they close.
+        let now_ms = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let mut b = Broker {
+            registry: Registry::new(&facts.state_dir),
+            registry_stamp: Vec::new(),
+            pods: PodTable::default(),
+            listeners: BTreeMap::new(),
+            store: ListenerStore::new(&facts.state_dir),
+            pending: HashMap::new(),
+            pending_ids: HashMap::new(),
+            active: BTreeMap::new(),
+            next_id: (now_ms << 16).max(1),
+            counters: Counters::default(),
+            limits,
+            facts,
+            started: Instant::now(),
+        };
+        b.reload_registry();
+        let mut restored = 0;
+        for rec in b.store.load() {
+            if b.pods.contains(rec.pod) && rec.process.is_alive() {
+                b.add_listener(rec.pod, rec.addr, rec.process);
+                restored += 1;
+            }
+        }
+        tracing::info!(
+            pods = b.pods.len(),
+            listeners = restored,
+            "state rebuilt from the registry"
+        );
+        b.save_listeners();
+        b
+    }
+
+    pub fn pod_count(&self) -> usize {
+        self.pods.len()
+    }
+
+    /// Rereads the pod registry and forgets listeners and pending channels
+    /// of pods that left.
+    pub fn reload_registry(&mut self) {
+        let attachments = match self.registry.list() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the pod registry; keeping the old view");
+                return;
+            }
+        };
+        self.registry_stamp = registry_stamp(self.registry.root());
+        self.pods = PodTable::from_attachments(&attachments);
+        self.counters.registry_reloads += 1;
+        let pods = &self.pods;
+        let before = self.listeners.len();
+        self.listeners.retain(|(pod, _), _| pods.contains(*pod));
+        let gone: Vec<IntentKey> = self
+            .pending
+            .values()
+            .filter(|p| !pods.contains(p.client_pod) || !pods.contains(p.server_pod))
+            .map(|p| p.key)
+            .collect();
+        for key in gone {
+            self.drop_pending(key, reason::INTENT_CANCELLED);
+        }
+        if self.listeners.len() != before {
+            self.save_listeners();
+        }
+        tracing::debug!(pods = self.pods.len(), "pod registry loaded");
+    }
+
+    /// Rereads the registry only if its directories changed since the last
+    /// read (cheap: a few stat calls), so unknown callers cannot make the
+    /// daemon parse the registry over and over.
+    fn reload_if_changed(&mut self) -> bool {
+        if registry_stamp(self.registry.root()) != self.registry_stamp {
+            self.reload_registry();
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Serves one request.
+    pub fn handle(&mut self, caller: &Caller, req: Request) -> Answer {
+        self.counters.request(req.op_name());
+        match req {
+            Request::RegisterListener { addr } => self.register_listener(caller, addr),
+            Request::UnregisterListener { addr } => self.unregister_listener(caller, addr),
+            Request::ConnectIntent {
+                src,
+                dst,
+                region_len,
+            } => self.connect_intent(caller, src, dst, region_len),
+            Request::CancelIntent { channel_id } => self.cancel_intent(caller, channel_id),
+            Request::ClaimAccepted { local, peer } => self.claim_accepted(caller, local, peer),
+            Request::ReportClosed {
+                channel_id,
+                sent,
+                received,
+            } => self.report_closed(caller, channel_id, sent, received),
+            Request::ReportFallback { reason } => match self.caller_pod(caller) {
+                Ok(_) => {
+                    self.counters.fallback(reason.as_str());
+                    Response::Ok.into()
+                }
+                Err(a) => a,
+            },
+            Request::RegistryChanged => match self.node_caller(caller) {
+                Ok(()) => {
+                    self.reload_registry();
+                    Response::Ok.into()
+                }
+                Err(a) => a,
+            },
+            Request::Stats => match self.node_caller(caller) {
+                Ok(()) => Response::Stats {
+                    stats: Box::new(self.stats()),
+                }
+                .into(),
+                Err(a) => a,
+            },
+        }
+    }
+
+    /// Counts an undecodable frame.
+    pub fn bad_request(&mut self) {
+        self.counters.bad_requests += 1;
+    }
+
+    /// The caller's pod, rereading the registry once if it is unknown.
+    fn caller_pod(&mut self, caller: &Caller) -> Result<PodId, Answer> {
+        let Some(netns) = caller.netns else {
+            return Err(self.deny(ErrorCode::UnknownPod, "cannot identify the calling process"));
+        };
+        if self.pods.contains(netns) || (self.reload_if_changed() && self.pods.contains(netns)) {
+            return Ok(netns);
+        }
+        Err(self.deny(
+            ErrorCode::UnknownPod,
+            format!("network namespace {netns} is not a pod of this node"),
+        ))
+    }
+
+    /// Node-level requests (stats, registry poke) come from the node, not
+    /// from pods: a pod must not learn about other pods' connections.
+    fn node_caller(&mut self, caller: &Caller) -> Result<(), Answer> {
+        match caller.netns {
+            Some(n) if self.pods.contains(n) => Err(self.deny(
+                ErrorCode::Forbidden,
+                "node requests are not allowed from a pod",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn deny(&mut self, code: ErrorCode, message: impl Into<String>) -> Answer {
+        self.counters.auth_failures += 1;
+        let message = message.into();
+        tracing::debug!(?code, %message, "request refused");
+        Response::error(code, message).into()
+    }
+
+    fn register_listener(&mut self, caller: &Caller, addr: SocketAddr) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(a) => return a,
+        };
+        if addr.port() == 0 {
+            return Response::error(ErrorCode::BadRequest, "listener port 0").into();
+        }
+        if !addr.ip().is_unspecified() && !self.pod_owns(pod, addr.ip()) {
+            return self.deny(
+                ErrorCode::Forbidden,
+                format!("{} is not an address of the calling pod", addr.ip()),
+            );
+        }
+        let Some(process) = caller.process else {
+            return self.deny(ErrorCode::UnknownPod, "cannot identify the calling process");
+        };
+        self.add_listener(pod, addr, process);
+        self.save_listeners();
+        tracing::debug!(pod = %self.pods.name_of(pod), %addr, "listener registered");
+        Response::Ok.into()
+    }
+
+    fn add_listener(&mut self, pod: PodId, addr: SocketAddr, process: ProcessId) {
+        let procs = self.listeners.entry((pod, addr)).or_default();
+        if !procs.contains(&process) {
+            procs.push(process);
+        }
+    }
+
+    fn unregister_listener(&mut self, caller: &Caller, addr: SocketAddr) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(a) => return a,
+        };
+        if let Some(procs) = self.listeners.get_mut(&(pod, addr)) {
+            // Only the caller's own registration goes; another process of
+            // the pod (e.g. a forked worker) may still listen.
+            procs.retain(|p| Some(*p) != caller.process);
+            if procs.is_empty() {
+                self.listeners.remove(&(pod, addr));
+            }
+            self.save_listeners();
+        }
+        Response::Ok.into()
+    }
+
+    fn pod_owns(&self, pod: PodId, ip: IpAddr) -> bool {
+        self.pods.get(pod).is_some_and(|p| p.owns(ip))
+    }
+
+    /// True when `pod` has a live flowlane listener accepting `dst`.
+    fn has_listener(&mut self, pod: PodId, dst: SocketAddr) -> bool {
+        let port = dst.port();
+        let candidates = [
+            dst,
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port),
+            // A dual-stack `::` socket also accepts IPv4.
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port),
+        ];
+        let mut found = false;
+        let mut pruned = false;
+        for addr in candidates {
+            if addr.is_ipv4() && dst.is_ipv6() {
+                continue;
+            }
+            if let Some(procs) = self.listeners.get_mut(&(pod, addr)) {
+                let before = procs.len();
+                procs.retain(ProcessId::is_alive);
+                pruned |= procs.len() != before;
+                if procs.is_empty() {
+                    self.listeners.remove(&(pod, addr));
+                } else {
+                    found = true;
+                    break;
+                }
+            }
+        }
+        if pruned {
+            self.save_listeners();
+        }
+        found
+    }
+
+    fn connect_intent(
+        &mut self,
+        caller: &Caller,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+    ) -> Answer {
+        let client_pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(a) => {
+                self.counters.fallback(reason::AUTH_FAILED);
+                return a;
+            }
+        };
+        if src.port() == 0 || dst.port() == 0 {
+            return Response::error(ErrorCode::BadRequest, "port 0 in an intent").into();
+        }
+        if region_len < self.limits.min_region {
+            return Response::error(
+                ErrorCode::BadRequest,
+                format!(
+                    "region of {region_len} bytes is below the minimum {}",
+                    self.limits.min_region
+                ),
+            )
+            .into();
+        }
+        if region_len > self.limits.max_region {
+            self.counters.fallback(reason::REGION_TOO_LARGE);
+            return Response::error(
+                ErrorCode::TooLarge,
+                format!(
+                    "region of {region_len} bytes exceeds the maximum {}",
+                    self.limits.max_region
+                ),
+            )
+            .into();
+        }
+        let src_ip = if src.ip().is_unspecified() {
+            match self
+                .pods
+                .get(client_pod)
+                .and_then(|p| p.source_for(dst.ip()))
+            {
+                Some(ip) => ip,
+                None => {
+                    return self.no_channel(NoChannelReason::NotLocalPod, reason::NOT_LOCAL_POD)
+                }
+            }
+        } else if self.pod_owns(client_pod, src.ip()) {
+            src.ip()
+        } else {
+            self.counters.fallback(reason::AUTH_FAILED);
+            return self.deny(
+                ErrorCode::Forbidden,
+                format!("{} is not an address of the calling pod", src.ip()),
+            );
+        };
+        let server_pod = match self.pods.owner_of(dst.ip()) {
+            Some(p) => p.id,
+            None => {
+                // A pod added a moment ago may not be in our view yet.
+                self.reload_if_changed();
+                match self.pods.owner_of(dst.ip()) {
+                    Some(p) => p.id,
+                    None => {
+                        return self.no_channel(NoChannelReason::NotLocalPod, reason::NOT_LOCAL_POD)
+                    }
+                }
+            }
+        };
+        if !self.has_listener(server_pod, dst) {
+            return self.no_channel(NoChannelReason::NoListener, reason::NO_LISTENER);
+        }
+        let pending_of_pod = self
+            .pending
+            .values()
+            .filter(|p| p.client_pod == client_pod)
+            .count();
+        if pending_of_pod >= self.limits.max_pending_per_pod {
+            self.counters.fallback(reason::REGION_TOO_LARGE);
+            return Response::error(
+                ErrorCode::TooLarge,
+                "too many pending channels for this pod",
+            )
+            .into();
+        }
+        let key = IntentKey {
+            src: SocketAddr::new(src_ip, src.port()),
+            dst_port: dst.port(),
+        };
+        // The same source port again means the earlier attempt is dead.
+        self.drop_pending(key, reason::INTENT_CANCELLED);
+
+        let id = self.next_id;
+        self.next_id += 1;
+        let created = memfd::create_sealed(&format!("flowlane-ch-{id}"), region_len)
+            .and_then(|fd| Ok((fd.try_clone()?, fd)));
+        let (client_copy, kept) = match created {
+            Ok(fds) => fds,
+            Err(e) => {
+                tracing::warn!(error = %e, region_len, "cannot create a channel memfd");
+                self.counters.fallback(reason::DAEMON_ERROR);
+                return Response::error(ErrorCode::Internal, format!("memfd: {e}")).into();
+            }
+        };
+        tracing::debug!(id, src = %key.src, %dst, region_len, "channel announced");
+        self.pending_ids.insert(id, key);
+        self.pending.insert(
+            key,
+            Pending {
+                id,
+                memfd: kept,
+                len: region_len,
+                client_pod,
+                server_pod,
+                key,
+                dst,
+                client_process: caller.process,
+                created: Instant::now(),
+            },
+        );
+        Answer {
+            response: Response::Channel {
+                id,
+                len: region_len,
+            },
+            fd: Some(client_copy),
+        }
+    }
+
+    fn no_channel(&mut self, why: NoChannelReason, counter: &'static str) -> Answer {
+        self.counters.fallback(counter);
+        Response::NoChannel { reason: why }.into()
+    }
+
+    fn drop_pending(&mut self, key: IntentKey, counter: &'static str) -> Option<Pending> {
+        let p = self.pending.remove(&key)?;
+        self.pending_ids.remove(&p.id);
+        self.counters.fallback(counter);
+        tracing::debug!(id = p.id, reason = counter, "pending channel dropped");
+        Some(p)
+    }
+
+    fn cancel_intent(&mut self, caller: &Caller, channel_id: u64) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(a) => return a,
+        };
+        let Some(&key) = self.pending_ids.get(&channel_id) else {
+            return Response::Ok.into();
+        };
+        if self.pending.get(&key).map(|p| p.client_pod) != Some(pod) {
+            return self.deny(
+                ErrorCode::Forbidden,
+                "the channel was announced by another pod",
+            );
+        }
+        self.drop_pending(key, reason::INTENT_CANCELLED);
+        Response::Ok.into()
+    }
+
+    fn claim_accepted(&mut self, caller: &Caller, local: SocketAddr, peer: SocketAddr) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(a) => {
+                self.counters.fallback(reason::AUTH_FAILED);
+                return a;
+            }
+        };
+        if !self.pod_owns(pod, local.ip()) {
+            self.counters.fallback(reason::AUTH_FAILED);
+            return self.deny(
+                ErrorCode::Forbidden,
+                format!("{} is not an address of the calling pod", local.ip()),
+            );
+        }
+        let key = IntentKey {
+            src: peer,
+            dst_port: local.port(),
+        };
+        match self.pending.get(&key) {
+            None => {
+                return self.no_channel(NoChannelReason::NoIntent, reason::CLAIM_WITHOUT_INTENT)
+            }
+            Some(p) if p.server_pod != pod => {
+                // Leave the channel for its real server.
+                return self.deny(ErrorCode::Forbidden, "the channel belongs to another pod");
+            }
+            Some(_) => {}
+        }
+        let Some(p) = self.pending.remove(&key) else {
+            return Response::error(ErrorCode::Internal, "pending channel vanished").into();
+        };
+        self.pending_ids.remove(&p.id);
+        self.counters.shm.opened += 1;
+        tracing::debug!(id = p.id, client = %p.key.src, server = %local, "channel claimed");
+        self.active.insert(
+            p.id,
+            Active {
+                id: p.id,
+                client_pod: p.client_pod,
+                server_pod: p.server_pod,
+                client_addr: p.key.src,
+                server_addr: p.dst,
+                len: p.len,
+                opened: Instant::now(),
+                client_process: p.client_process,
+                server_process: caller.process,
+                client_report: None,
+                server_report: None,
+            },
+        );
+        Answer {
+            response: Response::Channel {
+                id: p.id,
+                len: p.len,
+            },
+            fd: Some(p.memfd),
+        }
+    }
+
+    fn report_closed(
+        &mut self,
+        caller: &Caller,
+        channel_id: u64,
+        sent: u64,
+        received: u64,
+    ) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(a) => return a,
+        };
+        let report = SideReport { sent, received };
+        let Some(conn) = self.active.get_mut(&channel_id) else {
+            // Brokered by an earlier daemon (ids are unique across
+            // restarts): the bytes still count for the lane.
+            self.counters.shm.bytes = self.counters.shm.bytes.saturating_add(sent);
+            return Response::Ok.into();
+        };
+        if pod != conn.client_pod && pod != conn.server_pod {
+            return self.deny(ErrorCode::Forbidden, "the channel belongs to other pods");
+        }
+        // Which side: by process when both ends are one pod, else by pod.
+        let is_client = if conn.client_pod == conn.server_pod {
+            if caller.process.is_some() && caller.process == conn.server_process {
+                false
+            } else if caller.process.is_some() && caller.process == conn.client_process {
+                true
+            } else {
+                conn.client_report.is_none()
+            }
+        } else {
+            pod == conn.client_pod
+        };
+        if is_client {
+            conn.client_report = Some(report);
+        } else {
+            conn.server_report = Some(report);
+        }
+        if conn.client_report.is_some() && conn.server_report.is_some() {
+            self.close_active(channel_id);
+        }
+        Response::Ok.into()
+    }
+
+    fn close_active(&mut self, id: u64) {
+        if let Some(conn) = self.active.remove(&id) {
+            let (c2s, s2c) = conn.bytes();
+            self.counters.shm.closed += 1;
+            self.counters.shm.bytes = self
+                .counters
+                .shm
+                .bytes
+                .saturating_add(c2s)
+                .saturating_add(s2c);
+            tracing::debug!(id, c2s, s2c, "connection closed");
+        }
+    }
+
+    /// Periodic upkeep: expires unclaimed channels, closes connections whose
+    /// processes are all gone, forgets listeners of dead processes.
+    pub fn tick(&mut self, now: Instant) {
+        let ttl = self.limits.intent_ttl;
+        let expired: Vec<IntentKey> = self
+            .pending
+            .values()
+            .filter(|p| now.saturating_duration_since(p.created) >= ttl)
+            .map(|p| p.key)
+            .collect();
+        for key in expired {
+            self.drop_pending(key, reason::INTENT_EXPIRED);
+        }
+        let dead: Vec<u64> = self
+            .active
+            .values()
+            .filter(|c| {
+                let gone = |p: Option<ProcessId>| p.is_none_or(|p| !p.is_alive());
+                gone(c.client_process) && gone(c.server_process)
+            })
+            .map(|c| c.id)
+            .collect();
+        for id in dead {
+            self.close_active(id);
+        }
+        let before: usize = self.listeners.values().map(Vec::len).sum();
+        for procs in self.listeners.values_mut() {
+            procs.retain(ProcessId::is_alive);
+        }
+        self.listeners.retain(|_, procs| !procs.is_empty());
+        let after: usize = self.listeners.values().map(Vec::len).sum();
+        if before != after {
+            self.save_listeners();
+        }
+    }
+
+    fn save_listeners(&self) {
+        let records: Vec<ListenerRecord> = self
+            .listeners
+            .iter()
+            .flat_map(|((pod, addr), procs)| {
+                procs.iter().map(|process| ListenerRecord {
+                    pod: *pod,
+                    addr: *addr,
+                    process: *process,
+                })
+            })
+            .collect();
+        if let Err(e) = self.store.save(&records) {
+            tracing::warn!(error = %e, "cannot save the listener table");
+        }
+    }
+
+    /// A snapshot of counters, connections and listeners.
+    pub fn stats(&self) -> Stats {
+        let now = Instant::now();
+        let mut lanes = BTreeMap::new();
+        lanes.insert(
+            SHM_LANE.to_string(),
+            LaneStats {
+                connections_opened: self.counters.shm.opened,
+                connections_active: self.active.len() as u64,
+                connections_closed: self.counters.shm.closed,
+                bytes: self.counters.shm.bytes,
+                channels_pending: self.pending.len() as u64,
+            },
+        );
+        let connections = self
+            .active
+            .values()
+            .map(|c| {
+                let (c2s, s2c) = c.bytes();
+                ConnectionInfo {
+                    id: c.id,
+                    lane: SHM_LANE.to_string(),
+                    client: Endpoint {
+                        pod: self.pods.name_of(c.client_pod),
+                        addr: c.client_addr,
+                    },
+                    server: Endpoint {
+                        pod: self.pods.name_of(c.server_pod),
+                        addr: c.server_addr,
+                    },
+                    region_len: c.len,
+                    bytes_client_to_server: c2s,
+                    bytes_server_to_client: s2c,
+                    age_secs: now.saturating_duration_since(c.opened).as_secs(),
+                }
+            })
+            .collect();
+        let listeners = self
+            .listeners
+            .iter()
+            .map(|((pod, addr), procs)| ListenerInfo {
+                pod: self.pods.name_of(*pod),
+                addr: *addr,
+                processes: procs.len() as u32,
+            })
+            .collect();
+        Stats {
+            daemon: DaemonInfo {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                protocol: PROTOCOL_VERSION,
+                pid: std::process::id(),
+                uptime_secs: self.started.elapsed().as_secs(),
+                state_dir: self.facts.state_dir.display().to_string(),
+                socket: self.facts.socket.display().to_string(),
+                pods: self.pods.len() as u64,
+                registry_reloads: self.counters.registry_reloads,
+            },
+            lanes,
+            fallbacks: self
+                .counters
+                .fallbacks
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
+            auth_failures: self.counters.auth_failures,
+            bad_requests: self.counters.bad_requests,
+            requests: self
+                .counters
+                .requests
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
+            connections,
+            listeners,
+        }
+    }
+}
+
+/// The registry's entries as (path, inode) pairs: an added, removed or
+/// replaced entry (the registry renames a new file into place) changes it.
+/// Directory mtimes would be cheaper but have coarse (jiffy) resolution, so
+/// two changes within a few milliseconds could look like one.
+fn registry_stamp(root: &Path) -> Vec<(PathBuf, u64)> {
+    use std::os::unix::fs::DirEntryExt;
+    let mut out = Vec::new();
+    let Ok(networks) = std::fs::read_dir(root) else {
+        return out;
+    };
+    for net in networks.flatten() {
+        let Ok(entries) = std::fs::read_dir(net.path()) else {
+            continue;
+        };
+        out.extend(entries.flatten().map(|e| (e.path(), e.ino())));
+    }
+    out.sort();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowlane_lane::proto::FallbackReason;
+    use flowlane_registry::Attachment;
+
+    struct Node {
+        dir: PathBuf,
+        broker: Broker,
+    }
+
+    impl Drop for Node {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// Pods 1 (10.202.9.1), 2 (10.202.9.2), 3 (10.202.9.3); inodes are fake
+    /// here (the real-netns checks are in tests/tests/daemon_*.rs).
+    fn node(name: &str, limits: Limits) -> Node {
+        let dir = std::env::temp_dir().join(format!("fld-broker-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let reg = Registry::new(&dir);
+        for i in 1..=3u64 {
+            reg.put(&Attachment {
+                network: "n".into(),
+                container_id: format!("c{i}"),
+                ifname: "eth0".into(),
+                netns: String::new(),
+                netns_inode: i,
+                ips: vec![format!("10.202.9.{i}/24")],
+                mac: String::new(),
+                pod_namespace: Some("default".into()),
+                pod_name: Some(format!("pod{i}")),
+                pod_uid: None,
+                created_unix: 0,
+            })
+            .unwrap();
+        }
+        let broker = Broker::new(
+            DaemonFacts {
+                state_dir: dir.clone(),
+                socket: dir.join("s.sock"),
+            },
+            limits,
+        );
+        Node { dir, broker }
+    }
+
+    fn pod(i: u64) -> Caller {
+        Caller {
+            netns: Some(i),
+            process: Some(ProcessId::of(std::process::id()).unwrap()),
+        }
+    }
+
+    fn sa(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn intent_then_claim_hands_the_same_memfd_to_both() {
+        let mut n = node("pair", Limits::default());
+        let b = &mut n.broker;
+        let r = b.handle(
+            &pod(2),
+            Request::RegisterListener {
+                addr: sa("0.0.0.0:80"),
+            },
+        );
+        assert_eq!(r.response, Response::Ok);
+        let a = b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: sa("0.0.0.0:40000"),
+                dst: sa("10.202.9.2:80"),
+                region_len: 8192,
+            },
+        );
+        let Response::Channel { id, len: 8192 } = a.response else {
+            panic!("{:?}", a.response)
+        };
+        let client_fd = a.fd.unwrap();
+        // A third pod cannot claim it, even naming the right peer.
+        let third = b.handle(
+            &pod(3),
+            Request::ClaimAccepted {
+                local: sa("10.202.9.2:80"),
+                peer: sa("10.202.9.1:40000"),
+            },
+        );
+        assert!(matches!(
+            third.response,
+            Response::Error {
+                code: ErrorCode::Forbidden,
+                ..
+            }
+        ));
+        let third = b.handle(
+            &pod(3),
+            Request::ClaimAccepted {
+                local: sa("10.202.9.3:80"),
+                peer: sa("10.202.9.1:40000"),
+            },
+        );
+        assert!(matches!(
+            third.response,
+            Response::Error {
+                code: ErrorCode::Forbidden,
+                ..
+            }
+        ));
+        assert!(third.fd.is_none());
+        let s = b.handle(
+            &pod(2),
+            Request::ClaimAccepted {
+                local: sa("10.202.9.2:80"),
+                peer: sa("10.202.9.1:40000"),
+            },
+        );
+        assert_eq!(s.response, Response::Channel { id, len: 8192 });
+        let server_fd = s.fd.unwrap();
+        // Same memfd: same inode.
+        use std::os::unix::fs::MetadataExt;
+        let ino = |fd: OwnedFd| std::fs::File::from(fd).metadata().unwrap().ino();
+        assert_eq!(ino(client_fd), ino(server_fd));
+        let st = b.stats();
+        assert_eq!(st.lanes[SHM_LANE].connections_active, 1);
+        assert_eq!(st.connections[0].client.pod, "default/pod1");
+        assert_eq!(st.connections[0].client.addr, sa("10.202.9.1:40000"));
+        // Second claim finds nothing.
+        let again = b.handle(
+            &pod(2),
+            Request::ClaimAccepted {
+                local: sa("10.202.9.2:80"),
+                peer: sa("10.202.9.1:40000"),
+            },
+        );
+        assert!(matches!(again.response, Response::NoChannel { .. }));
+        // Both sides report; bytes add up once per direction.
+        for (who, sent, recv) in [(1, 100, 7), (2, 7, 100)] {
+            let r = b.handle(
+                &pod(who),
+                Request::ReportClosed {
+                    channel_id: id,
+                    sent,
+                    received: recv,
+                },
+            );
+            assert_eq!(r.response, Response::Ok);
+        }
+        let st = b.stats();
+        assert_eq!(st.lanes[SHM_LANE].connections_closed, 1);
+        assert_eq!(st.lanes[SHM_LANE].connections_active, 0);
+        assert_eq!(st.lanes[SHM_LANE].bytes, 107);
+    }
+
+    #[test]
+    fn foreign_addresses_and_unknown_pods_are_refused() {
+        let mut n = node("auth", Limits::default());
+        let b = &mut n.broker;
+        let r = b.handle(
+            &pod(1),
+            Request::RegisterListener {
+                addr: sa("10.202.9.2:80"),
+            },
+        );
+        assert!(matches!(
+            r.response,
+            Response::Error {
+                code: ErrorCode::Forbidden,
+                ..
+            }
+        ));
+        let r = b.handle(
+            &pod(99),
+            Request::RegisterListener {
+                addr: sa("0.0.0.0:80"),
+            },
+        );
+        assert!(matches!(
+            r.response,
+            Response::Error {
+                code: ErrorCode::UnknownPod,
+                ..
+            }
+        ));
+        let r = b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: sa("10.202.9.3:4000"),
+                dst: sa("10.202.9.2:80"),
+                region_len: 8192,
+            },
+        );
+        assert!(matches!(
+            r.response,
+            Response::Error {
+                code: ErrorCode::Forbidden,
+                ..
+            }
+        ));
+        let r = b.handle(&pod(1), Request::Stats);
+        assert!(matches!(
+            r.response,
+            Response::Error {
+                code: ErrorCode::Forbidden,
+                ..
+            }
+        ));
+        let host = Caller {
+            netns: Some(12345),
+            process: None,
+        };
+        let Response::Stats { stats } = b.handle(&host, Request::Stats).response else {
+            panic!()
+        };
+        assert_eq!(stats.auth_failures, 4);
+    }
+
+    #[test]
+    fn no_listener_not_local_too_large_and_expiry() {
+        let limits = Limits {
+            intent_ttl: Duration::from_millis(0),
+            ..Limits::default()
+        };
+        let mut n = node("misc", limits);
+        let b = &mut n.broker;
+        let intent = |b: &mut Broker, dst: &str, len: u64| {
+            b.handle(
+                &pod(1),
+                Request::ConnectIntent {
+                    src: sa("0.0.0.0:4000"),
+                    dst: sa(dst),
+                    region_len: len,
+                },
+            )
+            .response
+        };
+        assert_eq!(
+            intent(b, "10.202.9.2:80", 8192),
+            Response::NoChannel {
+                reason: NoChannelReason::NoListener
+            }
+        );
+        assert_eq!(
+            intent(b, "10.9.9.9:80", 8192),
+            Response::NoChannel {
+                reason: NoChannelReason::NotLocalPod
+            }
+        );
+        b.handle(
+            &pod(2),
+            Request::RegisterListener {
+                addr: sa("10.202.9.2:80"),
+            },
+        );
+        assert!(matches!(
+            intent(b, "10.202.9.2:80", 65 << 20),
+            Response::Error {
+                code: ErrorCode::TooLarge,
+                ..
+            }
+        ));
+        assert!(matches!(
+            intent(b, "10.202.9.2:80", 8192),
+            Response::Channel { .. }
+        ));
+        b.tick(Instant::now());
+        let r = b.handle(
+            &pod(2),
+            Request::ClaimAccepted {
+                local: sa("10.202.9.2:80"),
+                peer: sa("10.202.9.1:4000"),
+            },
+        );
+        assert!(matches!(r.response, Response::NoChannel { .. }));
+        b.handle(
+            &pod(1),
+            Request::ReportFallback {
+                reason: FallbackReason::Unsupported,
+            },
+        );
+        let st = b.stats();
+        assert_eq!(st.fallbacks["no-listener"], 1);
+        assert_eq!(st.fallbacks["not-local-pod"], 1);
+        assert_eq!(st.fallbacks["intent-expired"], 1);
+        assert_eq!(st.fallbacks["region-too-large"], 1);
+        assert_eq!(st.fallbacks["claim-without-intent"], 1);
+        assert_eq!(st.fallbacks["unsupported"], 1);
+        assert_eq!(st.lanes[SHM_LANE].channels_pending, 0);
+    }
+
+    #[test]
+    fn listeners_survive_a_restart_and_leave_with_their_pod() {
+        let mut n = node("restart", Limits::default());
+        n.broker.handle(
+            &pod(2),
+            Request::RegisterListener {
+                addr: sa("10.202.9.2:81"),
+            },
+        );
+        let facts = n.broker.facts.clone();
+        let mut again = Broker::new(facts, Limits::default());
+        assert_eq!(again.stats().listeners.len(), 1);
+        Registry::new(&n.dir).remove("n", "c2", "eth0").unwrap();
+        again.handle(
+            &Caller {
+                netns: None,
+                process: None,
+            },
+            Request::RegistryChanged,
+        );
+        assert_eq!(again.stats().listeners.len(), 0);
+        assert_eq!(again.pod_count(), 2);
+    }
+}

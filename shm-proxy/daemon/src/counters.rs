@@ -1,0 +1,162 @@
+//! The daemon's counters. Plain monotonically increasing numbers kept under
+//! the broker's lock; gauges (active connections, pending channels) are
+//! derived from the broker's tables when a snapshot is taken. `samples()`
+//! flattens a snapshot into named, labelled values, which is all a
+//! Prometheus text endpoint (`--metrics-addr`, later) needs.
+
+use std::collections::BTreeMap;
+
+use flowlane_lane::proto::Stats;
+
+/// Counters of one lane.
+#[derive(Debug, Default, Clone)]
+pub struct LaneCounters {
+    pub opened: u64,
+    pub closed: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct Counters {
+    pub shm: LaneCounters,
+    /// Connections left on TCP, by reason (daemon-decided and reported).
+    pub fallbacks: BTreeMap<&'static str, u64>,
+    pub auth_failures: u64,
+    pub bad_requests: u64,
+    pub requests: BTreeMap<&'static str, u64>,
+    pub registry_reloads: u64,
+}
+
+impl Counters {
+    pub fn fallback(&mut self, reason: &'static str) {
+        *self.fallbacks.entry(reason).or_default() += 1;
+    }
+
+    pub fn request(&mut self, op: &'static str) {
+        *self.requests.entry(op).or_default() += 1;
+    }
+}
+
+/// Daemon-decided fallback reasons (client-reported ones use
+/// `FallbackReason::as_str`).
+pub mod reason {
+    /// The intent's destination is not a pod on this node.
+    pub const NOT_LOCAL_POD: &str = "not-local-pod";
+    /// The destination pod has no flowlane listener on that port.
+    pub const NO_LISTENER: &str = "no-listener";
+    /// A server accepted a connection nobody announced (peer without the
+    /// library, another node, or an expired intent).
+    pub const CLAIM_WITHOUT_INTENT: &str = "claim-without-intent";
+    /// The server never claimed the channel in time.
+    pub const INTENT_EXPIRED: &str = "intent-expired";
+    /// The client's connect failed after the intent.
+    pub const INTENT_CANCELLED: &str = "intent-cancelled";
+    /// The caller was not allowed (unknown pod, foreign address).
+    pub const AUTH_FAILED: &str = "auth-failed";
+    /// The requested region exceeded the daemon's bound.
+    pub const REGION_TOO_LARGE: &str = "region-too-large";
+    /// The daemon failed to create the channel.
+    pub const DAEMON_ERROR: &str = "daemon-error";
+}
+
+/// One flattened value: metric name, labels, value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: &'static str,
+    pub labels: Vec<(&'static str, String)>,
+    pub value: u64,
+}
+
+/// Every counter and gauge of a stats snapshot as flat samples.
+pub fn samples(stats: &Stats) -> Vec<Sample> {
+    let mut out = Vec::new();
+    let mut push = |name, help, kind, labels: Vec<(&'static str, String)>, value| {
+        out.push(Sample {
+            name,
+            help,
+            kind,
+            labels,
+            value,
+        })
+    };
+    for (lane, l) in &stats.lanes {
+        let lbl = || vec![("lane", lane.clone())];
+        push(
+            "flowlane_connections_opened_total",
+            "Connections that started on the lane.",
+            "counter",
+            lbl(),
+            l.connections_opened,
+        );
+        push(
+            "flowlane_connections_closed_total",
+            "Connections on the lane that ended.",
+            "counter",
+            lbl(),
+            l.connections_closed,
+        );
+        push(
+            "flowlane_connections_active",
+            "Connections currently on the lane.",
+            "gauge",
+            lbl(),
+            l.connections_active,
+        );
+        push(
+            "flowlane_bytes_total",
+            "Application bytes moved by ended connections.",
+            "counter",
+            lbl(),
+            l.bytes,
+        );
+        push(
+            "flowlane_channels_pending",
+            "Channels announced and not yet claimed.",
+            "gauge",
+            lbl(),
+            l.channels_pending,
+        );
+    }
+    for (reason, n) in &stats.fallbacks {
+        push(
+            "flowlane_fallbacks_total",
+            "Connections left on TCP, by reason.",
+            "counter",
+            vec![("reason", reason.clone())],
+            *n,
+        );
+    }
+    push(
+        "flowlane_auth_failures_total",
+        "Requests refused for the caller's identity.",
+        "counter",
+        vec![],
+        stats.auth_failures,
+    );
+    push(
+        "flowlane_bad_requests_total",
+        "Undecodable frames.",
+        "counter",
+        vec![],
+        stats.bad_requests,
+    );
+    for (op, n) in &stats.requests {
+        push(
+            "flowlane_requests_total",
+            "Requests served, by operation.",
+            "counter",
+            vec![("op", op.clone())],
+            *n,
+        );
+    }
+    push(
+        "flowlane_pods",
+        "Pods known from the registry.",
+        "gauge",
+        vec![],
+        stats.daemon.pods,
+    );
+    out
+}

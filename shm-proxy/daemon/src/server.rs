@@ -1,0 +1,256 @@
+//! The daemon's Unix socket: accepts clients, identifies each one by its
+//! network namespace, reads framed requests, and writes framed answers
+//! (with the channel memfd in SCM_RIGHTS data when there is one).
+//!
+//! Bad input never takes the daemon down: an undecodable body gets an error
+//! answer and the connection continues; an unusable length prefix gets an
+//! error answer and the connection is closed (the stream cannot be
+//! resynchronised); a stalled half-frame times out.
+
+use std::io::{self, IoSlice};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use flowlane_lane::proto::{self, ErrorCode, Response};
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+
+use crate::broker::{Answer, Broker, Caller};
+use crate::identity::{netns_inode_of_pid, ProcessId};
+
+/// How long the rest of a frame may take once its first byte arrived.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Most client connections served at once; more are closed right away
+/// (those clients fall back to TCP).
+pub const MAX_CONNECTIONS: usize = 8192;
+
+/// The broker shared by all connection tasks. A std mutex: every critical
+/// section is short and never awaits.
+#[derive(Clone)]
+pub struct Shared(Arc<Mutex<Broker>>);
+
+impl Shared {
+    pub fn new(b: Broker) -> Self {
+        Shared(Arc::new(Mutex::new(b)))
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Broker> {
+        // A panic while holding the lock must not wedge the daemon.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Binds the daemon socket: creates its directory, replaces a stale socket
+/// file (refusing if a live daemon answers on it), and opens it to every
+/// uid (clients are authenticated by network namespace, not uid).
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    use anyhow::Context;
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            anyhow::bail!("{} exists and is not a socket", path.display());
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!("another flowlaned is already serving {}", path.display());
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing stale socket {}", path.display()))?;
+        tracing::info!(socket = %path.display(), "removed stale socket");
+    }
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
+        .with_context(|| format!("chmod {}", path.display()))?;
+    Ok(listener)
+}
+
+/// Accepts clients until `shutdown` resolves, then removes the socket file.
+pub async fn serve(
+    listener: UnixListener,
+    socket_path: PathBuf,
+    shared: Shared,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let Ok(permit) = slots.clone().try_acquire_owned() else {
+                        tracing::warn!("too many clients; closing a new connection");
+                        continue;
+                    };
+                    let shared = shared.clone();
+                    tokio::spawn(async move {
+                        serve_client(stream, shared).await;
+                        drop(permit);
+                    });
+                }
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+    drop(listener);
+    match std::fs::remove_file(&socket_path) {
+        Ok(()) => tracing::info!(socket = %socket_path.display(), "socket removed"),
+        Err(e) => {
+            tracing::warn!(socket = %socket_path.display(), error = %e, "cannot remove socket")
+        }
+    }
+}
+
+/// Identity of the peer, fixed when it connected (SO_PEERCRED records the
+/// connecting process).
+fn identify(stream: &UnixStream) -> Caller {
+    let pid = stream
+        .peer_cred()
+        .ok()
+        .and_then(|c| c.pid())
+        .and_then(|p| u32::try_from(p).ok())
+        .filter(|p| *p > 0);
+    let Some(pid) = pid else {
+        return Caller {
+            netns: None,
+            process: None,
+        };
+    };
+    // Read the start time first: if the pid is reused between the two
+    // reads, the process id no longer matches and the caller is refused
+    // later (its registrations count as dead).
+    let process = ProcessId::of(pid).ok();
+    let netns = netns_inode_of_pid(pid).ok();
+    if process.is_some_and(|p| !p.is_alive()) {
+        return Caller {
+            netns: None,
+            process: None,
+        };
+    }
+    Caller { netns, process }
+}
+
+async fn serve_client(mut stream: UnixStream, shared: Shared) {
+    let caller = identify(&stream);
+    tracing::trace!(?caller, "client connected");
+    loop {
+        let body = match read_frame(&mut stream).await {
+            Ok(Some(body)) => body,
+            Ok(None) => return,
+            Err(FrameError::Io(e)) => {
+                tracing::debug!(error = %e, "client connection ended mid-frame");
+                shared.lock().bad_request();
+                return;
+            }
+            Err(FrameError::Proto(e)) => {
+                shared.lock().bad_request();
+                let resp = Response::error(ErrorCode::BadRequest, e.to_string());
+                let _ = send_answer(&mut stream, resp.into()).await;
+                return;
+            }
+        };
+        let answer = match proto::decode_request(&body) {
+            Ok(req) => {
+                tracing::trace!(op = req.op_name(), "request");
+                shared.lock().handle(&caller, req)
+            }
+            Err(e) => {
+                shared.lock().bad_request();
+                Response::error(ErrorCode::BadRequest, e.to_string()).into()
+            }
+        };
+        if let Err(e) = send_answer(&mut stream, answer).await {
+            tracing::debug!(error = %e, "cannot answer a client");
+            return;
+        }
+    }
+}
+
+enum FrameError {
+    Io(io::Error),
+    Proto(proto::ProtoError),
+}
+
+/// One request body; `None` on a clean EOF between frames.
+async fn read_frame(stream: &mut UnixStream) -> Result<Option<Vec<u8>>, FrameError> {
+    let mut header = [0u8; proto::HEADER_LEN];
+    // Idle clients may wait as long as they like for their next request…
+    let n = stream
+        .read(&mut header[..1])
+        .await
+        .map_err(FrameError::Io)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    // …but once a frame started, all of it must arrive promptly.
+    let rest = async {
+        stream
+            .read_exact(&mut header[1..])
+            .await
+            .map_err(FrameError::Io)?;
+        let len = proto::frame_len(header, proto::MAX_REQUEST_FRAME).map_err(FrameError::Proto)?;
+        let mut body = vec![0u8; len];
+        stream.read_exact(&mut body).await.map_err(FrameError::Io)?;
+        Ok(Some(body))
+    };
+    match tokio::time::timeout(FRAME_TIMEOUT, rest).await {
+        Ok(r) => r,
+        Err(_) => Err(FrameError::Io(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "frame timed out",
+        ))),
+    }
+}
+
+async fn send_answer(stream: &mut UnixStream, answer: Answer) -> io::Result<()> {
+    let frame = match proto::encode_frame(&answer.response, proto::MAX_RESPONSE_FRAME) {
+        Ok(f) => f,
+        Err(e) => {
+            let resp = Response::error(ErrorCode::TooLarge, e.to_string());
+            proto::encode_frame(&resp, proto::MAX_RESPONSE_FRAME).map_err(io::Error::other)?
+        }
+    };
+    let mut sent = 0;
+    if let Some(fd) = &answer.fd {
+        sent = send_with_fd(stream, &frame, fd).await?;
+    }
+    stream.write_all(&frame[sent..]).await
+    // `answer.fd` (the daemon's copy for a claim, a dup for an intent) is
+    // closed here: the receiver holds its own reference now.
+}
+
+/// Sends (a first part of) `frame` with `fd` attached; returns bytes sent.
+async fn send_with_fd(stream: &UnixStream, frame: &[u8], fd: &OwnedFd) -> io::Result<usize> {
+    loop {
+        stream.writable().await?;
+        let raw = stream.as_raw_fd();
+        let fds = [fd.as_raw_fd()];
+        let result = stream.try_io(Interest::WRITABLE, || {
+            sendmsg::<()>(
+                raw,
+                &[IoSlice::new(frame)],
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            )
+            .map_err(io::Error::from)
+        });
+        match result {
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}

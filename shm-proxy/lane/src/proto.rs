@@ -1,0 +1,520 @@
+//! The wire protocol between `flowlaned` and its clients (the preload
+//! library, `flowlane status`, the CNI plugin's registry poke).
+//!
+//! Request/response over a Unix stream socket. Every message is one frame:
+//!
+//! ```text
+//! u32 little-endian body length | body: one JSON object
+//! ```
+//!
+//! A response that hands over a channel carries the channel's memfd in the
+//! SCM_RIGHTS ancillary data of its frame. Requests never carry fds.
+//!
+//! The decoder is strict and total: garbage, truncated and oversized input
+//! produce a [`ProtoError`], never a panic. A request frame's body is bounded
+//! by [`MAX_REQUEST_FRAME`]; a response's by [`MAX_RESPONSE_FRAME`] (a stats
+//! answer lists every connection of the node, so it may be large).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// Version of this protocol; bumped on incompatible changes.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest request body the daemon accepts.
+pub const MAX_REQUEST_FRAME: usize = 64 * 1024;
+
+/// Largest response body a client accepts.
+pub const MAX_RESPONSE_FRAME: usize = 16 * 1024 * 1024;
+
+/// Bytes of the length prefix.
+pub const HEADER_LEN: usize = 4;
+
+/// Why a connection stayed on TCP (counted by the daemon per reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FallbackReason {
+    NoDaemon,
+    NotLocalPod,
+    NoPeerLibrary,
+    Unsupported,
+    InternalError,
+}
+
+impl FallbackReason {
+    /// Stable name used in counters and `flowlane status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FallbackReason::NoDaemon => "no-daemon",
+            FallbackReason::NotLocalPod => "not-local-pod",
+            FallbackReason::NoPeerLibrary => "no-peer-library",
+            FallbackReason::Unsupported => "unsupported",
+            FallbackReason::InternalError => "internal-error",
+        }
+    }
+}
+
+/// A client's request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Request {
+    /// The caller's pod listens on `addr` (unspecified IP = all its IPs).
+    RegisterListener { addr: SocketAddr },
+    /// The listener on `addr` closed.
+    UnregisterListener { addr: SocketAddr },
+    /// Before a TCP connect from `src` (IP may be unspecified: the daemon
+    /// fills in the caller pod's address facing `dst`) to `dst`.
+    ConnectIntent {
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+    },
+    /// The connect after an intent failed: drop its channel.
+    CancelIntent { channel_id: u64 },
+    /// After accept: the channel the client `peer` announced towards `local`.
+    ClaimAccepted { local: SocketAddr, peer: SocketAddr },
+    /// A channel ended; application bytes moved by the reporting side.
+    ReportClosed {
+        channel_id: u64,
+        sent: u64,
+        received: u64,
+    },
+    /// A connection stayed on TCP for `reason`.
+    ReportFallback { reason: FallbackReason },
+    /// The CNI plugin changed the pod registry.
+    RegistryChanged,
+    /// Counters, connections and listeners of the node.
+    Stats,
+}
+
+impl Request {
+    /// Short name for logs and counters.
+    pub fn op_name(&self) -> &'static str {
+        match self {
+            Request::RegisterListener { .. } => "register-listener",
+            Request::UnregisterListener { .. } => "unregister-listener",
+            Request::ConnectIntent { .. } => "connect-intent",
+            Request::CancelIntent { .. } => "cancel-intent",
+            Request::ClaimAccepted { .. } => "claim-accepted",
+            Request::ReportClosed { .. } => "report-closed",
+            Request::ReportFallback { .. } => "report-fallback",
+            Request::RegistryChanged => "registry-changed",
+            Request::Stats => "stats",
+        }
+    }
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ErrorCode {
+    /// The frame or its body could not be decoded.
+    BadRequest,
+    /// The caller's network namespace is not a pod of this node.
+    UnknownPod,
+    /// The caller's pod does not own the address or channel it named.
+    Forbidden,
+    /// A size or count exceeds the daemon's bounds.
+    TooLarge,
+    /// The daemon failed internally (e.g. memfd creation).
+    Internal,
+}
+
+/// Why an intent or claim got no channel (the connection stays on TCP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NoChannelReason {
+    /// The destination is not a pod on this node.
+    NotLocalPod,
+    /// The destination pod has no flowlane listener on that port.
+    NoListener,
+    /// No pending channel matches the accepted connection.
+    NoIntent,
+}
+
+/// The daemon's answer to one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Response {
+    Ok,
+    /// A channel; its memfd travels in the frame's SCM_RIGHTS data.
+    Channel {
+        id: u64,
+        len: u64,
+    },
+    NoChannel {
+        reason: NoChannelReason,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+    Stats {
+        stats: Box<Stats>,
+    },
+}
+
+impl Response {
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Response::Error {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// Counters of one lane (`shm` today; `rdma` later).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaneStats {
+    pub connections_opened: u64,
+    pub connections_active: u64,
+    pub connections_closed: u64,
+    /// Application bytes moved through the lane by closed connections (as
+    /// reported by the senders).
+    pub bytes: u64,
+    /// Channels announced by a client and not yet claimed by the server.
+    pub channels_pending: u64,
+}
+
+/// One end of a connection in a stats answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Endpoint {
+    /// `namespace/name` of the pod, or its container id when unnamed.
+    pub pod: String,
+    pub addr: SocketAddr,
+}
+
+/// One brokered connection (claimed channel) in a stats answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectionInfo {
+    pub id: u64,
+    pub lane: String,
+    pub client: Endpoint,
+    pub server: Endpoint,
+    pub region_len: u64,
+    /// Bytes reported so far (sides report when they close).
+    pub bytes_client_to_server: u64,
+    pub bytes_server_to_client: u64,
+    pub age_secs: u64,
+}
+
+/// One flowlane listener in a stats answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListenerInfo {
+    pub pod: String,
+    pub addr: SocketAddr,
+    /// Processes that registered it and are still alive.
+    pub processes: u32,
+}
+
+/// Facts about the daemon itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonInfo {
+    pub version: String,
+    pub protocol: u32,
+    pub pid: u32,
+    pub uptime_secs: u64,
+    pub state_dir: String,
+    pub socket: String,
+    /// Pods (network namespaces) known from the registry.
+    pub pods: u64,
+    pub registry_reloads: u64,
+}
+
+/// The answer to [`Request::Stats`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    pub daemon: DaemonInfo,
+    /// Per lane, by lane name (`shm`).
+    pub lanes: BTreeMap<String, LaneStats>,
+    /// Connections that stayed on TCP, by reason.
+    pub fallbacks: BTreeMap<String, u64>,
+    /// Requests refused because of the caller's identity.
+    pub auth_failures: u64,
+    /// Frames that could not be decoded.
+    pub bad_requests: u64,
+    /// Requests served, by operation.
+    pub requests: BTreeMap<String, u64>,
+    pub connections: Vec<ConnectionInfo>,
+    pub listeners: Vec<ListenerInfo>,
+}
+
+/// A decoding failure. Never fatal to the daemon: it answers with
+/// [`ErrorCode::BadRequest`] (and drops the connection when the framing
+/// itself is lost).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProtoError {
+    #[error("empty frame")]
+    Empty,
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    TooLarge { len: usize, max: usize },
+    #[error("truncated frame: {have} of {need} bytes")]
+    Truncated { have: usize, need: usize },
+    #[error("malformed message: {0}")]
+    Malformed(String),
+}
+
+impl ProtoError {
+    /// True when the stream can no longer be parsed (the length prefix is
+    /// unusable), so the connection must be dropped after answering.
+    pub fn loses_framing(&self) -> bool {
+        matches!(self, ProtoError::Empty | ProtoError::TooLarge { .. })
+    }
+}
+
+/// The body length announced by a frame header, checked against `max`.
+pub fn frame_len(header: [u8; HEADER_LEN], max: usize) -> Result<usize, ProtoError> {
+    let len = u32::from_le_bytes(header) as usize;
+    if len == 0 {
+        return Err(ProtoError::Empty);
+    }
+    if len > max {
+        return Err(ProtoError::TooLarge { len, max });
+    }
+    Ok(len)
+}
+
+/// Splits one complete frame off the front of `buf`: `Ok(Some((body,
+/// consumed)))`, `Ok(None)` when more bytes are needed.
+pub fn split_frame(buf: &[u8], max: usize) -> Result<Option<(&[u8], usize)>, ProtoError> {
+    let Some(header) = buf.get(..HEADER_LEN) else {
+        return Ok(None);
+    };
+    let mut h = [0u8; HEADER_LEN];
+    h.copy_from_slice(header);
+    let len = frame_len(h, max)?;
+    match buf.get(HEADER_LEN..HEADER_LEN + len) {
+        Some(body) => Ok(Some((body, HEADER_LEN + len))),
+        None => Ok(None),
+    }
+}
+
+/// Decodes exactly one complete frame (header + body, nothing after it).
+pub fn decode_frame<T: for<'de> Deserialize<'de>>(buf: &[u8], max: usize) -> Result<T, ProtoError> {
+    match split_frame(buf, max)? {
+        Some((body, used)) if used == buf.len() => decode_body(body),
+        Some((_, used)) => Err(ProtoError::Malformed(format!(
+            "{} trailing bytes after the frame",
+            buf.len() - used
+        ))),
+        None => Err(ProtoError::Truncated {
+            have: buf.len(),
+            need: if buf.len() < HEADER_LEN {
+                HEADER_LEN
+            } else {
+                HEADER_LEN + u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize
+            },
+        }),
+    }
+}
+
+/// Decodes a frame body (the JSON object).
+pub fn decode_body<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ProtoError> {
+    serde_json::from_slice(body).map_err(|e| ProtoError::Malformed(e.to_string()))
+}
+
+/// Decodes a request body.
+pub fn decode_request(body: &[u8]) -> Result<Request, ProtoError> {
+    decode_body(body)
+}
+
+/// Decodes a response body.
+pub fn decode_response(body: &[u8]) -> Result<Response, ProtoError> {
+    decode_body(body)
+}
+
+/// Encodes `msg` as one frame. Fails only if the body exceeds `max` (or the
+/// message cannot be serialised, which our types never cause).
+pub fn encode_frame<T: Serialize>(msg: &T, max: usize) -> Result<Vec<u8>, ProtoError> {
+    let mut out = vec![0u8; HEADER_LEN];
+    serde_json::to_writer(&mut out, msg).map_err(|e| ProtoError::Malformed(e.to_string()))?;
+    let len = out.len() - HEADER_LEN;
+    if len > max {
+        return Err(ProtoError::TooLarge { len, max });
+    }
+    out[..HEADER_LEN].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_requests() -> Vec<Request> {
+        let a: SocketAddr = "10.202.0.2:8080".parse().unwrap();
+        let b: SocketAddr = "[fd00::3]:41000".parse().unwrap();
+        vec![
+            Request::RegisterListener { addr: a },
+            Request::UnregisterListener { addr: b },
+            Request::ConnectIntent {
+                src: "0.0.0.0:41000".parse().unwrap(),
+                dst: a,
+                region_len: 2 << 20,
+            },
+            Request::CancelIntent { channel_id: 7 },
+            Request::ClaimAccepted { local: a, peer: b },
+            Request::ReportClosed {
+                channel_id: u64::MAX,
+                sent: 1,
+                received: 2,
+            },
+            Request::ReportFallback {
+                reason: FallbackReason::Unsupported,
+            },
+            Request::RegistryChanged,
+            Request::Stats,
+        ]
+    }
+
+    #[test]
+    fn every_request_roundtrips() {
+        for req in all_requests() {
+            let frame = encode_frame(&req, MAX_REQUEST_FRAME).unwrap();
+            let back: Request = decode_frame(&frame, MAX_REQUEST_FRAME).unwrap();
+            assert_eq!(back, req);
+        }
+    }
+
+    #[test]
+    fn every_response_roundtrips() {
+        let mut stats = Stats::default();
+        stats.lanes.insert("shm".into(), LaneStats::default());
+        stats.fallbacks.insert("no-listener".into(), 3);
+        stats.connections.push(ConnectionInfo {
+            id: 1,
+            lane: "shm".into(),
+            client: Endpoint {
+                pod: "default/a".into(),
+                addr: "10.202.0.2:5000".parse().unwrap(),
+            },
+            server: Endpoint {
+                pod: "default/b".into(),
+                addr: "10.202.0.3:80".parse().unwrap(),
+            },
+            region_len: 4096,
+            bytes_client_to_server: 10,
+            bytes_server_to_client: 20,
+            age_secs: 3,
+        });
+        for resp in [
+            Response::Ok,
+            Response::Channel { id: 3, len: 4096 },
+            Response::NoChannel {
+                reason: NoChannelReason::NoListener,
+            },
+            Response::error(ErrorCode::Forbidden, "not yours"),
+            Response::Stats {
+                stats: Box::new(stats),
+            },
+        ] {
+            let frame = encode_frame(&resp, MAX_RESPONSE_FRAME).unwrap();
+            let back: Response = decode_frame(&frame, MAX_RESPONSE_FRAME).unwrap();
+            assert_eq!(back, resp);
+        }
+    }
+
+    #[test]
+    fn wire_format_is_length_prefixed_json() {
+        let frame = encode_frame(&Request::Stats, MAX_REQUEST_FRAME).unwrap();
+        assert_eq!(&frame[..4], &(frame.len() as u32 - 4).to_le_bytes());
+        assert_eq!(&frame[4..], br#"{"op":"stats"}"#);
+    }
+
+    #[test]
+    fn truncated_frames_are_reported_not_decoded() {
+        let frame = encode_frame(&all_requests()[2], MAX_REQUEST_FRAME).unwrap();
+        for cut in 0..frame.len() {
+            let r: Result<Request, _> = decode_frame(&frame[..cut], MAX_REQUEST_FRAME);
+            assert!(
+                matches!(
+                    r,
+                    Err(ProtoError::Truncated { .. }) | Err(ProtoError::Empty)
+                ),
+                "cut at {cut}: {r:?}"
+            );
+            assert_eq!(split_frame(&frame[..cut], MAX_REQUEST_FRAME), Ok(None));
+        }
+    }
+
+    #[test]
+    fn zero_and_oversized_lengths_lose_framing() {
+        let e = frame_len([0; 4], MAX_REQUEST_FRAME).unwrap_err();
+        assert!(e.loses_framing());
+        let big = (MAX_REQUEST_FRAME as u32 + 1).to_le_bytes();
+        let e = frame_len(big, MAX_REQUEST_FRAME).unwrap_err();
+        assert!(matches!(e, ProtoError::TooLarge { .. }) && e.loses_framing());
+        // The CNI plugin's old newline-JSON poke reads as a huge length.
+        assert!(frame_len(*b"{\"op", MAX_REQUEST_FRAME).is_err());
+    }
+
+    #[test]
+    fn garbage_bodies_are_malformed() {
+        let bodies: &[&[u8]] = &[
+            b"not json",
+            b"{}",
+            b"[]",
+            b"null",
+            b"{\"op\":\"no-such-op\"}",
+            b"{\"op\":\"register-listener\"}",
+            b"{\"op\":\"register-listener\",\"addr\":\"nonsense\"}",
+            b"{\"op\":\"register-listener\",\"addr\":\"1.2.3.4:80\",\"extra\":1}",
+            b"{\"op\":\"connect-intent\",\"src\":\"1.2.3.4:1\",\"dst\":\"1.2.3.5:2\",\"region_len\":-1}",
+            b"{\"op\":\"stats\"",
+            b"\xff\xfe\x00",
+        ];
+        for body in bodies {
+            let r = decode_request(body);
+            assert!(
+                matches!(r, Err(ProtoError::Malformed(_))),
+                "{:?} -> {r:?}",
+                String::from_utf8_lossy(body)
+            );
+            assert!(!r.unwrap_err().loses_framing());
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_are_rejected() {
+        let mut frame = encode_frame(&Request::Stats, MAX_REQUEST_FRAME).unwrap();
+        frame.push(b' ');
+        assert!(decode_frame::<Request>(&frame, MAX_REQUEST_FRAME).is_err());
+    }
+
+    #[test]
+    fn random_input_never_panics() {
+        // Deterministic xorshift; mutates valid frames and feeds random bytes.
+        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let valid: Vec<Vec<u8>> = all_requests()
+            .iter()
+            .map(|r| encode_frame(r, MAX_REQUEST_FRAME).unwrap())
+            .collect();
+        for i in 0..20_000 {
+            let mut buf = if i % 2 == 0 {
+                valid[(next() as usize) % valid.len()].clone()
+            } else {
+                (0..(next() % 64)).map(|_| next() as u8).collect()
+            };
+            for _ in 0..(next() % 4) {
+                if buf.is_empty() {
+                    break;
+                }
+                let at = (next() as usize) % buf.len();
+                buf[at] = next() as u8;
+            }
+            if next() % 3 == 0 && !buf.is_empty() {
+                let cut = (next() as usize) % buf.len();
+                buf.truncate(cut);
+            }
+            let _ = decode_frame::<Request>(&buf, MAX_REQUEST_FRAME);
+            let _ = split_frame(&buf, MAX_REQUEST_FRAME);
+        }
+    }
+}
