@@ -467,3 +467,88 @@ fn ip_masq_hides_the_pod_address_outside_its_subnet_until_del() {
     );
     net.assert_clean(&[&pod.id]);
 }
+
+#[test]
+fn check_detects_drift_from_the_result() {
+    let v = version_latest();
+    let net = TestNet::new("drift", &["10.201.23.0/24"]);
+    let ok = |pod: &Pod, raw: &serde_json::Value| net.check(pod, v, raw).expect_ok();
+    let fails = |label: &str, pod: &Pod, raw: &serde_json::Value| {
+        let out = net.check(pod, v, raw);
+        assert!(!out.success(), "{label}: CHECK passed:\n{}", out.stdout);
+        let e = out.error();
+        assert!(e.code != 0, "{label}");
+    };
+    let mut pods = Vec::new();
+
+    // Address removed from the pod's interface.
+    let pod = Pod::new("drift");
+    let raw = net.add(&pod, v);
+    ok(&pod, &raw);
+    let cidr = expect_valid(v, &raw).ipv4().unwrap().cidr();
+    pod.netns
+        .ip(&["addr", "del", &cidr, "dev", "eth0"])
+        .expect_ok("addr del");
+    fails("address removed", &pod, &raw);
+    pods.push((pod, raw));
+
+    // Default route removed.
+    let pod = Pod::new("drift");
+    let raw = net.add(&pod, v);
+    pod.netns
+        .ip(&["route", "del", "default"])
+        .expect_ok("route del");
+    fails("default route removed", &pod, &raw);
+    pods.push((pod, raw));
+
+    // prevResult claims another address than the pod has.
+    let pod = Pod::new("drift");
+    let raw = net.add(&pod, v);
+    let mut other = raw.clone();
+    other["ips"][0]["address"] = serde_json::json!("10.201.23.250/24");
+    fails("prevResult with another address", &pod, &other);
+    ok(&pod, &raw);
+    pods.push((pod, raw));
+
+    // Interface brought down.
+    let pod = Pod::new("drift");
+    let raw = net.add(&pod, v);
+    pod.netns
+        .ip(&["link", "set", "eth0", "down"])
+        .expect_ok("link down");
+    let out = net.check(&pod, v, &raw);
+    // Not every plugin checks the link state; when it answers, it answers well-formed.
+    if !out.success() {
+        out.error();
+    }
+    pods.push((pod, raw));
+
+    let ids: Vec<String> = pods.iter().map(|(p, _)| p.id.clone()).collect();
+    for (pod, raw) in &pods {
+        net.del(pod, v, Some(raw)).expect_ok();
+    }
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    net.assert_clean(&ids);
+}
+
+#[test]
+fn layer2_only_without_ipam() {
+    // As with the reference bridge, no `ipam` means an L2-only attachment.
+    let v = version_latest();
+    let net = TestNet::new("l2", &["10.201.24.0/24"]);
+    let mut conf = net.conf(v);
+    conf.as_object_mut().unwrap().remove("ipam");
+    conf["isGateway"] = serde_json::json!(false);
+    conf["isDefaultGateway"] = serde_json::json!(false);
+    let pod = Pod::new("l2");
+    let raw = net.pod_call("ADD", &pod, &conf).run().expect_json();
+    let res = expect_valid(v, &raw);
+    assert!(res.ips.is_empty(), "no addresses without IPAM: {raw:#}");
+    let eth0 = pod.netns.link("eth0").expect("eth0 exists");
+    assert!(eth0.cidrs().is_empty(), "{eth0:?}");
+    assert_eq!(flowlane_e2e::host::bridge_ports(&net.name).len(), 1);
+    let mut del = conf.clone();
+    del["prevResult"] = raw;
+    net.pod_call("DEL", &pod, &del).run().expect_ok();
+    net.assert_clean(&[&pod.id]);
+}

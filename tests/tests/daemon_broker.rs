@@ -27,16 +27,29 @@ fn channel_memory_is_shared_between_client_and_server_pods() {
     assert_eq!(st.listeners[0].pod, server_pod.name);
 
     let claimed = server.expect_channel("claim 10.202.1.3:5000 10.202.1.2:41000");
-    assert_eq!(claimed, id, "the server gets the channel the client announced");
+    assert_eq!(
+        claimed, id,
+        "the server gets the channel the client announced"
+    );
     assert_eq!(server.cmd("read 0 17"), "data hello-from-client");
     assert_eq!(server.cmd("write 4096 reply-from-server"), "ok");
     assert_eq!(client.cmd("read 4096 17"), "data reply-from-server");
     // The region is sealed: neither end can shrink it under the other.
-    assert!(server.cmd("shrink").starts_with("err"), "memfd must be sealed");
+    assert!(
+        server.cmd("shrink").starts_with("err"),
+        "memfd must be sealed"
+    );
 
     let st = node.stats();
     let shm = &st.lanes["shm"];
-    assert_eq!((shm.connections_opened, shm.connections_active, shm.channels_pending), (1, 1, 0));
+    assert_eq!(
+        (
+            shm.connections_opened,
+            shm.connections_active,
+            shm.channels_pending
+        ),
+        (1, 1, 0)
+    );
     let conn = &st.connections[0];
     assert_eq!(conn.id, id);
     assert_eq!(conn.client.pod, client_pod.name);
@@ -49,11 +62,18 @@ fn channel_memory_is_shared_between_client_and_server_pods() {
     assert_eq!(server.cmd("claim 10.202.1.3:5000 10.202.1.2:41000"), "none");
 
     assert_eq!(client.cmd(&format!("closed {id} 1000 24")), "ok");
-    assert_eq!(node.stats().lanes["shm"].connections_active, 1, "half reported");
+    assert_eq!(
+        node.stats().lanes["shm"].connections_active,
+        1,
+        "half reported"
+    );
     assert_eq!(server.cmd(&format!("closed {id} 24 1000")), "ok");
     let st = node.stats();
     let shm = &st.lanes["shm"];
-    assert_eq!((shm.connections_active, shm.connections_closed, shm.bytes), (0, 1, 1024));
+    assert_eq!(
+        (shm.connections_active, shm.connections_closed, shm.bytes),
+        (0, 1, 1024)
+    );
     assert!(st.connections.is_empty());
 }
 
@@ -67,35 +87,63 @@ fn a_third_pod_can_never_obtain_another_pairs_channel() {
 
     assert_eq!(pb.cmd("listen 10.202.2.3:6000"), "ok");
     // C cannot register a listener on B's address, nor announce from A's.
-    assert!(pc.cmd("listen 10.202.2.3:6000").starts_with("err PermissionDenied"));
-    assert!(pc.cmd("intent 10.202.2.2:41000 10.202.2.3:6000 65536").starts_with("err PermissionDenied"));
+    assert!(pc
+        .cmd("listen 10.202.2.3:6000")
+        .starts_with("err PermissionDenied"));
+    assert!(pc
+        .cmd("intent 10.202.2.2:41000 10.202.2.3:6000 65536")
+        .starts_with("err PermissionDenied"));
 
     let id = pa.expect_channel("intent 10.202.2.2:41000 10.202.2.3:6000 65536");
     assert_eq!(pa.cmd("write 0 secret-of-a-and-b"), "ok");
 
     // C tries every way to reach the pending channel.
-    assert!(pc.cmd("claim 10.202.2.3:6000 10.202.2.2:41000").starts_with("err PermissionDenied"));
-    assert!(pc.cmd("claim 10.202.2.4:6000 10.202.2.2:41000").starts_with("err PermissionDenied"));
-    assert!(pc.cmd(&format!("cancel {id}")).starts_with("err PermissionDenied"));
-    assert!(pc.cmd("stats").starts_with("err PermissionDenied"), "pods cannot read node stats");
-    assert!(pc.cmd("registry-changed").starts_with("err PermissionDenied"));
+    assert!(pc
+        .cmd("claim 10.202.2.3:6000 10.202.2.2:41000")
+        .starts_with("err PermissionDenied"));
+    assert!(pc
+        .cmd("claim 10.202.2.4:6000 10.202.2.2:41000")
+        .starts_with("err PermissionDenied"));
+    assert!(pc
+        .cmd(&format!("cancel {id}"))
+        .starts_with("err PermissionDenied"));
+    assert!(
+        pc.cmd("stats").starts_with("err PermissionDenied"),
+        "pods cannot read node stats"
+    );
+    assert!(pc
+        .cmd("registry-changed")
+        .starts_with("err PermissionDenied"));
     // A claim B's listener never made also gets nothing for C: no channel.
     assert_eq!(pc.cmd("claim 10.202.2.4:6000 10.202.2.2:41001"), "none");
 
     // The channel is still there for its real server.
-    assert_eq!(pb.expect_channel("claim 10.202.2.3:6000 10.202.2.2:41000"), id);
+    assert_eq!(
+        pb.expect_channel("claim 10.202.2.3:6000 10.202.2.2:41000"),
+        id
+    );
     assert_eq!(pb.cmd("read 0 17"), "data secret-of-a-and-b");
     // …and after the claim C cannot report on it either.
-    assert!(pc.cmd(&format!("closed {id} 1 1")).starts_with("err PermissionDenied"));
+    assert!(pc
+        .cmd(&format!("closed {id} 1 1"))
+        .starts_with("err PermissionDenied"));
 
     // A process in a namespace that is no pod of this node is unknown.
     let stranger = flowlane_e2e::netns::Netns::named(&daemon_common::unique_name("x"));
     let mut px = daemon_common::Agent::spawn(&stranger, &node.socket);
-    assert!(px.cmd("listen 0.0.0.0:6000").starts_with("err PermissionDenied"));
-    assert!(px.cmd("claim 10.202.2.3:6000 10.202.2.2:41000").starts_with("err PermissionDenied"));
+    assert!(px
+        .cmd("listen 0.0.0.0:6000")
+        .starts_with("err PermissionDenied"));
+    assert!(px
+        .cmd("claim 10.202.2.3:6000 10.202.2.2:41000")
+        .starts_with("err PermissionDenied"));
 
     let st = node.stats();
-    assert!(st.auth_failures >= 10, "auth failures counted: {}", st.auth_failures);
+    assert!(
+        st.auth_failures >= 10,
+        "auth failures counted: {}",
+        st.auth_failures
+    );
     assert!(st.fallbacks.get("auth-failed").copied().unwrap_or(0) >= 4);
     assert_eq!(st.lanes["shm"].connections_opened, 1);
 }
@@ -113,7 +161,10 @@ fn unclaimed_channels_expire_and_the_daemon_keeps_no_fd() {
         pa.expect_channel(&format!("intent 0.0.0.0:{port} 10.202.3.3:7000 65536"));
     }
     assert_eq!(node.stats().lanes["shm"].channels_pending, 10);
-    assert!(node.daemon_fds() >= fds_before + 10, "the daemon holds pending memfds");
+    assert!(
+        node.daemon_fds() >= fds_before + 10,
+        "the daemon holds pending memfds"
+    );
     let expired = flowlane_e2e::wait::until(Duration::from_secs(20), || {
         node.stats().lanes["shm"].channels_pending == 0
     });
@@ -133,8 +184,13 @@ fn unclaimed_channels_expire_and_the_daemon_keeps_no_fd() {
         pa.expect_channel(&format!("intent 0.0.0.0:{port} 10.202.3.3:7000 65536"));
         pb.expect_channel(&format!("claim 10.202.3.3:7000 10.202.3.2:{port}"));
     }
-    let settled = flowlane_e2e::wait::until(Duration::from_secs(10), || node.daemon_fds() <= fds_before);
-    assert!(settled, "daemon fds {} > {fds_before} before", node.daemon_fds());
+    let settled =
+        flowlane_e2e::wait::until(Duration::from_secs(10), || node.daemon_fds() <= fds_before);
+    assert!(
+        settled,
+        "daemon fds {} > {fds_before} before",
+        node.daemon_fds()
+    );
 }
 
 #[test]
@@ -146,7 +202,9 @@ fn intents_without_listener_oversized_or_off_node_stay_on_tcp() {
     assert_eq!(pa.cmd("intent 0.0.0.0:43000 10.202.4.3:8000 65536"), "none");
     assert_eq!(pa.cmd("intent 0.0.0.0:43000 10.99.0.1:8000 65536"), "none");
     assert_eq!(pb.cmd("listen 10.202.4.3:8000"), "ok");
-    assert!(pa.cmd("intent 0.0.0.0:43000 10.202.4.3:8000 2097152").starts_with("err InvalidInput"));
+    assert!(pa
+        .cmd("intent 0.0.0.0:43000 10.202.4.3:8000 2097152")
+        .starts_with("err InvalidInput"));
     // Another port of the listening pod has no listener.
     assert_eq!(pa.cmd("intent 0.0.0.0:43000 10.202.4.3:8001 65536"), "none");
     assert_eq!(pb.cmd("unlisten 10.202.4.3:8000"), "ok");
@@ -171,7 +229,8 @@ fn pods_added_later_are_found_lazily_and_by_the_plugins_poke() {
     assert_eq!(node.stats().daemon.pods, 1);
     // The CNI plugin's poke makes the daemon reread at once.
     let b = node.add_pod("b", "10.202.5.3");
-    flowlane_lane::notify::notify_registry_changed(&node.socket, Duration::from_secs(10)).expect("poke");
+    flowlane_lane::notify::notify_registry_changed(&node.socket, Duration::from_secs(10))
+        .expect("poke");
     assert_eq!(node.stats().daemon.pods, 2);
     // A destination pod added a moment ago is found too.
     let c = node.add_pod("c", "10.202.5.4");
@@ -181,10 +240,16 @@ fn pods_added_later_are_found_lazily_and_by_the_plugins_poke() {
     pb.expect_channel("intent 0.0.0.0:44000 10.202.5.4:9000 65536");
     // A pod removed by CNI DEL loses its listener and its identity.
     node.remove_pod(&c);
-    flowlane_lane::notify::notify_registry_changed(&node.socket, Duration::from_secs(10)).expect("poke");
-    assert!(pc.cmd("listen 0.0.0.0:9001").starts_with("err PermissionDenied"));
+    flowlane_lane::notify::notify_registry_changed(&node.socket, Duration::from_secs(10))
+        .expect("poke");
+    assert!(pc
+        .cmd("listen 0.0.0.0:9001")
+        .starts_with("err PermissionDenied"));
     let st = node.stats();
     assert_eq!(st.daemon.pods, 2);
     assert!(st.listeners.iter().all(|l| l.pod != c.name));
-    assert_eq!(st.lanes["shm"].channels_pending, 0, "its pending channel went with it");
+    assert_eq!(
+        st.lanes["shm"].channels_pending, 0,
+        "its pending channel went with it"
+    );
 }

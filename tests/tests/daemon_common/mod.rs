@@ -101,7 +101,10 @@ impl Node {
         let mut guard = ChildGuard::new(child);
         let up = flowlane_e2e::wait::until(Duration::from_secs(30), || {
             if let Ok(Some(status)) = guard.child.try_wait() {
-                panic!("flowlaned exited early ({status}); log:\n{}", self.log_text());
+                panic!(
+                    "flowlaned exited early ({status}); log:\n{}",
+                    self.log_text()
+                );
             }
             DaemonClient::connect(&self.socket, CALL_TIMEOUT)
                 .and_then(|mut c| c.stats())
@@ -136,7 +139,10 @@ impl Node {
     }
 
     pub fn daemon_alive(&mut self) -> bool {
-        matches!(self.daemon.as_mut().map(|d| d.child.try_wait()), Some(Ok(None)))
+        matches!(
+            self.daemon.as_mut().map(|d| d.child.try_wait()),
+            Some(Ok(None))
+        )
     }
 
     /// Open fds of the daemon process.
@@ -240,7 +246,12 @@ impl Agent {
 
     fn start(cmd: &mut Command) -> Agent {
         let mut child = cmd
-            .args(["--exact", "daemon_common::agent_entry", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "daemon_common::agent_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -283,7 +294,10 @@ impl Agent {
         let a = self.cmd(line);
         let mut parts = a.split_whitespace();
         assert_eq!(parts.next(), Some("channel"), "{line:?} -> {a:?}");
-        parts.next().and_then(|s| s.parse().ok()).expect("channel id")
+        parts
+            .next()
+            .and_then(|s| s.parse().ok())
+            .expect("channel id")
     }
 }
 
@@ -370,9 +384,9 @@ fn agent_command(socket: &Path, line: &str, mapped: &mut Option<Mapped>) -> Stri
     match words.first().copied().unwrap_or("") {
         "listen" => unit(client().and_then(|mut c| c.register_listener(addr(1)))),
         "unlisten" => unit(client().and_then(|mut c| c.unregister_listener(addr(1)))),
-        "intent" => channel(
-            client().and_then(|mut c| c.connect_intent(addr(1), addr(2), num(3) as usize)),
-        ),
+        "intent" => {
+            channel(client().and_then(|mut c| c.connect_intent(addr(1), addr(2), num(3) as usize)))
+        }
         "claim" => channel(client().and_then(|mut c| c.claim_accepted(addr(1), addr(2)))),
         "cancel" => unit(client().and_then(|mut c| c.cancel_intent(num(1)))),
         "closed" => unit(client().and_then(|mut c| c.report_closed(num(1), num(2), num(3)))),
