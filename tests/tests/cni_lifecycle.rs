@@ -552,3 +552,54 @@ fn layer2_only_without_ipam() {
     net.pod_call("DEL", &pod, &del).run().expect_ok();
     net.assert_clean(&[&pod.id]);
 }
+
+#[test]
+fn daemon_notification_is_best_effort() {
+    use std::os::unix::net::UnixListener;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    if PluginUnderTest::from_env() == PluginUnderTest::Reference {
+        return; // flowlane's own feature
+    }
+    let v = version_latest();
+    let net = TestNet::new("ntfy", &["10.201.25.0/24"]);
+    // A "daemon" that accepts and never answers: ADD must still complete.
+    let sock = net.dir.join("mute.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in listener.incoming().flatten() {
+            count.fetch_add(1, Ordering::SeqCst);
+            held.push(c); // keep it open, say nothing
+        }
+    });
+    let mut conf = net.conf(v);
+    conf["daemonSocket"] = serde_json::json!(sock.display().to_string());
+    let pod = Pod::new("ntfy");
+    let raw = net.pod_call("ADD", &pod, &conf).run().expect_json();
+    expect_valid(v, &raw);
+    assert!(
+        accepted.load(Ordering::SeqCst) >= 1,
+        "the plugin tried to notify the daemon"
+    );
+    let mut del = conf.clone();
+    del["prevResult"] = raw;
+    net.pod_call("DEL", &pod, &del).run().expect_ok();
+
+    // daemonSocket that is a regular file, or missing: no effect on ADD.
+    for path in [net.dir.join("plain"), net.dir.join("missing.sock")] {
+        if path.ends_with("plain") {
+            std::fs::write(&path, b"not a socket").unwrap();
+        }
+        let mut conf = net.conf(v);
+        conf["daemonSocket"] = serde_json::json!(path.display().to_string());
+        let pod = Pod::new("ntfy");
+        let raw = net.pod_call("ADD", &pod, &conf).run().expect_json();
+        let mut del = conf.clone();
+        del["prevResult"] = raw;
+        net.pod_call("DEL", &pod, &del).run().expect_ok();
+        net.assert_clean(&[&pod.id]);
+    }
+}
