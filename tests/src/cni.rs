@@ -241,18 +241,18 @@ pub struct TestNet {
 }
 
 impl TestNet {
-    /// A network tagged `tag` (≤7 chars) with one IPAM range set per subnet.
+    /// A network tagged `tag` (≤6 chars) with one IPAM range set per subnet.
     pub fn new(tag: &str, subnets: &[&str]) -> Self {
         Self::with_plugin(tag, subnets, PluginUnderTest::from_env())
     }
 
     /// Like [`TestNet::new`] for an explicit plugin (the benchmark runs both).
     pub fn with_plugin(tag: &str, subnets: &[&str], plugin: PluginUnderTest) -> Self {
-        let name = crate::names::unique(tag);
+        let bridge = LinkGuard::fresh(tag);
         TestNet {
             plugin,
-            bridge: LinkGuard::new(&name),
-            name: name.clone(),
+            name: bridge.name().to_string(),
+            bridge,
             subnets: subnets.iter().map(|s| s.to_string()).collect(),
             dir: TempDir::new(tag),
         }

@@ -101,11 +101,21 @@ pub struct LinkGuard {
 }
 
 impl LinkGuard {
-    /// Guards `name`; a stale link of that name from a crashed run is removed now.
+    /// Guards the host link `name` (which may not exist yet: e.g. the bridge
+    /// a plugin will create).
     pub fn new(name: &str) -> Self {
-        let _ = process::sh(&["ip", "link", "del", name]);
         LinkGuard {
             name: name.to_string(),
+        }
+    }
+
+    /// Guards a fresh unique name from `tag` that no host link has yet.
+    pub fn fresh(tag: &str) -> Self {
+        loop {
+            let name = crate::names::unique(tag);
+            if link(&name).is_none() {
+                return Self::new(&name);
+            }
         }
     }
 

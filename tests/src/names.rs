@@ -15,14 +15,25 @@ pub const PREFIX: &str = "flt";
 /// Maximum length of a Linux interface name (IFNAMSIZ - 1).
 pub const IFNAME_MAX: usize = 15;
 
-/// A name `flt<tag><n>` unique within this process, at most 15 bytes.
-/// `tag` is up to 7 characters chosen by the test (unique per test).
+/// A name `flt<tag><pp><n>`, at most 15 bytes: `tag` is up to 6 characters
+/// chosen by the test (unique per test), `pp` two base-36 digits of the
+/// process id (so that two runs of the suite at once rarely collide; callers
+/// creating kernel objects still skip names that exist, see
+/// [`crate::netns::Netns::new`] and [`crate::host::LinkGuard::fresh`]), `n` a
+/// per-process counter.
 pub fn unique(tag: &str) -> String {
-    assert!(tag.len() <= 7, "tag {tag:?} too long for an interface name");
+    assert!(tag.len() <= 6, "tag {tag:?} too long for an interface name");
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let name = format!("{PREFIX}{tag}{n:x}");
+    let name = format!("{PREFIX}{tag}{}{n:x}", process_token());
     assert!(name.len() <= IFNAME_MAX, "{name} is too long");
     name
+}
+
+/// Two base-36 digits derived from the process id.
+fn process_token() -> String {
+    const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let p = std::process::id() as usize % (36 * 36);
+    format!("{}{}", DIGITS[p / 36] as char, DIGITS[p % 36] as char)
 }
 
 /// A container id as a runtime would make it: long, unique, hex-ish.

@@ -19,19 +19,21 @@ pub struct Netns {
 }
 
 impl Netns {
-    /// Creates a namespace with a unique name from `tag` (see [`crate::names::unique`]);
-    /// its loopback is brought up, as a runtime does.
+    /// Creates a namespace with a unique name from `tag` (see [`crate::names::unique`]),
+    /// skipping names already pinned (another run's); its loopback is brought
+    /// up, as a runtime does.
     pub fn new(tag: &str) -> Self {
-        Self::named(&crate::names::unique(tag))
+        loop {
+            let name = crate::names::unique(tag);
+            if !Path::new(NETNS_RUN_DIR).join(&name).exists() {
+                return Self::named(&name);
+            }
+        }
     }
 
-    /// Creates the namespace `name` (removing a stale one of that name left
-    /// by an earlier crashed run).
+    /// Creates the namespace `name`; panics if it exists.
     pub fn named(name: &str) -> Self {
         let path = Path::new(NETNS_RUN_DIR).join(name);
-        if path.exists() {
-            let _ = process::sh(&["ip", "netns", "del", name]);
-        }
         process::sh(&["ip", "netns", "add", name]).expect_ok("ip netns add");
         let ns = Netns {
             name: name.to_string(),

@@ -69,7 +69,7 @@ fn exec(ctrd: &Containerd, container: &str, cmd: &[&str]) -> Value {
 fn containerd_cri_pods_talk_through_flowlane_and_leave_nothing() {
     let plugin = PluginUnderTest::from_env();
     let w = TempDir::new("cri");
-    let bridge = LinkGuard::new(&flowlane_e2e::names::unique("cri"));
+    let bridge = LinkGuard::fresh("cri");
     let net = bridge.name().to_string();
 
     // CRI's CNI bin dir holds every plugin it may exec: ours and loopback.

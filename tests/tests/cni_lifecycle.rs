@@ -406,7 +406,7 @@ fn ip_masq_hides_the_pod_address_outside_its_subnet_until_del() {
     conf["ipMasq"] = serde_json::json!(true);
     // An "outside" network: a netns behind a veth from the host, 10.201.9.0/30.
     let outside = flowlane_e2e::netns::Netns::new("mqx");
-    let host_end = flowlane_e2e::host::LinkGuard::new(&flowlane_e2e::names::unique("mqh"));
+    let host_end = flowlane_e2e::host::LinkGuard::fresh("mqh");
     flowlane_e2e::process::sh(&[
         "ip",
         "link",
