@@ -14,5 +14,7 @@ pub mod names;
 pub mod netns;
 pub mod process;
 pub mod result;
+pub mod shm;
+pub mod shm_scripts;
 pub mod traffic;
 pub mod wait;

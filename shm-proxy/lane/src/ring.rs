@@ -153,6 +153,80 @@ pub unsafe fn endpoints(base: *mut u8, region_len: usize, side: Side) -> Option<
     Some((Producer { ring: tx, head_cache: 0 }, Consumer { ring: rx, tail_cache: 0 }))
 }
 
+/// Lock-free, read-only view of both directions of one end, for readiness
+/// checks (poll/epoll) that must not contend with a blocked reader or writer.
+#[derive(Clone, Copy)]
+pub struct Probe {
+    tx: RingRef,
+    rx: RingRef,
+}
+
+impl Probe {
+    /// The view of `side`'s end. Same safety contract as [`endpoints`].
+    ///
+    /// # Safety
+    /// See [`endpoints`].
+    pub unsafe fn new(base: *mut u8, region_len: usize, side: Side) -> Option<Probe> {
+        // SAFETY: forwarded contract.
+        let (p, c) = unsafe { endpoints(base, region_len, side) }?;
+        Some(Probe { tx: p.ring, rx: c.ring })
+    }
+
+    /// What a read would find now.
+    pub fn rx_state(&self) -> ReadState {
+        let ctl = self.rx.ctl();
+        let n = ctl.tail.0.load(Ordering::Acquire).wrapping_sub(ctl.head.0.load(Ordering::Acquire));
+        if n > 0 {
+            return ReadState::Data(n as usize);
+        }
+        if ctl.flags.0.producer_closed.load(Ordering::Acquire) != 0 {
+            let n = ctl.tail.0.load(Ordering::Acquire).wrapping_sub(ctl.head.0.load(Ordering::Acquire));
+            return if n > 0 { ReadState::Data(n as usize) } else { ReadState::Eof };
+        }
+        ReadState::Empty
+    }
+
+    /// Free room in the sending ring now.
+    pub fn tx_free(&self) -> usize {
+        let ctl = self.tx.ctl();
+        let used = ctl.tail.0.load(Ordering::Acquire).wrapping_sub(ctl.head.0.load(Ordering::Acquire));
+        self.tx.size.saturating_sub(used as usize)
+    }
+
+    /// Receive-ring producer position (changes whenever data arrives).
+    pub fn rx_tail(&self) -> u64 {
+        self.rx.ctl().tail.0.load(Ordering::Acquire)
+    }
+
+    /// Send-ring consumer position (changes whenever room is freed).
+    pub fn tx_head(&self) -> u64 {
+        self.tx.ctl().head.0.load(Ordering::Acquire)
+    }
+
+    /// The peer stopped reading (closed): writes fail.
+    pub fn tx_peer_gone(&self) -> bool {
+        self.tx.ctl().flags.0.consumer_closed.load(Ordering::Acquire) != 0
+    }
+
+    /// Announce a sleeping reader (see [`Consumer::prepare_wait`]).
+    pub fn prepare_read_wait(&self) {
+        self.rx.ctl().flags.0.reader_waiting.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Announce a sleeping writer (see [`Producer::prepare_wait`]).
+    pub fn prepare_write_wait(&self) {
+        self.tx.ctl().flags.0.writer_waiting.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Withdraw both announcements.
+    pub fn cancel_waits(&self) {
+        self.rx.ctl().flags.0.reader_waiting.store(0, Ordering::Relaxed);
+        self.tx.ctl().flags.0.writer_waiting.store(0, Ordering::Relaxed);
+    }
+}
+
 /// The writing end of one ring.
 pub struct Producer {
     ring: RingRef,

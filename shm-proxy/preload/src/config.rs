@@ -1,0 +1,103 @@
+//! Environment settings, read once when the library loads.
+
+use flowlane_lane::ring;
+use std::ffi::CStr;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// Default spin budget before a wait sleeps in the kernel, in microseconds.
+pub const DEFAULT_SPIN_US: u64 = 50;
+
+/// The library's settings (see docs/shm-lane.md).
+#[derive(Debug)]
+pub struct Config {
+    /// `FLOWLANE_DISABLE=1`: the library passes every call straight through.
+    pub disabled: bool,
+    /// `FLOWLANE_RING_SIZE`: bytes per direction (suffix K/M/G allowed).
+    pub ring_size: usize,
+    /// `FLOWLANE_SPIN_US`: spin budget before sleeping.
+    pub spin_us: u64,
+    /// `FLOWLANE_LOG`: 0 = silent (default), 1 error, 2 warn, 3 info, 4 debug.
+    pub log_level: u8,
+    /// `FLOWLANE_SOCKET`: the daemon's Unix socket.
+    pub socket: PathBuf,
+}
+
+static CONFIG: OnceLock<Config> = OnceLock::new();
+
+/// The settings (read from the environment on first use).
+pub fn get() -> &'static Config {
+    CONFIG.get_or_init(read_env)
+}
+
+fn env(name: &CStr) -> Option<String> {
+    // SAFETY: getenv with a valid C string; the result is copied at once
+    // (settings are read in the constructor, before threads usually exist).
+    let p = unsafe { libc::getenv(name.as_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: getenv returned a NUL-terminated string.
+    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+/// Parses "65536", "64K", "1M", "1G".
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last()?.to_ascii_uppercase() {
+        'K' => (&s[..s.len() - 1], 1usize << 10),
+        'M' => (&s[..s.len() - 1], 1 << 20),
+        'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
+fn parse_level(s: &str) -> u8 {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "off" | "none" => 0,
+        "error" | "1" => 1,
+        "warn" | "2" => 2,
+        "info" | "3" => 3,
+        _ => 4,
+    }
+}
+
+fn read_env() -> Config {
+    let disabled = env(c"FLOWLANE_DISABLE").is_some_and(|v| !matches!(v.trim(), "" | "0" | "false" | "no"));
+    let ring_size = env(c"FLOWLANE_RING_SIZE")
+        .and_then(|v| parse_size(&v))
+        .unwrap_or(ring::DEFAULT_RING_SIZE)
+        .clamp(ring::MIN_RING_SIZE, ring::MAX_RING_SIZE);
+    let spin_us = env(c"FLOWLANE_SPIN_US")
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_SPIN_US)
+        .min(1_000_000);
+    let log_level = env(c"FLOWLANE_LOG").map(|v| parse_level(&v)).unwrap_or(0);
+    let socket = env(c"FLOWLANE_SOCKET")
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| flowlane_lane::notify::DEFAULT_DAEMON_SOCKET.to_string())
+        .into();
+    Config { disabled, ring_size, spin_us, log_level, socket }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("64K"), Some(65536));
+        assert_eq!(parse_size("1m"), Some(1 << 20));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+    }
+
+    #[test]
+    fn levels_parse() {
+        assert_eq!(parse_level("off"), 0);
+        assert_eq!(parse_level("warn"), 2);
+        assert_eq!(parse_level("debug"), 4);
+    }
+}

@@ -1,0 +1,516 @@
+//! One TCP connection whose bytes travel through a shared-memory region.
+//!
+//! The application's fd stays the TCP socket; it carries no application
+//! bytes, only one-byte doorbells ("peer: look at the rings") and, at the
+//! end, the FIN/RST that is the ground truth for the peer's death. Reads and
+//! writes copy between the application's buffers and the rings; a side that
+//! cannot proceed spins for `FLOWLANE_SPIN_US`, then announces itself in the
+//! ring's waiting flag and sleeps in `poll` on the TCP socket until a
+//! doorbell, a FIN or an RST arrives (see `flowlane_lane::ring` for why no
+//! wake-up is lost).
+
+use crate::{config, real};
+use flowlane_lane::ring::{self, Consumer, Probe, Producer, ReadState, Side};
+use libc::c_int;
+use std::io::IoSlice;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Longest single kernel sleep inside the library. A doorbell is consumed by
+/// whichever thread drains the socket first; if two threads of one process
+/// wait on the same connection, the other re-checks the ring after at most
+/// this long. Idle cost: a few wake-ups per second of a blocked thread.
+pub const MAX_SLEEP_MS: c_int = 250;
+
+pub fn errno() -> c_int {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+pub fn set_errno(e: c_int) {
+    // SAFETY: errno is a valid thread-local int.
+    unsafe { *libc::__errno_location() = e };
+}
+
+/// A shared-memory connection (shared by all fds that alias its socket).
+pub struct Conn {
+    pub id: u64,
+    _map: memmap2::MmapRaw,
+    tx: Mutex<Producer>,
+    rx: Mutex<Consumer>,
+    pub probe: Probe,
+    /// O_NONBLOCK of the open file description (kept in step by fcntl/ioctl).
+    pub nonblock: AtomicBool,
+    /// The TCP socket delivered EOF: the peer's process closed it (or died).
+    pub tcp_eof: AtomicBool,
+    /// The TCP socket was reset.
+    pub tcp_reset: AtomicBool,
+    pub shut_rd: AtomicBool,
+    pub shut_wr: AtomicBool,
+    /// Non-blocking connect still in progress.
+    pub connecting: AtomicBool,
+    pub sent: AtomicU64,
+    pub received: AtomicU64,
+    /// Fds of this process that refer to the connection (dup/dup2/fcntl).
+    pub aliases: AtomicUsize,
+    /// `state::FORK_GEN` when created: if it changed, another process may
+    /// share the socket, and only the kernel knows when the last one closes.
+    pub fork_gen: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Conn {
+    /// Maps the channel's memfd and builds the connection for `side`.
+    pub fn new(id: u64, memfd: OwnedFd, len: usize, side: Side, nonblock: bool, connecting: bool) -> std::io::Result<Conn> {
+        if ring::ring_size_for(len).is_none() {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "region too small"));
+        }
+        let mut st: libc::stat = unsafe_zeroed_stat();
+        // SAFETY: fstat on an fd we own, into a local struct.
+        if unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&memfd), &mut st) } != 0 || (st.st_size as usize) < len {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "memfd shorter than announced"));
+        }
+        let map = memmap2::MmapOptions::new().len(len).map_raw(&memfd)?;
+        drop(memfd); // the mapping keeps the memory alive
+        let base = map.as_mut_ptr();
+        // SAFETY: `map` is `len` bytes, page aligned, owned by the Conn (which
+        // outlives every use of these ends), shared with exactly one peer.
+        let (tx, rx) = unsafe { ring::endpoints(base, len, side) }.expect("size checked above");
+        // SAFETY: as above.
+        let probe = unsafe { Probe::new(base, len, side) }.expect("size checked above");
+        Ok(Conn {
+            id,
+            _map: map,
+            tx: Mutex::new(tx),
+            rx: Mutex::new(rx),
+            probe,
+            nonblock: AtomicBool::new(nonblock),
+            tcp_eof: AtomicBool::new(false),
+            tcp_reset: AtomicBool::new(false),
+            shut_rd: AtomicBool::new(false),
+            shut_wr: AtomicBool::new(false),
+            connecting: AtomicBool::new(connecting),
+            sent: AtomicU64::new(0),
+            received: AtomicU64::new(0),
+            aliases: AtomicUsize::new(1),
+            fork_gen: crate::state::FORK_GEN.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Sends one doorbell byte on the TCP socket.
+    pub fn ring_bell(&self, fd: c_int) {
+        let b = 0u8;
+        // SAFETY: one byte from a local.
+        unsafe { real::send(fd, (&b as *const u8).cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    }
+
+    /// Consumes pending doorbells and notes EOF/RST of the TCP socket.
+    /// Keeps errno unchanged.
+    pub fn drain(&self, fd: c_int) {
+        if self.connecting.load(Ordering::Relaxed) || self.tcp_eof.load(Ordering::Relaxed) || self.tcp_reset.load(Ordering::Relaxed) {
+            return;
+        }
+        let saved = errno();
+        let mut buf = [0u8; 256];
+        loop {
+            // SAFETY: reading into a local buffer of its length.
+            let r = unsafe { real::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+            if r > 0 {
+                if (r as usize) < buf.len() {
+                    break;
+                }
+                continue;
+            }
+            if r == 0 {
+                self.tcp_eof.store(true, Ordering::Release);
+                break;
+            }
+            match errno() {
+                libc::EINTR => continue,
+                libc::EAGAIN => break,
+                _ => {
+                    self.tcp_reset.store(true, Ordering::Release);
+                    break;
+                }
+            }
+        }
+        set_errno(saved);
+    }
+
+    /// Sleeps until the TCP socket is readable (doorbell, FIN, RST) or
+    /// `ms` passed, then drains it.
+    fn sleep(&self, fd: c_int, ms: c_int) {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { real::poll(&mut p, 1, ms) };
+        self.drain(fd);
+    }
+
+    /// Spins up to the configured budget until `ready()`; true if it became ready.
+    fn spin(&self, mut ready: impl FnMut() -> bool) -> bool {
+        let budget = config::get().spin_us;
+        if budget == 0 {
+            return false;
+        }
+        let end = Instant::now() + Duration::from_micros(budget);
+        loop {
+            for _ in 0..64 {
+                if ready() {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+        }
+    }
+
+    fn peer_closed(&self) -> bool {
+        self.tcp_eof.load(Ordering::Acquire) || self.tcp_reset.load(Ordering::Acquire)
+    }
+
+    /// Waits for a non-blocking connect to finish (or reports EAGAIN).
+    pub fn finish_connect(&self, fd: c_int, block: bool) -> Result<(), c_int> {
+        if !self.connecting.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { real::poll(&mut p, 1, if block { -1 } else { 0 }) };
+        if r <= 0 {
+            return Err(libc::EAGAIN);
+        }
+        let mut err: c_int = 0;
+        let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+        // SAFETY: SO_ERROR into a local int.
+        unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut c_int).cast(), &mut len) };
+        if err != 0 {
+            self.tcp_reset.store(true, Ordering::Release);
+            return Err(err);
+        }
+        self.connecting.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    fn nonblocking(&self, flags: c_int) -> bool {
+        flags & libc::MSG_DONTWAIT != 0 || self.nonblock.load(Ordering::Relaxed)
+    }
+
+    /// recv/read/readv/recvmsg on the ring. `Err` carries an errno.
+    pub fn recv(&self, fd: c_int, bufs: &mut [&mut [u8]], flags: c_int) -> Result<usize, c_int> {
+        let want: usize = bufs.iter().map(|b| b.len()).sum();
+        if want == 0 {
+            return Ok(0);
+        }
+        if self.shut_rd.load(Ordering::Relaxed) {
+            return Ok(0);
+        }
+        let dontwait = self.nonblocking(flags);
+        self.finish_connect(fd, !dontwait)?;
+        let peek = flags & libc::MSG_PEEK != 0;
+        let waitall = flags & libc::MSG_WAITALL != 0 && !peek && !dontwait;
+        let mut rx = lock(&self.rx);
+        let mut got = 0usize;
+        let mut drained = false;
+        loop {
+            match rx.state() {
+                ReadState::Data(_) => {
+                    if peek {
+                        return Ok(rx.peek(first_nonempty(bufs)));
+                    }
+                    let n = read_into(&mut rx, bufs, got);
+                    got += n;
+                    self.received.fetch_add(n as u64, Ordering::Relaxed);
+                    if rx.take_writer_wakeup() {
+                        self.ring_bell(fd);
+                    }
+                    if !waitall || got == want {
+                        return Ok(got);
+                    }
+                }
+                ReadState::Eof => return Ok(got),
+                ReadState::Empty => {
+                    if self.peer_closed() {
+                        // The FIN/RST came after the peer's last write: one
+                        // more look at the ring sees everything it wrote.
+                        if let ReadState::Data(_) = rx.state() {
+                            continue;
+                        }
+                        if self.tcp_reset.load(Ordering::Acquire) && !rx.producer_closed() && got == 0 {
+                            return Err(libc::ECONNRESET);
+                        }
+                        return Ok(got);
+                    }
+                    if dontwait {
+                        if !drained {
+                            drained = true;
+                            self.drain(fd);
+                            continue;
+                        }
+                        return if got > 0 { Ok(got) } else { Err(libc::EAGAIN) };
+                    }
+                    let probe = self.probe;
+                    if self.spin(|| probe.rx_state() != ReadState::Empty) {
+                        continue;
+                    }
+                    rx.prepare_wait();
+                    if rx.state() == ReadState::Empty && !self.peer_closed() {
+                        self.sleep(fd, MAX_SLEEP_MS);
+                    }
+                    rx.cancel_wait();
+                }
+            }
+        }
+    }
+
+    /// send/write/writev/sendmsg into the ring. `Err` carries an errno.
+    pub fn send(&self, fd: c_int, bufs: &[IoSlice<'_>], flags: c_int) -> Result<usize, c_int> {
+        let want: usize = bufs.iter().map(|b| b.len()).sum();
+        if self.shut_wr.load(Ordering::Relaxed) {
+            return Err(libc::EPIPE);
+        }
+        let dontwait = self.nonblocking(flags);
+        self.finish_connect(fd, !dontwait)?;
+        if want == 0 {
+            return Ok(0);
+        }
+        let mut tx = lock(&self.tx);
+        let (mut idx, mut off, mut done) = (0usize, 0usize, 0usize);
+        let mut drained = false;
+        loop {
+            if tx.peer_gone() || self.peer_closed() {
+                if done > 0 {
+                    return Ok(done);
+                }
+                return Err(if self.tcp_reset.load(Ordering::Acquire) { libc::ECONNRESET } else { libc::EPIPE });
+            }
+            let mut wrote = 0;
+            while idx < bufs.len() {
+                let n = tx.write(&bufs[idx][off..]);
+                wrote += n;
+                off += n;
+                if off == bufs[idx].len() {
+                    idx += 1;
+                    off = 0;
+                } else {
+                    break;
+                }
+            }
+            if wrote > 0 {
+                done += wrote;
+                self.sent.fetch_add(wrote as u64, Ordering::Relaxed);
+                if tx.take_reader_wakeup() {
+                    self.ring_bell(fd);
+                }
+            }
+            if done == want {
+                return Ok(done);
+            }
+            if dontwait {
+                if done > 0 {
+                    return Ok(done);
+                }
+                if !drained {
+                    drained = true;
+                    self.drain(fd);
+                    continue;
+                }
+                return Err(libc::EAGAIN);
+            }
+            let probe = self.probe;
+            if self.spin(|| probe.tx_free() > 0 || probe.tx_peer_gone()) {
+                continue;
+            }
+            tx.prepare_wait();
+            if tx.free() == 0 && !tx.peer_gone() && !self.peer_closed() {
+                self.sleep(fd, MAX_SLEEP_MS);
+            }
+            tx.cancel_wait();
+        }
+    }
+
+    /// sendfile from `in_fd` (at `*offset` when given, else its file position).
+    pub fn sendfile(&self, fd: c_int, in_fd: c_int, offset: Option<&mut libc::off_t>, count: usize) -> Result<usize, c_int> {
+        if self.shut_wr.load(Ordering::Relaxed) {
+            return Err(libc::EPIPE);
+        }
+        let dontwait = self.nonblock.load(Ordering::Relaxed);
+        self.finish_connect(fd, !dontwait)?;
+        let mut tx = lock(&self.tx);
+        let mut pos = offset.as_ref().map(|o| **o);
+        let mut done = 0usize;
+        let mut read_err = 0;
+        let mut eof = false;
+        while done < count && !eof {
+            if tx.peer_gone() || self.peer_closed() {
+                if done > 0 {
+                    break;
+                }
+                return Err(libc::EPIPE);
+            }
+            let n = tx.write_with(count - done, |dst| {
+                // SAFETY: reading into a ring slice we own until published.
+                let r = unsafe {
+                    match pos {
+                        Some(p) => real::pread(in_fd, dst.as_mut_ptr().cast(), dst.len(), p),
+                        None => real::read(in_fd, dst.as_mut_ptr().cast(), dst.len()),
+                    }
+                };
+                if r < 0 {
+                    read_err = errno();
+                    0
+                } else {
+                    if r == 0 {
+                        eof = true;
+                    }
+                    r as usize
+                }
+            });
+            if read_err != 0 {
+                break;
+            }
+            if n > 0 {
+                done += n;
+                if let Some(p) = pos.as_mut() {
+                    *p += n as libc::off_t;
+                }
+                self.sent.fetch_add(n as u64, Ordering::Relaxed);
+                if tx.take_reader_wakeup() {
+                    self.ring_bell(fd);
+                }
+                continue;
+            }
+            if eof {
+                break;
+            }
+            // Ring full.
+            if dontwait {
+                break;
+            }
+            let probe = self.probe;
+            if self.spin(|| probe.tx_free() > 0) {
+                continue;
+            }
+            tx.prepare_wait();
+            if tx.free() == 0 && !self.peer_closed() {
+                self.sleep(fd, MAX_SLEEP_MS);
+            }
+            tx.cancel_wait();
+        }
+        if let (Some(o), Some(p)) = (offset, pos) {
+            *o = p;
+        }
+        if done == 0 {
+            if read_err != 0 {
+                return Err(read_err);
+            }
+            if !eof && count > 0 {
+                return Err(libc::EAGAIN);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Bytes readable now (FIONREAD).
+    pub fn readable_bytes(&self) -> usize {
+        match self.probe.rx_state() {
+            ReadState::Data(n) => n,
+            _ => 0,
+        }
+    }
+
+    /// poll-style readiness of the connection now (POLLIN/OUT/RDHUP/HUP/ERR).
+    pub fn readiness(&self) -> i16 {
+        let mut ev = 0i16;
+        let eof = self.tcp_eof.load(Ordering::Acquire);
+        let reset = self.tcp_reset.load(Ordering::Acquire);
+        match self.probe.rx_state() {
+            ReadState::Data(_) => ev |= libc::POLLIN,
+            ReadState::Eof => ev |= libc::POLLIN | libc::POLLRDHUP,
+            ReadState::Empty => {}
+        }
+        if eof || self.shut_rd.load(Ordering::Relaxed) {
+            ev |= libc::POLLIN | libc::POLLRDHUP;
+        }
+        if reset {
+            ev |= libc::POLLIN | libc::POLLERR | libc::POLLHUP;
+        }
+        let shut_wr = self.shut_wr.load(Ordering::Relaxed);
+        if shut_wr || self.probe.tx_free() > 0 || self.probe.tx_peer_gone() || eof || reset {
+            ev |= libc::POLLOUT;
+        }
+        if shut_wr && ev & libc::POLLRDHUP != 0 {
+            ev |= libc::POLLHUP;
+        }
+        ev
+    }
+
+    /// shutdown(): rings only, the TCP socket stays open for doorbells.
+    pub fn shutdown(&self, fd: c_int, how: c_int) {
+        if how == libc::SHUT_WR || how == libc::SHUT_RDWR {
+            self.shut_wr.store(true, Ordering::Relaxed);
+            let tx = lock(&self.tx);
+            tx.close();
+            // Always ring: a reader of the peer may sleep in a wait that did
+            // not set the flag (e.g. it only polls for POLLRDHUP).
+            drop(tx);
+            self.ring_bell(fd);
+        }
+        if how == libc::SHUT_RD || how == libc::SHUT_RDWR {
+            self.shut_rd.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The last fd of this process referring to the connection is closing
+    /// (before the real close). If no fork shared the socket, tell the peer
+    /// precisely (write side closed, read side gone) and drain doorbells so
+    /// the kernel closes with FIN rather than RST.
+    pub fn finish(&self, fd: c_int) {
+        if self.fork_gen != crate::state::FORK_GEN.load(Ordering::Relaxed) {
+            return; // other processes may still use the socket: the kernel decides
+        }
+        {
+            let tx = lock(&self.tx);
+            tx.close();
+            let rx = lock(&self.rx);
+            rx.close();
+        }
+        self.drain(fd);
+    }
+}
+
+fn unsafe_zeroed_stat() -> libc::stat {
+    // SAFETY: libc::stat is plain old data; all-zero is a valid value.
+    unsafe { std::mem::zeroed() }
+}
+
+fn first_nonempty<'a>(bufs: &'a mut [&mut [u8]]) -> &'a mut [u8] {
+    match bufs.iter_mut().find(|b| !b.is_empty()) {
+        Some(b) => b,
+        None => &mut [],
+    }
+}
+
+/// Reads into `bufs`, skipping the first `skip` bytes of them (already filled).
+fn read_into(rx: &mut Consumer, bufs: &mut [&mut [u8]], mut skip: usize) -> usize {
+    let mut total = 0;
+    for b in bufs.iter_mut() {
+        if skip >= b.len() {
+            skip -= b.len();
+            continue;
+        }
+        let dst = &mut b[skip..];
+        skip = 0;
+        let n = rx.read(dst);
+        total += n;
+        if n < dst.len() {
+            break;
+        }
+    }
+    total
+}

@@ -1,0 +1,663 @@
+//! The interposed libc symbols. Each one is a thin shell: calls on fds the
+//! library does not manage go straight to the real function after one bit
+//! test; the rest is delegated to `setup`, `conn` and `wait`. Every body
+//! runs under `catch_unwind`, so no panic crosses into C.
+
+use crate::conn::{errno, set_errno, Conn};
+use crate::state::{self, CONN_FDS, EPOLL_FDS, EPOLL_SEEN, LISTEN_FDS};
+use crate::{config, real, setup, wait};
+use libc::{c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use std::io::IoSlice;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Runs `body`; a panic becomes `-1`/`EIO`.
+fn guard<R: From<i8>>(body: impl FnOnce() -> R) -> R {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|_| {
+        set_errno(libc::EIO);
+        R::from(-1)
+    })
+}
+
+/// Converts a ring result to the C convention; EPIPE raises SIGPIPE like
+/// the kernel does unless MSG_NOSIGNAL.
+fn ret(r: Result<usize, c_int>, flags: c_int, sigpipe: bool) -> ssize_t {
+    match r {
+        Ok(n) => n as ssize_t,
+        Err(e) => {
+            if e == libc::EPIPE && sigpipe && flags & libc::MSG_NOSIGNAL == 0 {
+                // SAFETY: signalling the calling thread, as the kernel would.
+                unsafe { libc::pthread_kill(libc::pthread_self(), libc::SIGPIPE) };
+            }
+            set_errno(e);
+            -1
+        }
+    }
+}
+
+/// # Safety
+/// `buf` valid for `n` bytes (or n == 0).
+unsafe fn buf_mut<'a>(buf: *mut c_void, n: size_t) -> Option<&'a mut [u8]> {
+    if n == 0 {
+        return Some(&mut []);
+    }
+    // SAFETY: caller contract.
+    (!buf.is_null()).then(|| unsafe { std::slice::from_raw_parts_mut(buf.cast(), n) })
+}
+
+/// # Safety
+/// `buf` valid for `n` bytes (or n == 0).
+unsafe fn buf_ref<'a>(buf: *const c_void, n: size_t) -> Option<&'a [u8]> {
+    if n == 0 {
+        return Some(&[]);
+    }
+    // SAFETY: caller contract.
+    (!buf.is_null()).then(|| unsafe { std::slice::from_raw_parts(buf.cast(), n) })
+}
+
+/// # Safety
+/// `iov` valid for `n` entries, each valid for its length.
+unsafe fn iov_mut<'a>(iov: *const iovec, n: c_int) -> Option<Vec<&'a mut [u8]>> {
+    if n < 0 || n > libc::UIO_MAXIOV || (n > 0 && iov.is_null()) {
+        return None;
+    }
+    let list = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(iov, n as usize) } };
+    // SAFETY: caller contract for each entry.
+    list.iter().map(|v| unsafe { buf_mut(v.iov_base, v.iov_len) }).collect()
+}
+
+/// # Safety
+/// As `iov_mut`.
+unsafe fn iov_ref<'a>(iov: *const iovec, n: c_int) -> Option<Vec<IoSlice<'a>>> {
+    if n < 0 || n > libc::UIO_MAXIOV || (n > 0 && iov.is_null()) {
+        return None;
+    }
+    let list = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(iov, n as usize) } };
+    // SAFETY: caller contract for each entry.
+    list.iter().map(|v| unsafe { buf_ref(v.iov_base, v.iov_len) }.map(IoSlice::new)).collect()
+}
+
+fn efault() -> ssize_t {
+    set_errno(libc::EFAULT);
+    -1
+}
+
+fn conn_recv(c: &Conn, fd: c_int, bufs: Option<Vec<&mut [u8]>>, flags: c_int) -> ssize_t {
+    match bufs {
+        Some(mut b) => ret(c.recv(fd, &mut b, flags), flags, false),
+        None => efault(),
+    }
+}
+
+fn conn_send(c: &Conn, fd: c_int, bufs: Option<Vec<IoSlice<'_>>>, flags: c_int) -> ssize_t {
+    match bufs {
+        Some(b) => ret(c.send(fd, &b, flags), flags, true),
+        None => efault(),
+    }
+}
+
+// ------------------------------------------------------------ data path
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::read(fd, buf, n) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), 0),
+        None => unsafe { real::read(fd, buf, n) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
+    if !CONN_FDS.get(fd) || n > buflen {
+        return unsafe { real::__read_chk(fd, buf, n, buflen) };
+    }
+    unsafe { read(fd, buf, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::recv(fd, buf, n, flags) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), flags),
+        None => unsafe { real::recv(fd, buf, n, flags) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recv_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t {
+    if !CONN_FDS.get(fd) || n > buflen {
+        return unsafe { real::__recv_chk(fd, buf, n, buflen, flags) };
+    }
+    unsafe { recv(fd, buf, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::recvfrom(fd, buf, n, flags, addr, len) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => {
+            let r = conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), flags);
+            if r >= 0 && !len.is_null() {
+                // TCP does not report a source address.
+                unsafe { *len = 0 };
+            }
+            r
+        }
+        None => unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    if !CONN_FDS.get(fd) || n > buflen {
+        return unsafe { real::__recvfrom_chk(fd, buf, n, buflen, flags, addr, len) };
+    }
+    unsafe { recvfrom(fd, buf, n, flags, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::readv(fd, iov, n) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => conn_recv(&c, fd, unsafe { iov_mut(iov, n) }, 0),
+        None => unsafe { real::readv(fd, iov, n) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::recvmsg(fd, msg, flags) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => {
+            if msg.is_null() {
+                return efault();
+            }
+            let m = unsafe { &mut *msg };
+            let r = conn_recv(&c, fd, unsafe { iov_mut(m.msg_iov, m.msg_iovlen as c_int) }, flags);
+            if r >= 0 {
+                m.msg_namelen = 0;
+                m.msg_controllen = 0;
+                m.msg_flags = 0;
+            }
+            r
+        }
+        None => unsafe { real::recvmsg(fd, msg, flags) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::write(fd, buf, n) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => conn_send(&c, fd, unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]), 0),
+        None => unsafe { real::write(fd, buf, n) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::send(fd, buf, n, flags) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => conn_send(&c, fd, unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]), flags),
+        None => unsafe { real::send(fd, buf, n, flags) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(fd: c_int, buf: *const c_void, n: size_t, flags: c_int, addr: *const sockaddr, len: socklen_t) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::sendto(fd, buf, n, flags, addr, len) };
+    }
+    guard(|| match state::conn(fd) {
+        // A connected TCP socket ignores the address.
+        Some(c) => conn_send(&c, fd, unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]), flags),
+        None => unsafe { real::sendto(fd, buf, n, flags, addr, len) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::writev(fd, iov, n) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => conn_send(&c, fd, unsafe { iov_ref(iov, n) }, 0),
+        None => unsafe { real::writev(fd, iov, n) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::sendmsg(fd, msg, flags) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => {
+            if msg.is_null() {
+                return efault();
+            }
+            let m = unsafe { &*msg };
+            conn_send(&c, fd, unsafe { iov_ref(m.msg_iov, m.msg_iovlen as c_int) }, flags)
+        }
+        None => unsafe { real::sendmsg(fd, msg, flags) },
+    })
+}
+
+fn sendfile_any(out: c_int, inp: c_int, off: *mut off_t, n: size_t, large: bool) -> ssize_t {
+    let pass = || unsafe { if large { real::sendfile64(out, inp, off, n) } else { real::sendfile(out, inp, off, n) } };
+    if !CONN_FDS.get(out) {
+        return pass();
+    }
+    guard(|| match state::conn(out) {
+        Some(c) => {
+            let off = if off.is_null() { None } else { Some(unsafe { &mut *off }) };
+            ret(c.sendfile(out, inp, off, n), 0, true)
+        }
+        None => pass(),
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t {
+    sendfile_any(out, inp, off, n, false)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t {
+    sendfile_any(out, inp, off, n, true)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out: c_int, off_out: *mut libc::loff_t, len: size_t, flags: c_uint) -> ssize_t {
+    if CONN_FDS.get(fd_in) || CONN_FDS.get(fd_out) {
+        // The bytes of a ring connection are not in the kernel socket;
+        // applications fall back to read/write on EINVAL (documented limit).
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) }
+}
+
+// ------------------------------------------------------------ connection life
+
+#[no_mangle]
+pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    if setup::in_lib() || config::get().disabled {
+        return unsafe { real::connect(fd, addr, len) };
+    }
+    guard(|| {
+        if CONN_FDS.get(fd) {
+            // A repeated connect on a non-blocking socket: pass, note completion.
+            let r = unsafe { real::connect(fd, addr, len) };
+            let e = errno();
+            if r == 0 || e == libc::EISCONN {
+                if let Some(c) = state::conn(fd) {
+                    c.connecting.store(false, std::sync::atomic::Ordering::Release);
+                }
+            }
+            set_errno(e);
+            return r;
+        }
+        let intent = unsafe { setup::decode(addr, len) }.and_then(|dst| setup::client_intent(fd, dst));
+        let r = unsafe { real::connect(fd, addr, len) };
+        let e = errno();
+        if let Some(i) = intent {
+            setup::client_finish(fd, i, r, e);
+        }
+        set_errno(e);
+        r
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    let r = unsafe { real::listen(fd, backlog) };
+    if r == 0 && !setup::in_lib() {
+        let e = errno();
+        guard(|| {
+            setup::listener(fd);
+            0
+        });
+        set_errno(e);
+    }
+    r
+}
+
+fn after_accept(listen_fd: c_int, r: c_int, flags: c_int) -> c_int {
+    if r >= 0 && LISTEN_FDS.get(listen_fd) && !setup::in_lib() {
+        let e = errno();
+        guard(|| {
+            setup::accepted(listen_fd, r, flags);
+            0
+        });
+        set_errno(e);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    let r = unsafe { real::accept(fd, addr, len) };
+    after_accept(fd, r, 0)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
+    let r = unsafe { real::accept4(fd, addr, len, flags) };
+    after_accept(fd, r, flags)
+}
+
+/// Everything the library tracks about `fd` is dropped, as for a close
+/// (without the real close).
+fn forget(fd: c_int) {
+    EPOLL_SEEN.set(fd, false);
+    setup::listener_closed(fd);
+    drop(state::remove_epoll(fd));
+    let (c, regs) = state::remove(fd);
+    drop(regs);
+    if let Some(c) = c {
+        if c.aliases.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            c.finish(fd);
+            setup::closed(&c);
+        }
+    }
+}
+
+fn tracked(fd: c_int) -> bool {
+    CONN_FDS.get(fd) || LISTEN_FDS.get(fd) || EPOLL_FDS.get(fd) || EPOLL_SEEN.get(fd)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if !tracked(fd) || setup::in_lib() {
+        return unsafe { real::close(fd) };
+    }
+    let saved = errno();
+    guard(|| {
+        forget(fd);
+        0
+    });
+    set_errno(saved);
+    unsafe { real::close(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
+    if flags & libc::CLOSE_RANGE_CLOEXEC as c_int == 0 && !setup::in_lib() {
+        let saved = errno();
+        guard(|| {
+            let hi = (last as usize).min(state::MAX_FD - 1);
+            for fd in (first as usize)..=hi {
+                if tracked(fd as c_int) {
+                    forget(fd as c_int);
+                }
+            }
+            0
+        });
+        set_errno(saved);
+    }
+    unsafe { real::close_range(first, last, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::shutdown(fd, how) };
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => {
+            if !matches!(how, libc::SHUT_RD | libc::SHUT_WR | libc::SHUT_RDWR) {
+                set_errno(libc::EINVAL);
+                return -1;
+            }
+            c.shutdown(fd, how);
+            0
+        }
+        None => unsafe { real::shutdown(fd, how) },
+    })
+}
+
+/// `new` now refers to the same open file description as `old`.
+fn alias(old: c_int, new: c_int) {
+    if let Some(c) = state::conn(old) {
+        c.aliases.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        drop(state::install(new, c));
+    }
+    if LISTEN_FDS.get(old) {
+        if let Some(addr) = state::with(|t| t.listeners.get(&old).map(|l| l.addr)) {
+            state::add_listener(new, addr);
+        }
+    }
+    if EPOLL_SEEN.get(old) {
+        EPOLL_SEEN.set(new, true);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    let r = unsafe { real::dup(fd) };
+    if r >= 0 && tracked(fd) {
+        guard(|| {
+            alias(fd, r);
+            0
+        });
+    }
+    r
+}
+
+fn dup_to(old: c_int, new: c_int, f: impl FnOnce() -> c_int) -> c_int {
+    if old == new || (!tracked(old) && !tracked(new)) {
+        return f();
+    }
+    guard(|| {
+        // Check `old` first: dup2 onto a valid fd closes it only if `old` is valid.
+        if unsafe { real::fcntl(old, libc::F_GETFD, 0) } < 0 {
+            set_errno(libc::EBADF);
+            return -1;
+        }
+        if tracked(new) {
+            forget(new);
+        }
+        let r = f();
+        if r >= 0 {
+            let e = errno();
+            alias(old, r);
+            set_errno(e);
+        }
+        r
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    dup_to(old, new, || unsafe { real::dup2(old, new) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    dup_to(old, new, || unsafe { real::dup3(old, new, flags) })
+}
+
+fn fcntl_any(fd: c_int, cmd: c_int, arg: c_ulong, large: bool) -> c_int {
+    let call = || unsafe { if large { real::fcntl64(fd, cmd, arg) } else { real::fcntl(fd, cmd, arg) } };
+    if !tracked(fd) {
+        return call();
+    }
+    guard(|| {
+        let r = call();
+        if r >= 0 {
+            let e = errno();
+            match cmd {
+                libc::F_SETFL => {
+                    if let Some(c) = state::conn(fd) {
+                        c.nonblock.store(arg as c_int & libc::O_NONBLOCK != 0, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+                libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => alias(fd, r),
+                _ => {}
+            }
+            set_errno(e);
+        }
+        r
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    fcntl_any(fd, cmd, arg, false)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    fcntl_any(fd, cmd, arg, true)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int {
+    if !CONN_FDS.get(fd) {
+        return unsafe { real::ioctl(fd, req, arg) };
+    }
+    guard(|| match (state::conn(fd), req) {
+        (Some(c), libc::FIONREAD) => {
+            if arg == 0 {
+                set_errno(libc::EFAULT);
+                return -1;
+            }
+            unsafe { *(arg as *mut c_int) = c.readable_bytes().min(c_int::MAX as usize) as c_int };
+            0
+        }
+        (Some(c), libc::FIONBIO) => {
+            let r = unsafe { real::ioctl(fd, req, arg) };
+            if r == 0 && arg != 0 {
+                c.nonblock.store(unsafe { *(arg as *const c_int) } != 0, std::sync::atomic::Ordering::Relaxed);
+            }
+            r
+        }
+        _ => unsafe { real::ioctl(fd, req, arg) },
+    })
+}
+
+// ------------------------------------------------------------ readiness
+
+fn ts_ms(ts: *const libc::timespec) -> c_int {
+    if ts.is_null() {
+        return -1;
+    }
+    let t = unsafe { *ts };
+    let ms = (t.tv_sec as i64).saturating_mul(1000).saturating_add((t.tv_nsec as i64 + 999_999) / 1_000_000);
+    ms.clamp(0, c_int::MAX as i64) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
+    if state::LIVE.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        return unsafe { real::poll(fds, n, timeout) };
+    }
+    guard(|| unsafe { wait::poll(fds, n, timeout, None) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __poll_chk(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int, fdslen: size_t) -> c_int {
+    if (n as usize).saturating_mul(std::mem::size_of::<libc::pollfd>()) > fdslen {
+        return unsafe { real::__poll_chk(fds, n, timeout, fdslen) };
+    }
+    unsafe { poll(fds, n, timeout) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ppoll(fds: *mut libc::pollfd, n: libc::nfds_t, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int {
+    if state::LIVE.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        return unsafe { real::ppoll(fds, n, ts, mask) };
+    }
+    guard(|| unsafe { wait::poll(fds, n, ts_ms(ts), Some(mask)) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn select(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, tv: *mut libc::timeval) -> c_int {
+    if state::LIVE.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        return unsafe { real::select(n, r, w, e, tv) };
+    }
+    guard(|| {
+        let ms = if tv.is_null() {
+            -1
+        } else {
+            let t = unsafe { *tv };
+            ((t.tv_sec as i64) * 1000 + (t.tv_usec as i64 + 999) / 1000).clamp(0, c_int::MAX as i64) as c_int
+        };
+        match unsafe { wait::select(n, r, w, e, ms, None) } {
+            Some(rc) => rc,
+            None => unsafe { real::select(n, r, w, e, tv) },
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pselect(
+    n: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    if state::LIVE.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        return unsafe { real::pselect(n, r, w, e, ts, mask) };
+    }
+    guard(|| match unsafe { wait::select(n, r, w, e, ts_ms(ts), Some(mask)) } {
+        Some(rc) => rc,
+        None => unsafe { real::pselect(n, r, w, e, ts, mask) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int {
+    if !CONN_FDS.get(fd) {
+        let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+        if r == 0 && op == libc::EPOLL_CTL_ADD && !setup::in_lib() {
+            EPOLL_SEEN.set(fd, true);
+        }
+        return r;
+    }
+    guard(|| match state::conn(fd) {
+        Some(c) => unsafe { wait::epoll_ctl_conn(epfd, op, fd, ev, c) },
+        None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_wait(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int) -> c_int {
+    if !EPOLL_FDS.get(epfd) {
+        return unsafe { real::epoll_wait(epfd, ev, max, timeout) };
+    }
+    guard(|| unsafe { wait::epoll_wait(epfd, ev, max, timeout, None) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int, mask: *const libc::sigset_t) -> c_int {
+    if !EPOLL_FDS.get(epfd) {
+        return unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) };
+    }
+    guard(|| unsafe { wait::epoll_wait(epfd, ev, max, timeout, Some(mask)) })
+}

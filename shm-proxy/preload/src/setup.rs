@@ -1,0 +1,317 @@
+//! Setting a connection up: the daemon round trips at listen, connect and
+//! accept (see SHM-DESIGN-NOTES: the client announces BEFORE its TCP
+//! connect, the server claims AFTER accept), and everything that decides
+//! whether a socket is one the library may touch at all.
+
+use crate::conn::{errno, set_errno, Conn};
+use crate::log::log_at;
+use crate::{config, real, state};
+use flowlane_lane::client::{Channel, DaemonClient, FallbackReason};
+use flowlane_lane::ring::{self, Side};
+use libc::{c_int, sockaddr, socklen_t};
+use std::cell::Cell;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long one daemon request may take before the connection stays on TCP.
+const DAEMON_TIMEOUT: Duration = Duration::from_millis(500);
+
+thread_local! {
+    /// Set while the library itself talks to the daemon: its own socket
+    /// calls go straight to libc.
+    static IN_LIB: Cell<bool> = const { Cell::new(false) };
+}
+
+/// True while the library's own code runs on this thread.
+pub fn in_lib() -> bool {
+    IN_LIB.with(|c| c.get())
+}
+
+/// Runs `f` with a fresh daemon connection, marking the thread as inside
+/// the library. `None` when no daemon answers.
+fn with_daemon<R>(f: impl FnOnce(&mut DaemonClient) -> R) -> Option<R> {
+    IN_LIB.with(|c| c.set(true));
+    let saved = errno();
+    let r = DaemonClient::connect(&config::get().socket, DAEMON_TIMEOUT).ok().map(|mut d| f(&mut d));
+    set_errno(saved);
+    IN_LIB.with(|c| c.set(false));
+    r
+}
+
+/// Tells the daemon (if any) why a connection stays on TCP.
+fn report_fallback(reason: FallbackReason) {
+    with_daemon(|d| d.report_fallback(reason));
+}
+
+/// Whether the library handles this fd at all: an IPv4/IPv6 TCP socket.
+pub fn is_tcp(fd: c_int) -> bool {
+    let get = |opt| {
+        let mut v: c_int = 0;
+        let mut len = std::mem::size_of::<c_int>() as socklen_t;
+        // SAFETY: getsockopt into a local int.
+        let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, opt, (&mut v as *mut c_int).cast(), &mut len) };
+        (r == 0).then_some(v)
+    };
+    matches!(get(libc::SO_DOMAIN), Some(libc::AF_INET | libc::AF_INET6))
+        && get(libc::SO_TYPE) == Some(libc::SOCK_STREAM)
+        && get(libc::SO_PROTOCOL) == Some(libc::IPPROTO_TCP)
+}
+
+/// Decodes a sockaddr (IPv4/IPv6 only).
+///
+/// # Safety
+/// `addr` must point to `len` readable bytes (or be null).
+pub unsafe fn decode(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr> {
+    if addr.is_null() || (len as usize) < std::mem::size_of::<libc::sa_family_t>() {
+        return None;
+    }
+    // SAFETY: at least the family field is readable (checked above).
+    let family = unsafe { (*addr).sa_family } as c_int;
+    match family {
+        libc::AF_INET if len as usize >= std::mem::size_of::<libc::sockaddr_in>() => {
+            // SAFETY: length checked; read unaligned to be safe with any buffer.
+            let a: libc::sockaddr_in = unsafe { std::ptr::read_unaligned(addr.cast()) };
+            Some(SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)), u16::from_be(a.sin_port))))
+        }
+        libc::AF_INET6 if len as usize >= std::mem::size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: as above.
+            let a: libc::sockaddr_in6 = unsafe { std::ptr::read_unaligned(addr.cast()) };
+            Some(SocketAddr::V6(SocketAddrV6::new(
+                Ipv6Addr::from(a.sin6_addr.s6_addr),
+                u16::from_be(a.sin6_port),
+                a.sin6_flowinfo,
+                a.sin6_scope_id,
+            )))
+        }
+        _ => None,
+    }
+}
+
+fn encode(a: &SocketAddr) -> (libc::sockaddr_storage, socklen_t) {
+    // SAFETY: sockaddr_storage is plain old data.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match a {
+        SocketAddr::V4(v4) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from(*v4.ip()).to_be() },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(v6) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: v6.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: v6.ip().octets() },
+                sin6_scope_id: v6.scope_id(),
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as socklen_t)
+}
+
+fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
+    // SAFETY: sockaddr_storage is plain old data.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
+    let p = (&mut ss as *mut libc::sockaddr_storage).cast();
+    // SAFETY: the buffer and its length are valid.
+    let r = unsafe { if peer { libc::getpeername(fd, p, &mut len) } else { libc::getsockname(fd, p, &mut len) } };
+    // SAFETY: the kernel filled `len` bytes.
+    (r == 0).then(|| unsafe { decode(p, len) }).flatten()
+}
+
+/// Destinations the library never touches.
+fn leave_alone(ip: IpAddr) -> bool {
+    ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast())
+}
+
+/// The source address the kernel would pick for `dst` (UDP connect: a route
+/// lookup that sends nothing).
+fn route_source(dst: &SocketAddr) -> Option<IpAddr> {
+    let family = if dst.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: plain socket call.
+    let s = unsafe { libc::socket(family, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return None;
+    }
+    let (ss, len) = encode(dst);
+    // SAFETY: valid sockaddr of `len` bytes.
+    let ok = unsafe { real::connect(s, (&ss as *const libc::sockaddr_storage).cast(), len) } == 0;
+    let src = if ok { name_of(s, false).map(|a| a.ip()) } else { None };
+    // SAFETY: closing the socket we opened.
+    unsafe { real::close(s) };
+    src
+}
+
+/// Pending client-side state between the intent and the real connect.
+pub struct Intent {
+    channel: Channel,
+}
+
+/// Before a client's connect: bind the socket to its route's source IP
+/// (port 0) if unbound, and ask the daemon for a channel. `None` keeps the
+/// connection on TCP.
+pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
+    let cfg = config::get();
+    if cfg.disabled || leave_alone(dst.ip()) || fd as usize >= state::MAX_FD || state::CONN_FDS.get(fd) {
+        return None;
+    }
+    if !is_tcp(fd) {
+        return None;
+    }
+    if state::EPOLL_SEEN.get(fd) {
+        log_at!(2, "fd {fd}: already in an epoll set before connect, staying on TCP");
+        report_fallback(FallbackReason::Unsupported);
+        return None;
+    }
+    let mut src = name_of(fd, false)?;
+    if src.port() == 0 {
+        let ip = route_source(&dst)?;
+        if leave_alone(ip) {
+            return None;
+        }
+        let (ss, len) = encode(&SocketAddr::new(ip, 0));
+        // SAFETY: valid sockaddr of `len` bytes.
+        if unsafe { libc::bind(fd, (&ss as *const libc::sockaddr_storage).cast(), len) } != 0 {
+            log_at!(3, "fd {fd}: bind to {ip} failed (errno {}), staying on TCP", errno());
+            return None;
+        }
+        src = name_of(fd, false)?;
+    }
+    let region_len = ring::region_len_for(cfg.ring_size);
+    let answer = with_daemon(|d| d.connect_intent(src, dst, region_len));
+    match answer {
+        None => {
+            log_at!(4, "{src} -> {dst}: no daemon, TCP");
+            None
+        }
+        Some(Err(e)) => {
+            log_at!(2, "{src} -> {dst}: daemon error {e}, TCP");
+            report_fallback(FallbackReason::InternalError);
+            None
+        }
+        Some(Ok(None)) => {
+            log_at!(4, "{src} -> {dst}: not a flowlane peer, TCP");
+            None
+        }
+        Some(Ok(Some(channel))) => Some(Intent { channel }),
+    }
+}
+
+/// After the real connect returned `rc` (errno `err`): install the ring on
+/// success or in-progress, cancel the intent otherwise.
+pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
+    let Intent { channel } = intent;
+    let id = channel.id;
+    let in_progress = rc != 0 && (err == libc::EINPROGRESS || err == libc::EINTR);
+    if rc != 0 && !in_progress {
+        with_daemon(|d| d.cancel_intent(id));
+        return;
+    }
+    let nonblock = nonblocking(fd);
+    let ring_size = ring::ring_size_for(channel.len).unwrap_or(0);
+    match Conn::new(id, channel.memfd, channel.len, Side::Client, nonblock, in_progress) {
+        Ok(conn) => {
+            log_at!(3, "fd {fd}: channel {id} (client, {ring_size} bytes per direction)");
+            drop(state::install(fd, Arc::new(conn)));
+        }
+        Err(e) => {
+            // The daemon now has a claim nobody will use; the server side
+            // claims it and would wait on an empty ring: a broken pair. The
+            // safest answer is to break the TCP connection visibly.
+            log_at!(1, "fd {fd}: mapping channel {id} failed: {e}; resetting the connection");
+            reset(fd);
+            report_fallback(FallbackReason::InternalError);
+        }
+    }
+}
+
+/// Turns the TCP connection into a visible reset (SO_LINGER 0 + shutdown).
+fn reset(fd: c_int) {
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: setsockopt with a local linger struct; shutdown on the fd.
+    unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, (&l as *const libc::linger).cast(), std::mem::size_of::<libc::linger>() as socklen_t);
+        real::shutdown(fd, libc::SHUT_RDWR);
+    }
+}
+
+fn nonblocking(fd: c_int) -> bool {
+    // SAFETY: F_GETFL has no argument.
+    let fl = unsafe { real::fcntl(fd, libc::F_GETFL, 0) };
+    fl >= 0 && fl & libc::O_NONBLOCK != 0
+}
+
+/// After a successful listen: register the listener with the daemon.
+pub fn listener(fd: c_int) {
+    let cfg = config::get();
+    if cfg.disabled || state::LISTEN_FDS.get(fd) || fd as usize >= state::MAX_FD || !is_tcp(fd) {
+        return;
+    }
+    let Some(addr) = name_of(fd, false) else { return };
+    if addr.ip().is_loopback() {
+        return;
+    }
+    match with_daemon(|d| d.register_listener(addr)) {
+        Some(Ok(())) => {
+            log_at!(3, "fd {fd}: listener {addr} registered");
+            state::add_listener(fd, addr);
+        }
+        Some(Err(e)) => log_at!(2, "listener {addr}: daemon refused: {e}"),
+        None => log_at!(4, "listener {addr}: no daemon"),
+    }
+}
+
+/// A registered listener's fd is closing.
+pub fn listener_closed(fd: c_int) {
+    if let Some(l) = state::remove_listener(fd) {
+        // After a fork, other processes may still accept on it.
+        if l.fork_gen == state::FORK_GEN.load(std::sync::atomic::Ordering::Relaxed) {
+            with_daemon(|d| d.unregister_listener(l.addr));
+        }
+    }
+}
+
+/// After accept on a registered listener returned `fd`: claim the channel
+/// the client announced, if any.
+pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
+    if !state::LISTEN_FDS.get(listen_fd) || fd as usize >= state::MAX_FD || config::get().disabled {
+        return;
+    }
+    let (Some(local), Some(peer)) = (name_of(fd, false), name_of(fd, true)) else { return };
+    match with_daemon(|d| d.claim_accepted(local, peer)) {
+        Some(Ok(Some(ch))) => {
+            let id = ch.id;
+            match Conn::new(id, ch.memfd, ch.len, Side::Server, flags & libc::SOCK_NONBLOCK != 0, false) {
+                Ok(conn) => {
+                    log_at!(3, "fd {fd}: channel {id} (server) for {peer}");
+                    drop(state::install(fd, Arc::new(conn)));
+                }
+                Err(e) => {
+                    log_at!(1, "fd {fd}: mapping channel {id} failed: {e}; resetting the connection");
+                    reset(fd);
+                    report_fallback(FallbackReason::InternalError);
+                }
+            }
+        }
+        Some(Ok(None)) => log_at!(4, "fd {fd}: {peer} is plain TCP"),
+        Some(Err(e)) => log_at!(2, "fd {fd}: claim failed: {e}; TCP"),
+        None => log_at!(4, "fd {fd}: no daemon; TCP"),
+    }
+}
+
+/// The connection's last fd in this process closed: tell the daemon.
+pub fn closed(conn: &Conn) {
+    let (sent, received) = (conn.sent.load(std::sync::atomic::Ordering::Relaxed), conn.received.load(std::sync::atomic::Ordering::Relaxed));
+    with_daemon(|d| d.report_closed(conn.id, sent, received));
+}

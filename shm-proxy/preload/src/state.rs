@@ -1,0 +1,255 @@
+//! Process-wide bookkeeping: which fds carry a shared-memory connection,
+//! which are registered listeners, which epoll sets watch such fds.
+//!
+//! Every libc wrapper first tests a bit in a lock-free bitmap, so calls on
+//! ordinary fds cost one atomic load. Only fds with state take the lock, a
+//! tiny spin lock held for a few instructions (never across a syscall or a
+//! free). `fork` is safe: a `pthread_atfork` handler holds the lock across
+//! the fork and releases it on both sides, so the child never inherits it
+//! locked, and bumps a fork generation so a connection knows it may now be
+//! shared with another process.
+
+use crate::conn::Conn;
+use std::cell::UnsafeCell;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Fds at or above this stay on TCP (bitmap bound).
+pub const MAX_FD: usize = 1 << 16;
+
+/// One bit per fd.
+pub struct FdBits([AtomicU64; MAX_FD / 64]);
+
+impl FdBits {
+    const fn new() -> Self {
+        FdBits([const { AtomicU64::new(0) }; MAX_FD / 64])
+    }
+    /// Whether `fd` is marked (false for out-of-range fds).
+    #[inline]
+    pub fn get(&self, fd: i32) -> bool {
+        let fd = fd as usize; // negative fds wrap to huge values and fail the bound
+        fd < MAX_FD && self.0[fd / 64].load(Ordering::Relaxed) & (1 << (fd % 64)) != 0
+    }
+    pub fn set(&self, fd: i32, on: bool) {
+        let fd = fd as usize;
+        if fd < MAX_FD {
+            if on {
+                self.0[fd / 64].fetch_or(1 << (fd % 64), Ordering::Relaxed);
+            } else {
+                self.0[fd / 64].fetch_and(!(1 << (fd % 64)), Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Fds with a shared-memory connection.
+pub static CONN_FDS: FdBits = FdBits::new();
+/// Registered flowlane listeners.
+pub static LISTEN_FDS: FdBits = FdBits::new();
+/// Epoll sets that watch at least one connection fd.
+pub static EPOLL_FDS: FdBits = FdBits::new();
+/// Fds the application added to some epoll set while they were plain
+/// sockets: such a socket must not switch to the ring later (its epoll
+/// registration would no longer see the data).
+pub static EPOLL_SEEN: FdBits = FdBits::new();
+/// Live connection objects in this process (fast "nothing to do" test).
+pub static LIVE: AtomicUsize = AtomicUsize::new(0);
+/// Incremented on both sides of every fork.
+pub static FORK_GEN: AtomicU64 = AtomicU64::new(0);
+
+/// An application's epoll registration of a connection fd.
+pub struct Reg {
+    pub fd: i32,
+    pub conn: Arc<Conn>,
+    /// The events the application asked for (EPOLLIN, EPOLLET, ...).
+    pub events: u32,
+    /// The application's epoll_data.
+    pub data: u64,
+    /// Edge-trigger emulation: what was last reported, and ring positions then.
+    pub last_events: u32,
+    pub last_rx_tail: u64,
+    pub last_tx_head: u64,
+    /// EPOLLONESHOT: reported once, disarmed until EPOLL_CTL_MOD.
+    pub armed: bool,
+}
+
+/// A registered listener.
+pub struct Listener {
+    pub addr: SocketAddr,
+    pub fork_gen: u64,
+}
+
+#[derive(Default)]
+pub struct Tables {
+    pub conns: HashMap<i32, Arc<Conn>>,
+    pub listeners: HashMap<i32, Listener>,
+    pub epolls: HashMap<i32, Vec<Reg>>,
+}
+
+struct Locked {
+    busy: AtomicBool,
+    tables: UnsafeCell<Option<Tables>>,
+}
+
+// SAFETY: `tables` is only accessed while `busy` is held (see `with`).
+unsafe impl Sync for Locked {}
+
+static STATE: Locked = Locked { busy: AtomicBool::new(false), tables: UnsafeCell::new(None) };
+
+fn lock() {
+    let mut spins = 0u32;
+    while STATE.busy.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        spins += 1;
+        if spins < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+fn unlock() {
+    STATE.busy.store(false, Ordering::Release);
+}
+
+/// Runs `f` with the tables locked. `f` must be short: no syscalls, and it
+/// must hand out (not drop) connection objects, so no unmapping happens
+/// under the lock.
+pub fn with<R>(f: impl FnOnce(&mut Tables) -> R) -> R {
+    lock();
+    struct Unlock;
+    impl Drop for Unlock {
+        fn drop(&mut self) {
+            unlock();
+        }
+    }
+    let _u = Unlock;
+    // SAFETY: we hold the lock, so this is the only reference.
+    let t = unsafe { &mut *STATE.tables.get() };
+    f(t.get_or_insert_with(Tables::default))
+}
+
+/// The connection on `fd`, if any.
+#[inline]
+pub fn conn(fd: i32) -> Option<Arc<Conn>> {
+    if !CONN_FDS.get(fd) {
+        return None;
+    }
+    with(|t| t.conns.get(&fd).cloned())
+}
+
+/// Puts `conn` on `fd`; returns what was there before (to be dropped by the
+/// caller outside the lock).
+pub fn install(fd: i32, conn: Arc<Conn>) -> Option<Arc<Conn>> {
+    let old = with(|t| {
+        CONN_FDS.set(fd, true);
+        t.conns.insert(fd, conn)
+    });
+    if old.is_none() {
+        LIVE.fetch_add(1, Ordering::Relaxed);
+    }
+    old
+}
+
+/// Removes the connection on `fd` and every epoll registration of `fd`.
+/// Returns the connection and the removed registrations (drop them outside
+/// the lock).
+pub fn remove(fd: i32) -> (Option<Arc<Conn>>, Vec<Reg>) {
+    let (c, regs) = with(|t| {
+        CONN_FDS.set(fd, false);
+        let c = t.conns.remove(&fd);
+        let mut regs = Vec::new();
+        if c.is_some() {
+            for list in t.epolls.values_mut() {
+                let mut i = 0;
+                while i < list.len() {
+                    if list[i].fd == fd {
+                        regs.push(list.swap_remove(i));
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+        }
+        (c, regs)
+    });
+    if c.is_some() {
+        LIVE.fetch_sub(1, Ordering::Relaxed);
+    }
+    (c, regs)
+}
+
+/// Marks `fd` as a registered listener.
+pub fn add_listener(fd: i32, addr: SocketAddr) {
+    let gen = FORK_GEN.load(Ordering::Relaxed);
+    with(|t| {
+        LISTEN_FDS.set(fd, true);
+        t.listeners.insert(fd, Listener { addr, fork_gen: gen });
+    });
+}
+
+/// Forgets the listener on `fd`.
+pub fn remove_listener(fd: i32) -> Option<Listener> {
+    if !LISTEN_FDS.get(fd) {
+        return None;
+    }
+    with(|t| {
+        LISTEN_FDS.set(fd, false);
+        t.listeners.remove(&fd)
+    })
+}
+
+/// Forgets everything about an epoll set (it was closed).
+pub fn remove_epoll(epfd: i32) -> Option<Vec<Reg>> {
+    if !EPOLL_FDS.get(epfd) {
+        return None;
+    }
+    with(|t| {
+        EPOLL_FDS.set(epfd, false);
+        t.epolls.remove(&epfd)
+    })
+}
+
+/// Adds or replaces the registration of `reg.fd` in `epfd`.
+pub fn epoll_put(epfd: i32, reg: Reg) -> Option<Reg> {
+    with(|t| {
+        EPOLL_FDS.set(epfd, true);
+        let list = t.epolls.entry(epfd).or_default();
+        match list.iter_mut().find(|r| r.fd == reg.fd) {
+            Some(r) => Some(std::mem::replace(r, reg)),
+            None => {
+                list.push(reg);
+                None
+            }
+        }
+    })
+}
+
+/// Removes the registration of `fd` in `epfd`.
+pub fn epoll_del(epfd: i32, fd: i32) -> Option<Reg> {
+    if !EPOLL_FDS.get(epfd) {
+        return None;
+    }
+    with(|t| {
+        let list = t.epolls.get_mut(&epfd)?;
+        let i = list.iter().position(|r| r.fd == fd)?;
+        Some(list.swap_remove(i))
+    })
+}
+
+extern "C" fn before_fork() {
+    lock();
+}
+
+extern "C" fn after_fork() {
+    FORK_GEN.fetch_add(1, Ordering::Relaxed);
+    unlock();
+}
+
+/// Registers the fork handlers (called once from the constructor).
+pub fn install_fork_handlers() {
+    // SAFETY: three valid `extern "C" fn()` handlers that never unwind.
+    unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+}

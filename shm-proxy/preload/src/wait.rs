@@ -1,0 +1,530 @@
+//! Readiness: poll/ppoll/select/pselect/epoll_wait over fds whose bytes are
+//! in rings the kernel cannot see.
+//!
+//! The kernel still watches each connection's TCP socket for POLLIN only:
+//! doorbells, FIN and RST wake a thread already asleep there. The library
+//! computes the application's events from the rings (IN = data or end of
+//! stream, OUT = room), spins for the configured budget before sleeping,
+//! and announces sleepers in the rings' waiting flags so a peer that moves
+//! rings the doorbell (flag, fence, re-check: no lost wake-up).
+
+use crate::config;
+use crate::conn::{set_errno, Conn, MAX_SLEEP_MS};
+use crate::real;
+use crate::state::{self, Reg};
+use libc::{c_int, epoll_event, pollfd, sigset_t};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// High 32 bits of the epoll_data the library registers for a connection
+/// fd in the kernel (low 32 bits: the fd). Application data never looks
+/// like this in practice (user-space pointers are below 2^47).
+pub const TAG: u64 = 0xF10A_7E5E_0000_0000;
+
+/// The deadline for a millisecond timeout (-1 = none).
+fn deadline(timeout_ms: c_int) -> Option<Instant> {
+    (timeout_ms >= 0).then(|| Instant::now() + Duration::from_millis(timeout_ms as u64))
+}
+
+/// The next kernel sleep: at most MAX_SLEEP_MS, at most until the deadline.
+fn sleep_ms(deadline: Option<Instant>) -> c_int {
+    match deadline {
+        None => MAX_SLEEP_MS,
+        Some(d) => {
+            let left = d.saturating_duration_since(Instant::now());
+            (left.as_micros().div_ceil(1000) as c_int).min(MAX_SLEEP_MS)
+        }
+    }
+}
+
+fn expired(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
+}
+
+fn spin_deadline() -> Option<Instant> {
+    let us = config::get().spin_us;
+    (us > 0).then(|| Instant::now() + Duration::from_micros(us))
+}
+
+/// Application events of a connected connection for the requested `events`.
+fn conn_revents(c: &Conn, events: i16) -> i16 {
+    c.readiness() & (events | libc::POLLERR | libc::POLLHUP)
+}
+
+// ---------------------------------------------------------------- poll
+
+struct PollSet<'a> {
+    app: &'a mut [pollfd],
+    conns: Vec<Option<Arc<Conn>>>,
+    kernel: Vec<pollfd>,
+    plain: bool,
+}
+
+impl PollSet<'_> {
+    /// Ring readiness into `app`; the number of ready connection entries.
+    fn eval_rings(&mut self) -> usize {
+        let mut n = 0;
+        for (i, c) in self.conns.iter().enumerate() {
+            if let Some(c) = c {
+                if c.connecting.load(Ordering::Acquire) {
+                    continue;
+                }
+                let r = conn_revents(c, self.app[i].events);
+                self.app[i].revents = r;
+                n += (r != 0) as usize;
+            }
+        }
+        n
+    }
+
+    /// One kernel poll with `ms`; drains doorbells of woken connections and
+    /// copies plain entries' results. Returns -1 on error (errno set).
+    fn kernel(&mut self, ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+        for k in self.kernel.iter_mut() {
+            k.revents = 0;
+        }
+        // SAFETY: `kernel` is a valid pollfd array of its length.
+        let r = unsafe {
+            match mask {
+                Some(m) => {
+                    let ts = libc::timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _ };
+                    real::ppoll(self.kernel.as_mut_ptr(), self.kernel.len() as _, if ms < 0 { std::ptr::null() } else { &ts }, m)
+                }
+                None => real::poll(self.kernel.as_mut_ptr(), self.kernel.len() as _, ms),
+            }
+        };
+        if r < 0 {
+            return r;
+        }
+        for (i, c) in self.conns.iter().enumerate() {
+            let k = self.kernel[i];
+            match c {
+                None => self.app[i].revents = k.revents,
+                Some(c) if c.connecting.load(Ordering::Acquire) => {
+                    self.app[i].revents = k.revents;
+                    if k.revents != 0 && c.finish_connect(k.fd, false).is_ok() {
+                        self.kernel[i].events = libc::POLLIN;
+                    }
+                }
+                Some(c) => {
+                    if k.revents != 0 {
+                        c.drain(k.fd);
+                    }
+                }
+            }
+        }
+        0
+    }
+
+    fn count(&self) -> c_int {
+        self.app.iter().filter(|p| p.revents != 0).count() as c_int
+    }
+
+    fn set_waits(&self, on: bool) {
+        for (i, c) in self.conns.iter().enumerate() {
+            if let Some(c) = c {
+                if on {
+                    if self.app[i].events & libc::POLLIN != 0 {
+                        c.probe.prepare_read_wait();
+                    }
+                    if self.app[i].events & libc::POLLOUT != 0 {
+                        c.probe.prepare_write_wait();
+                    }
+                } else {
+                    c.probe.cancel_waits();
+                }
+            }
+        }
+    }
+}
+
+/// poll/ppoll over a set that may contain connection fds.
+///
+/// # Safety
+/// `fds` must point to `n` valid pollfds.
+pub unsafe fn poll(fds: *mut pollfd, n: libc::nfds_t, timeout_ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+    let pass = || {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            match mask {
+                Some(m) => {
+                    let ts = libc::timespec { tv_sec: (timeout_ms / 1000) as _, tv_nsec: ((timeout_ms % 1000) as i64 * 1_000_000) as _ };
+                    real::ppoll(fds, n, if timeout_ms < 0 { std::ptr::null() } else { &ts }, m)
+                }
+                None => real::poll(fds, n, timeout_ms),
+            }
+        }
+    };
+    if state::LIVE.load(Ordering::Relaxed) == 0 || fds.is_null() || n == 0 {
+        return pass();
+    }
+    // SAFETY: caller contract.
+    let app = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+    let conns: Vec<Option<Arc<Conn>>> = app.iter().map(|p| state::conn(p.fd)).collect();
+    if conns.iter().all(|c| c.is_none()) {
+        return pass();
+    }
+    let kernel = app
+        .iter()
+        .zip(&conns)
+        .map(|(p, c)| match c {
+            Some(c) if !c.connecting.load(Ordering::Acquire) => pollfd { fd: p.fd, events: libc::POLLIN, revents: 0 },
+            _ => pollfd { fd: p.fd, events: p.events, revents: 0 },
+        })
+        .collect();
+    let plain = conns.iter().any(|c| c.as_ref().is_none_or(|c| c.connecting.load(Ordering::Acquire)));
+    let mut set = PollSet { app, conns, kernel, plain };
+    for p in set.app.iter_mut() {
+        p.revents = 0;
+    }
+    let deadline = deadline(timeout_ms);
+    let mut spin_until = if timeout_ms == 0 { None } else { spin_deadline() };
+    loop {
+        if set.eval_rings() > 0 || timeout_ms == 0 {
+            if set.plain && set.kernel(0, None) < 0 {
+                return -1;
+            }
+            set.eval_rings();
+            return set.count();
+        }
+        if let Some(end) = spin_until {
+            let mut i = 0u32;
+            while Instant::now() < end {
+                for _ in 0..64 {
+                    if set.eval_rings() > 0 {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
+                i += 1;
+                if set.count() > 0 {
+                    break;
+                }
+                if set.plain && i % 16 == 0 {
+                    if set.kernel(0, None) < 0 {
+                        return -1;
+                    }
+                    if set.count() > 0 {
+                        set.eval_rings();
+                        return set.count();
+                    }
+                }
+            }
+            spin_until = None;
+            continue;
+        }
+        set.set_waits(true);
+        if set.eval_rings() > 0 {
+            set.set_waits(false);
+            continue;
+        }
+        let r = set.kernel(sleep_ms(deadline), mask);
+        set.set_waits(false);
+        if r < 0 {
+            return -1;
+        }
+        set.eval_rings();
+        let c = set.count();
+        if c > 0 || expired(deadline) {
+            return c;
+        }
+    }
+}
+
+/// select/pselect over sets that may contain connection fds.
+///
+/// # Safety
+/// The fd_set pointers must be null or valid for `nfds` bits.
+pub unsafe fn select(
+    nfds: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    timeout_ms: c_int,
+    mask: Option<*const sigset_t>,
+) -> Option<c_int> {
+    if state::LIVE.load(Ordering::Relaxed) == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
+        return None;
+    }
+    // SAFETY: FD_ISSET on valid sets (caller contract).
+    let isset = |s: *mut libc::fd_set, fd| !s.is_null() && unsafe { libc::FD_ISSET(fd, s) };
+    let mut list = Vec::new();
+    let mut any_conn = false;
+    for fd in 0..nfds {
+        let mut ev = 0;
+        if isset(r, fd) {
+            ev |= libc::POLLIN;
+        }
+        if isset(w, fd) {
+            ev |= libc::POLLOUT;
+        }
+        if isset(e, fd) {
+            ev |= libc::POLLPRI;
+        }
+        if ev != 0 {
+            any_conn |= state::CONN_FDS.get(fd);
+            list.push(pollfd { fd, events: ev, revents: 0 });
+        }
+    }
+    if !any_conn {
+        return None;
+    }
+    // SAFETY: a valid local pollfd array.
+    let rc = unsafe { poll(list.as_mut_ptr(), list.len() as _, timeout_ms, mask) };
+    if rc < 0 {
+        return Some(-1);
+    }
+    for s in [r, w, e] {
+        if !s.is_null() {
+            // SAFETY: clearing a valid set.
+            unsafe { libc::FD_ZERO(s) };
+        }
+    }
+    let mut count = 0;
+    for p in &list {
+        if p.revents & libc::POLLNVAL != 0 {
+            set_errno(libc::EBADF);
+            return Some(-1);
+        }
+        // SAFETY (for each FD_SET): fd < nfds <= FD_SETSIZE on a valid set.
+        if !r.is_null() && p.events & libc::POLLIN != 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+            unsafe { libc::FD_SET(p.fd, r) };
+            count += 1;
+        }
+        if !w.is_null() && p.events & libc::POLLOUT != 0 && p.revents & (libc::POLLOUT | libc::POLLERR) != 0 {
+            unsafe { libc::FD_SET(p.fd, w) };
+            count += 1;
+        }
+        if !e.is_null() && p.events & libc::POLLPRI != 0 && p.revents & libc::POLLPRI != 0 {
+            unsafe { libc::FD_SET(p.fd, e) };
+            count += 1;
+        }
+    }
+    Some(count)
+}
+
+// ---------------------------------------------------------------- epoll
+
+/// epoll_ctl for a connection fd: the kernel watches POLLIN (doorbells,
+/// FIN, RST) under a tagged data word; the application's events and data
+/// live in the library's registration.
+///
+/// # Safety
+/// `ev` must be null or valid (as for epoll_ctl).
+pub unsafe fn epoll_ctl_conn(epfd: c_int, op: c_int, fd: c_int, ev: *mut epoll_event, conn: Arc<Conn>) -> c_int {
+    if op == libc::EPOLL_CTL_DEL {
+        // SAFETY: forwarding a DEL.
+        let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+        if r == 0 {
+            drop(state::epoll_del(epfd, fd));
+        }
+        return r;
+    }
+    if ev.is_null() {
+        set_errno(libc::EFAULT);
+        return -1;
+    }
+    // SAFETY: non-null, caller contract.
+    let app = unsafe { *ev };
+    let mut kev = epoll_event { events: kernel_events(&conn, app.events), u64: TAG | fd as u32 as u64 };
+    // SAFETY: a valid local event.
+    let r = unsafe { real::epoll_ctl(epfd, op, fd, &mut kev) };
+    if r == 0 {
+        let reg = Reg {
+            fd,
+            conn,
+            events: app.events,
+            data: app.u64,
+            last_events: 0,
+            last_rx_tail: 0,
+            last_tx_head: 0,
+            armed: true,
+        };
+        drop(state::epoll_put(epfd, reg));
+    }
+    r
+}
+
+fn kernel_events(conn: &Conn, app: u32) -> u32 {
+    let mut k = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+    if conn.connecting.load(Ordering::Acquire) {
+        k |= app & libc::EPOLLOUT as u32;
+    }
+    k
+}
+
+/// Appends ring-ready registrations of `epfd` to `out`; returns how many.
+fn collect(epfd: c_int, out: &mut [epoll_event]) -> usize {
+    if out.is_empty() {
+        return 0;
+    }
+    state::with(|t| {
+        let Some(list) = t.epolls.get_mut(&epfd) else { return 0 };
+        let mut k = 0;
+        for reg in list.iter_mut() {
+            if k == out.len() {
+                break;
+            }
+            if !reg.armed || reg.conn.connecting.load(Ordering::Acquire) {
+                continue;
+            }
+            let want = reg.events | (libc::EPOLLERR | libc::EPOLLHUP) as u32;
+            let ev = reg.conn.readiness() as u16 as u32 & want;
+            if ev == 0 {
+                reg.last_events = 0;
+                continue;
+            }
+            if reg.events & libc::EPOLLET as u32 != 0 {
+                let (rx, tx) = (reg.conn.probe.rx_tail(), reg.conn.probe.tx_head());
+                let changed = ev != reg.last_events
+                    || (ev & libc::EPOLLIN as u32 != 0 && rx != reg.last_rx_tail)
+                    || (ev & libc::EPOLLOUT as u32 != 0 && tx != reg.last_tx_head);
+                reg.last_events = ev;
+                reg.last_rx_tail = rx;
+                reg.last_tx_head = tx;
+                if !changed {
+                    continue;
+                }
+            }
+            if reg.events & libc::EPOLLONESHOT as u32 != 0 {
+                reg.armed = false;
+            }
+            out[k] = epoll_event { events: ev, u64: reg.data };
+            k += 1;
+        }
+        k
+    })
+}
+
+fn set_waits(epfd: c_int, on: bool) {
+    state::with(|t| {
+        if let Some(list) = t.epolls.get(&epfd) {
+            for reg in list {
+                if on {
+                    if reg.events & libc::EPOLLIN as u32 != 0 {
+                        reg.conn.probe.prepare_read_wait();
+                    }
+                    if reg.events & libc::EPOLLOUT as u32 != 0 {
+                        reg.conn.probe.prepare_write_wait();
+                    }
+                } else {
+                    reg.conn.probe.cancel_waits();
+                }
+            }
+        }
+    })
+}
+
+/// Removes the library's tagged entries from `buf[..n]` (after draining
+/// their doorbells and finishing pending connects); returns the count of
+/// application entries left at the front.
+fn filter_kernel(epfd: c_int, buf: &mut [epoll_event], n: usize) -> usize {
+    let mut k = 0;
+    for i in 0..n {
+        let e = buf[i];
+        if e.u64 & 0xFFFF_FFFF_0000_0000 == TAG {
+            let fd = e.u64 as u32 as c_int;
+            let reg = state::with(|t| t.epolls.get(&epfd).and_then(|l| l.iter().find(|r| r.fd == fd)).map(|r| (r.conn.clone(), r.events)));
+            if let Some((conn, app_events)) = reg {
+                if conn.connecting.load(Ordering::Acquire) {
+                    if conn.finish_connect(fd, false).is_ok() {
+                        let mut kev = epoll_event { events: kernel_events(&conn, app_events), u64: TAG | fd as u32 as u64 };
+                        // SAFETY: re-registering a valid local event.
+                        unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, fd, &mut kev) };
+                    }
+                } else {
+                    conn.drain(fd);
+                }
+            }
+        } else {
+            buf[k] = e;
+            k += 1;
+        }
+    }
+    k
+}
+
+/// One kernel epoll_wait into `buf` with the library's entries filtered out.
+fn kernel_wait(epfd: c_int, buf: &mut [epoll_event], ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+    if buf.is_empty() {
+        return 0;
+    }
+    // SAFETY: `buf` is a valid event array of its length.
+    let n = unsafe {
+        match mask {
+            Some(m) => real::epoll_pwait(epfd, buf.as_mut_ptr(), buf.len() as c_int, ms, m),
+            None => real::epoll_wait(epfd, buf.as_mut_ptr(), buf.len() as c_int, ms),
+        }
+    };
+    if n < 0 {
+        return n;
+    }
+    filter_kernel(epfd, buf, n as usize) as c_int
+}
+
+/// epoll_wait/epoll_pwait on a set that watches connection fds.
+///
+/// # Safety
+/// `events` must be valid for `max` entries.
+pub unsafe fn epoll_wait(epfd: c_int, events: *mut epoll_event, max: c_int, timeout_ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+    if max <= 0 || events.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: caller contract.
+    let out = unsafe { std::slice::from_raw_parts_mut(events, max as usize) };
+    let deadline = deadline(timeout_ms);
+    let mut spin_until = if timeout_ms == 0 { None } else { spin_deadline() };
+    loop {
+        let k = collect(epfd, out);
+        if k > 0 || timeout_ms == 0 {
+            let n = kernel_wait(epfd, &mut out[k..], 0, None);
+            if n < 0 {
+                return if k > 0 { k as c_int } else { -1 };
+            }
+            let mut total = k + n as usize;
+            if total == 0 {
+                total = collect(epfd, out);
+            }
+            return total as c_int;
+        }
+        if let Some(end) = spin_until {
+            let mut i = 0u32;
+            while Instant::now() < end {
+                let k = collect(epfd, out);
+                if k > 0 {
+                    // Reported now (edge-trigger state already advanced).
+                    let n = kernel_wait(epfd, &mut out[k..], 0, None).max(0) as usize;
+                    return (k + n) as c_int;
+                }
+                i += 1;
+                if i % 32 == 0 {
+                    let n = kernel_wait(epfd, out, 0, None);
+                    if n != 0 {
+                        return n;
+                    }
+                }
+                std::hint::spin_loop();
+            }
+            spin_until = None;
+            continue;
+        }
+        set_waits(epfd, true);
+        let k = collect(epfd, out);
+        if k > 0 {
+            set_waits(epfd, false);
+            return k as c_int;
+        }
+        let n = kernel_wait(epfd, out, sleep_ms(deadline), mask);
+        set_waits(epfd, false);
+        if n < 0 {
+            return -1;
+        }
+        let n = n as usize;
+        let total = n + collect(epfd, &mut out[n..]);
+        if total > 0 || expired(deadline) {
+            return total as c_int;
+        }
+    }
+}

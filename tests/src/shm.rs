@@ -1,0 +1,368 @@
+//! Harness for the shared-memory lane tests: one node (a bridge, pods as
+//! network namespaces wired by the real `flowlane` CNI plugin, its own
+//! `flowlaned`), programs run in pods with the preload library, and the
+//! daemon's counters to prove which lane carried the bytes.
+//!
+//! Names use the prefix `fls`, subnets come from 10.202.128.0/17 (one /24
+//! per node). Everything is removed on drop, also when a test panics.
+
+use flowlane_lane::client::DaemonClient;
+use flowlane_lane::proto::Stats;
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// Heavy tests (throughput, many connections) take this so that at most one
+/// runs at a time on the 2-core machine.
+pub static HEAVY: Mutex<()> = Mutex::new(());
+
+/// Locks [`HEAVY`], ignoring poisoning by an earlier failed test.
+pub fn heavy() -> std::sync::MutexGuard<'static, ()> {
+    HEAVY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The `<target>/release` directory holding the workspace's artifacts.
+pub fn build_dir() -> PathBuf {
+    crate::binaries::build_dir()
+}
+
+/// The preload library under test.
+pub fn preload_lib() -> PathBuf {
+    crate::binaries::workspace_artifact("libflowlane_preload.so")
+}
+
+fn sh(args: &[&str]) -> std::process::Output {
+    Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"))
+}
+
+fn sh_ok(args: &[&str]) {
+    let o = sh(args);
+    assert!(o.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// A pod: a named network namespace with one address on the node's bridge.
+#[derive(Debug, Clone)]
+pub struct Pod {
+    pub netns: String,
+    pub ip: Ipv4Addr,
+    pub container_id: String,
+}
+
+/// A node: bridge, pods, state directory, daemon.
+pub struct Node {
+    pub bridge: String,
+    pub dir: PathBuf,
+    pub subnet: u8,
+    pub pods: Vec<Pod>,
+    daemon: Option<Child>,
+    /// How the pods were wired: "cni" (the real plugin) or "ip" (fallback).
+    pub wiring: &'static str,
+}
+
+impl Node {
+    /// A node tagged `tag` (≤ 5 chars) with `pods` pods and a running daemon.
+    pub fn new(tag: &str, pods: usize) -> Node {
+        assert!(tag.len() <= 5);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        // Different test binaries never run at the same time; within one,
+        // the counter separates nodes. Mix in the pid so a crashed earlier
+        // run's leftovers are less likely to collide.
+        let subnet = ((n + std::process::id()) % 120) as u8 + 128;
+        let bridge = format!("fls{tag}{n:x}b");
+        let dir = std::env::temp_dir().join(format!("fls-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut node = Node { bridge, dir, subnet, pods: Vec::new(), daemon: None, wiring: "ip" };
+        let _ = sh(&["ip", "link", "del", &node.bridge]);
+        for i in 0..pods {
+            let pod = node.add_pod(&format!("fls{tag}{n:x}p{i}"));
+            node.pods.push(pod);
+        }
+        node.start_daemon();
+        node
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("d.sock")
+    }
+
+    fn cni_conf(&self) -> String {
+        serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "flsnet",
+            "type": "flowlane",
+            "bridge": self.bridge,
+            "isGateway": true,
+            "stateDir": self.state_dir(),
+            "daemonSocket": self.socket(),
+            "ipam": {
+                "type": "flowlane",
+                "ranges": [[{"subnet": format!("10.202.{}.0/24", self.subnet)}]],
+                "dataDir": self.dir.join("ipam"),
+            }
+        })
+        .to_string()
+    }
+
+    fn cni(&self, command: &str, pod_ns: &str, id: &str) -> std::io::Result<std::process::Output> {
+        let plugin = build_dir().join("flowlane");
+        let mut child = Command::new(&plugin)
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", id)
+            .env("CNI_NETNS", format!("/var/run/netns/{pod_ns}"))
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", "/usr/lib/cni")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        child.stdin.take().unwrap().write_all(self.cni_conf().as_bytes())?;
+        child.wait_with_output()
+    }
+
+    fn add_pod(&mut self, ns: &str) -> Pod {
+        let _ = sh(&["ip", "netns", "del", ns]);
+        sh_ok(&["ip", "netns", "add", ns]);
+        sh_ok(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        let id = format!("{ns}-{}", std::process::id());
+        // The real plugin, exactly as a runtime runs it.
+        if let Ok(out) = self.cni("ADD", ns, &id) {
+            if out.status.success() {
+                if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+                    let ip = v["ips"][0]["address"].as_str().and_then(|a| a.split('/').next()?.parse().ok());
+                    if let Some(ip) = ip {
+                        self.wiring = "cni";
+                        return Pod { netns: ns.to_string(), ip, container_id: id };
+                    }
+                }
+            }
+            if self.pods.is_empty() {
+                eprintln!("shm harness: flowlane CNI ADD failed, wiring with ip: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        self.add_pod_manually(ns, id)
+    }
+
+    /// Fallback wiring (when the plugin is unavailable): veth into the
+    /// bridge, address, default route, and the registry entry the plugin
+    /// would have written.
+    fn add_pod_manually(&mut self, ns: &str, id: String) -> Pod {
+        if sh(&["ip", "link", "show", &self.bridge]).status.success() == false {
+            sh_ok(&["ip", "link", "add", &self.bridge, "type", "bridge"]);
+            sh_ok(&["ip", "addr", "add", &format!("10.202.{}.1/24", self.subnet), "dev", &self.bridge]);
+            sh_ok(&["ip", "link", "set", &self.bridge, "up"]);
+        }
+        let i = self.pods.len() as u8;
+        let ip = Ipv4Addr::new(10, 202, self.subnet, 10 + i);
+        let host = format!("{}h{i}", &self.bridge[..self.bridge.len() - 1]);
+        let _ = sh(&["ip", "link", "del", &host]);
+        sh_ok(&["ip", "link", "add", &host, "type", "veth", "peer", "name", "eth0", "netns", ns]);
+        sh_ok(&["ip", "link", "set", &host, "master", &self.bridge, "up"]);
+        sh_ok(&["ip", "-n", ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+        sh_ok(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
+        sh_ok(&["ip", "-n", ns, "route", "add", "default", "via", &format!("10.202.{}.1", self.subnet)]);
+        let path = format!("/var/run/netns/{ns}");
+        let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&path).unwrap());
+        let reg = flowlane_registry::Registry::new(self.state_dir());
+        reg.put(&flowlane_registry::Attachment {
+            network: "flsnet".into(),
+            container_id: id.clone(),
+            ifname: "eth0".into(),
+            netns: path,
+            netns_inode: inode,
+            ips: vec![format!("{ip}/24")],
+            mac: String::new(),
+            pod_namespace: None,
+            pod_name: None,
+            pod_uid: None,
+            created_unix: flowlane_registry::now_unix(),
+        })
+        .unwrap();
+        Pod { netns: ns.to_string(), ip, container_id: id }
+    }
+
+    /// Starts `flowlaned` for this node and waits until it answers.
+    pub fn start_daemon(&mut self) {
+        assert!(self.daemon.is_none());
+        let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
+        let child = Command::new(build_dir().join("flowlaned"))
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--socket")
+            .arg(self.socket())
+            .arg("--log-level")
+            .arg("debug")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start flowlaned");
+        self.daemon = Some(child);
+        let t0 = Instant::now();
+        while self.stats_opt().is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "flowlaned did not come up: {}", self.daemon_log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops the daemon (SIGTERM, then waits).
+    pub fn stop_daemon(&mut self) {
+        if let Some(mut c) = self.daemon.take() {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let t0 = Instant::now();
+            while c.try_wait().ok().flatten().is_none() {
+                if t0.elapsed() > Duration::from_secs(10) {
+                    let _ = c.kill();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.wait();
+        }
+    }
+
+    /// The daemon's pid, if running.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.daemon.as_ref().map(|c| c.id())
+    }
+
+    pub fn daemon_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+
+    fn stats_opt(&self) -> Option<Stats> {
+        DaemonClient::connect(&self.socket(), Duration::from_secs(2)).ok()?.stats().ok()
+    }
+
+    /// The daemon's counters.
+    pub fn stats(&self) -> Stats {
+        self.stats_opt().expect("daemon stats")
+    }
+
+    /// Shared-memory connections opened so far.
+    pub fn shm_opened(&self) -> u64 {
+        self.stats().lanes.get("shm").map(|l| l.connections_opened).unwrap_or(0)
+    }
+
+    /// A command run inside `pod`, with the preload library if `preload`.
+    pub fn cmd(&self, pod: &Pod, preload: bool, argv: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &pod.netns, "env"]);
+        if preload {
+            c.arg(format!("LD_PRELOAD={}", preload_lib().display()));
+            c.arg(format!("FLOWLANE_SOCKET={}", self.socket().display()));
+        }
+        c.args(argv);
+        c
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop_daemon();
+        let pods = std::mem::take(&mut self.pods);
+        for p in &pods {
+            if self.wiring == "cni" {
+                let _ = self.cni("DEL", &p.netns, &p.container_id);
+            }
+            let _ = sh(&["ip", "netns", "del", &p.netns]);
+        }
+        let _ = sh(&["ip", "link", "del", &self.bridge]);
+        if std::env::var_os("FLS_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// A background process killed (and reaped) on drop.
+pub struct Bg(pub Child);
+
+impl Bg {
+    pub fn spawn(mut cmd: Command) -> Bg {
+        Bg(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn"))
+    }
+
+    /// The pid of the program itself (`ip netns exec` and `env` exec it in place).
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    /// Waits up to `timeout` for exit; returns (status, stdout, stderr), killing on timeout.
+    pub fn finish(mut self, timeout: Duration) -> (Option<std::process::ExitStatus>, String, String) {
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(s) = self.0.try_wait().unwrap() {
+                break Some(s);
+            }
+            if t0.elapsed() > timeout {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let mut out = String::new();
+        let mut err = String::new();
+        use std::io::Read;
+        if let Some(mut o) = self.0.stdout.take() {
+            let _ = o.read_to_string(&mut out);
+        }
+        if let Some(mut e) = self.0.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        (status, out, err)
+    }
+}
+
+impl Drop for Bg {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Runs `cmd` to completion within `timeout`; panics on failure or timeout.
+pub fn run_ok(cmd: Command, timeout: Duration, what: &str) -> String {
+    let (st, out, err) = Bg::spawn(cmd).finish(timeout);
+    match st {
+        Some(s) if s.success() => out,
+        Some(s) => panic!("{what} failed ({s}):\nstdout: {out}\nstderr: {err}"),
+        None => panic!("{what} timed out after {timeout:?}:\nstdout: {out}\nstderr: {err}"),
+    }
+}
+
+/// Waits until something listens on `port` inside `pod` (ss), up to 20 s.
+pub fn wait_listening(pod: &Pod, port: u16) {
+    let t0 = Instant::now();
+    loop {
+        let o = sh(&["ip", "netns", "exec", &pod.netns, "ss", "-Htln", &format!("sport = :{port}")]);
+        if !String::from_utf8_lossy(&o.stdout).trim().is_empty() {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "nothing listens on {port} in {}", pod.netns);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Counts fds and memfd mappings of a process (leak checks).
+pub fn fd_and_memfd_count(pid: u32) -> (usize, usize) {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0);
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    (fds, maps.lines().filter(|l| l.contains("/memfd:")).count())
+}
+
+/// The directory of the python helper scripts used by the tests.
+pub fn scripts_dir() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/shm-scripts"))
+}
