@@ -587,6 +587,7 @@ impl Broker {
             }
             Some(p) if p.server_pod != pod => {
                 // Leave the channel for its real server.
+                self.counters.fallback(reason::AUTH_FAILED);
                 return self.deny(ErrorCode::Forbidden, "the channel belongs to another pod");
             }
             Some(_) => {}

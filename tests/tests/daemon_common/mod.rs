@@ -262,8 +262,9 @@ impl Agent {
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(answer) = line.strip_prefix("@@ ") {
-                    if tx.send(answer.to_string()).is_err() {
+                // libtest prints "test NAME ... " before the first answer.
+                if let Some(at) = line.find("@@ ") {
+                    if tx.send(line[at + 3..].to_string()).is_err() {
                         break;
                     }
                 }
