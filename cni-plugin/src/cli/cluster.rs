@@ -1,6 +1,178 @@
-//! `flowlane cluster up|down|status`: a local training cluster on this machine.
+//! `flowlane cluster up|down|status`: a local training cluster on this
+//! machine (nodes and pods as network namespaces, pods wired by this very
+//! binary as their CNI plugin). The work is done by `flowlane-cluster`
+//! (`deploy/local/`); this module only reads the command line.
 
-pub fn main(_args: &[String]) -> i32 {
-    eprintln!("flowlane cluster: not implemented yet");
-    1
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use flowlane_cluster::{spec::DEFAULT_RUN_ROOT, Binaries, ClusterSpec, Plugin};
+
+const USAGE: &str = "\
+usage: flowlane cluster up     [--name NAME] [--nodes N] [--pods M] [--pod-network A.B.0.0]
+                               [--plugin flowlane|bridge] [--run-root DIR]
+       flowlane cluster down   [--name NAME] [--run-root DIR]
+       flowlane cluster status [--name NAME] [--run-root DIR] [--json]
+
+Defaults: --name local --nodes 2 --pods 2 --pod-network 10.210.0.0 (node i
+gets A.B.i.0/24) --plugin flowlane --run-root /run/flowlane-cluster.
+Nodes are network namespaces flc<NAME>-n<i> with their own bridge and
+flowlaned; pods are flc<NAME>-n<i>p<j>. `down` removes everything, also
+after an interrupted `up`.
+";
+
+struct Opts {
+    spec: ClusterSpec,
+    json: bool,
+}
+
+fn parse(args: &[String]) -> Result<Opts, String> {
+    let mut spec = ClusterSpec::new("local", 2, 2);
+    spec.run_root = PathBuf::from(DEFAULT_RUN_ROOT);
+    let mut json = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |flag: &str| {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match a.as_str() {
+            "--name" => spec.name = value(a)?,
+            "--nodes" => spec.nodes = value(a)?.parse().map_err(|e| format!("--nodes: {e}"))?,
+            "--pods" => {
+                spec.pods_per_node = value(a)?.parse().map_err(|e| format!("--pods: {e}"))?
+            }
+            "--pod-network" => {
+                let v = value(a)?;
+                let v = v.strip_suffix("/16").unwrap_or(&v);
+                spec.pod_network = v
+                    .parse::<Ipv4Addr>()
+                    .map_err(|e| format!("--pod-network: {e}"))?
+            }
+            "--plugin" => spec.plugin = value(a)?.parse::<Plugin>()?,
+            "--run-root" => spec.run_root = PathBuf::from(value(a)?),
+            "--json" => json = true,
+            other => return Err(format!("unknown option {other:?}")),
+        }
+    }
+    Ok(Opts { spec, json })
+}
+
+pub fn main(args: &[String]) -> i32 {
+    let Some(cmd) = args.first() else {
+        eprint!("{USAGE}");
+        return 2;
+    };
+    if matches!(cmd.as_str(), "-h" | "--help" | "help") {
+        print!("{USAGE}");
+        return 0;
+    }
+    let opts = match parse(&args[1..]) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("flowlane cluster: {e}\n\n{USAGE}");
+            return 2;
+        }
+    };
+    let bins = match Binaries::beside_current_exe() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("flowlane cluster: cannot locate binaries: {e}");
+            return 1;
+        }
+    };
+    match cmd.as_str() {
+        "up" => up(&opts, &bins),
+        "down" => down(&opts, &bins),
+        "status" => status(&opts),
+        other => {
+            eprintln!("flowlane cluster: unknown command {other:?}\n\n{USAGE}");
+            2
+        }
+    }
+}
+
+fn up(opts: &Opts, bins: &Binaries) -> i32 {
+    let progress = |s: &str| eprintln!("[cluster {}] {s}", opts.spec.name);
+    match flowlane_cluster::up(&opts.spec, bins, &progress) {
+        Ok(state) => {
+            if opts.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&state).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "cluster {} is up: {} node(s) x {} pod(s); state in {}",
+                    opts.spec.name,
+                    opts.spec.nodes,
+                    opts.spec.pods_per_node,
+                    state.run_dir().display()
+                );
+                for p in &state.pods {
+                    println!("  pod {:<6} ip {:<15} netns {}", p.name, p.ip, p.netns);
+                }
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!(
+                "flowlane cluster up: {e}\n(the cluster may be partly built: run `flowlane cluster down --name {}`)",
+                opts.spec.name
+            );
+            1
+        }
+    }
+}
+
+fn down(opts: &Opts, bins: &Binaries) -> i32 {
+    let rep = flowlane_cluster::down(&opts.spec.run_root, &opts.spec.name, bins);
+    for w in &rep.warnings {
+        eprintln!("flowlane cluster down: warning: {w}");
+    }
+    for e in &rep.errors {
+        eprintln!("flowlane cluster down: {e}");
+    }
+    println!(
+        "cluster {}: ended {} process(es), deleted {} pod attachment(s) and {} namespace(s){}",
+        opts.spec.name,
+        rep.processes_ended,
+        rep.pods_deleted,
+        rep.namespaces_deleted,
+        if rep.run_dir_removed {
+            ", removed its run directory"
+        } else {
+            ""
+        }
+    );
+    i32::from(!rep.errors.is_empty())
+}
+
+fn status(opts: &Opts) -> i32 {
+    let rep = flowlane_cluster::status(&opts.spec.run_root, &opts.spec.name);
+    if opts.json {
+        println!("{}", serde_json::to_string_pretty(&rep).unwrap_or_default());
+    } else if let Some(state) = &rep.state {
+        println!("cluster {} ({:?} plugin)", rep.name, state.spec.plugin);
+        for n in &state.nodes {
+            println!(
+                "  node {:<4} netns {:<16} underlay {:<12} pods {:<14} flowlaned {}",
+                n.name,
+                n.netns,
+                n.underlay_ip,
+                n.pod_cidr,
+                n.daemon_pid
+                    .map(|p| format!("pid {p}"))
+                    .unwrap_or_else(|| "not running".into())
+            );
+        }
+        for p in &state.pods {
+            println!("  pod  {:<4} ip {:<15} netns {}", p.name, p.ip, p.netns);
+        }
+    }
+    for p in &rep.problems {
+        println!("  problem: {p}");
+    }
+    i32::from(!(rep.up && rep.problems.is_empty()))
 }

@@ -1,0 +1,1 @@
+//! The demo (filled in next).

@@ -1,0 +1,120 @@
+//! Which lane a run really used, from the node daemons' own counters
+//! (`flowlane status --json --socket PATH`), read before and after a run.
+
+use std::path::Path;
+use std::process::Command;
+
+use flowlane_workloads::report::LaneEvidence;
+use serde_json::Value;
+
+use crate::spec::Binaries;
+
+/// The counters of one daemon that tell lanes apart.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub shm_opened: u64,
+    pub shm_bytes: u64,
+    pub fallbacks: u64,
+}
+
+/// Reads a daemon's counters; `None` when the daemon or the status command
+/// does not answer (then nothing may be claimed about lanes).
+pub fn read(bins: &Binaries, socket: &Path) -> Option<Counters> {
+    let out = Command::new(bins.flowlane())
+        .args(["status", "--json", "--socket"])
+        .arg(socket)
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    parse(&v)
+}
+
+/// Extracts the counters from `flowlane status --json` (the daemon's stats
+/// answer, possibly wrapped in an object under `stats`).
+pub fn parse(v: &Value) -> Option<Counters> {
+    let stats = if v.get("lanes").is_some() {
+        v
+    } else {
+        v.get("stats")?
+    };
+    let shm = stats.get("lanes")?.get("shm");
+    let num = |x: Option<&Value>| x.and_then(Value::as_u64).unwrap_or(0);
+    let fallbacks = stats
+        .get("fallbacks")
+        .and_then(Value::as_object)
+        .map(|m| m.values().filter_map(Value::as_u64).sum())
+        .unwrap_or(0);
+    Some(Counters {
+        shm_opened: num(shm.and_then(|s| s.get("connections_opened"))),
+        shm_bytes: num(shm.and_then(|s| s.get("bytes"))),
+        fallbacks,
+    })
+}
+
+/// Sums the differences over all nodes; no evidence unless every daemon
+/// answered both times.
+pub fn evidence(before: &[Option<Counters>], after: &[Option<Counters>]) -> LaneEvidence {
+    let mut e = LaneEvidence {
+        counters_read: !before.is_empty() && before.len() == after.len(),
+        ..Default::default()
+    };
+    for (b, a) in before.iter().zip(after) {
+        match (b, a) {
+            (Some(b), Some(a)) => {
+                e.shm_connections += a.shm_opened.saturating_sub(b.shm_opened);
+                e.shm_bytes += a.shm_bytes.saturating_sub(b.shm_bytes);
+                e.tcp_fallbacks += a.fallbacks.saturating_sub(b.fallbacks);
+            }
+            _ => e.counters_read = false,
+        }
+    }
+    e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn parses_daemon_stats() {
+        let v = json!({"daemon": {}, "lanes": {"shm": {"connections_opened": 4, "bytes": 1000}},
+                       "fallbacks": {"no-listener": 2, "not-local-pod": 1}});
+        let c = parse(&v).unwrap();
+        assert_eq!(
+            c,
+            Counters {
+                shm_opened: 4,
+                shm_bytes: 1000,
+                fallbacks: 3
+            }
+        );
+        assert_eq!(parse(&json!({"stats": v})).unwrap(), c);
+        assert!(parse(&json!({"other": 1})).is_none());
+    }
+
+    #[test]
+    fn missing_daemon_means_no_evidence() {
+        let c = Some(Counters {
+            shm_opened: 1,
+            shm_bytes: 5,
+            fallbacks: 0,
+        });
+        let e = evidence(&[c, None], &[c, None]);
+        assert!(!e.counters_read);
+        let later = Some(Counters {
+            shm_opened: 3,
+            shm_bytes: 50,
+            fallbacks: 1,
+        });
+        let e = evidence(&[c], &[later]);
+        assert!(e.counters_read);
+        assert_eq!(
+            (e.shm_connections, e.shm_bytes, e.tcp_fallbacks),
+            (2, 45, 1)
+        );
+    }
+}
