@@ -58,7 +58,7 @@ pub fn run_with_input(
         let _ = err.read_to_end(&mut s);
         s
     });
-    let status = wait_deadline(&mut child, timeout)?;
+    let status = wait_deadline(child, timeout)?;
     let _ = writer.join();
     let stdout = out_reader.join().unwrap_or_default();
     let stderr = err_reader.join().unwrap_or_default();
@@ -81,21 +81,31 @@ pub fn sh(args: &[&str]) -> Output {
     run(&mut cmd, Duration::from_secs(60)).unwrap_or_else(|e| panic!("spawn {args:?}: {e}"))
 }
 
-fn wait_deadline(child: &mut Child, timeout: Duration) -> std::io::Result<ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(status);
+/// Waits for `child` without polling (a waiter thread blocks in `wait`, so
+/// measured latencies are not quantised by a poll interval); kills it after
+/// `timeout`.
+fn wait_deadline(child: Child, timeout: Duration) -> std::io::Result<ExitStatus> {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let mut child = child;
+        let _ = tx.send(child.wait());
+    });
+    match rx.recv_timeout(timeout) {
+        Ok(status) => {
+            let _ = waiter.join();
+            status
         }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let status = child.wait()?;
-            return Err(std::io::Error::new(
+        Err(_) => {
+            // Still running (the waiter has not reaped it, so the pid is ours).
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let status = rx.recv().map_err(std::io::Error::other)??;
+            let _ = waiter.join();
+            Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!("killed after {timeout:?} ({status})"),
-            ));
+            ))
         }
-        std::thread::sleep(Duration::from_millis(2));
     }
 }
 
