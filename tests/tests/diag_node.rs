@@ -155,12 +155,25 @@ impl Node {
 
     /// Runs `flowlane diag --json` against this node; (exit code, report).
     fn diag(&self) -> (i32, Value) {
+        let out = self.run_diag(&["--json"]);
+        let report: Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "diag --json printed no JSON ({e}):\n{}\n{}",
+                out.stdout, out.stderr
+            )
+        });
+        (out.status.code().unwrap_or(-1), report)
+    }
+
+    /// Runs `flowlane diag EXTRA...` with this node's directories. RDMA is
+    /// read from an empty sysfs so the result does not depend on the host.
+    fn run_diag(&self, extra: &[&str]) -> process::Output {
         let no_rdma = self.dir.join("sys-without-rdma");
         std::fs::create_dir_all(&no_rdma).unwrap();
-        let out = process::run(
+        process::run(
             Command::new(binaries::flowlane())
                 .arg("diag")
-                .arg("--json")
+                .args(extra)
                 .arg("--cni-conf-dir")
                 .arg(self.conf_dir())
                 .arg("--cni-bin-dir")
@@ -174,14 +187,7 @@ impl Node {
                 .env_remove("CNI_COMMAND"),
             Duration::from_secs(60),
         )
-        .expect("run flowlane diag");
-        let report: Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "diag --json printed no JSON ({e}):\n{}\n{}",
-                out.stdout, out.stderr
-            )
-        });
-        (out.status.code().unwrap_or(-1), report)
+        .expect("run flowlane diag")
     }
 }
 
@@ -273,6 +279,17 @@ fn diag_reports_a_healthy_node_as_healthy() {
         .unwrap()
         .to_string();
     assert!(usage.contains("2 of 253"), "{usage}");
+
+    // The human form says the same (printed: docs/diag.md shows it).
+    let text = node.run_diag(&[]);
+    println!("{}", text.stdout);
+    assert!(text.success(), "{}", text.stdout);
+    assert!(
+        text.stdout
+            .contains("0 error(s), 0 warning(s): this node is healthy"),
+        "{}",
+        text.stdout
+    );
 }
 
 #[test]

@@ -132,7 +132,7 @@ fn run(o: &Options) -> Report {
     let bridge = bridge::check(net);
     let (pods, pod_states) = pods::check(&state_dir);
     let ipam = ipam::check(net, &pod_states);
-    let (daemon, daemon_state) = daemon::check(&socket);
+    let (daemon, daemon_state) = daemon::check(&socket, &state_dir);
     let (rdma, inventory) = rdma::check(&o.sysfs, o.node_ip);
     let host = host::check(daemon_state.pid, !inventory.devices.is_empty());
     Report::new(vec![cni, bins, bridge, ipam, daemon, pods, rdma, host])

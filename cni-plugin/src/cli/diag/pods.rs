@@ -89,7 +89,7 @@ pub fn check(state_dir: &Path) -> (Section, Vec<PodState>) {
     for p in &pods {
         let a = &p.attachment;
         match p.netns_state {
-            NetnsState::Present => {}
+            NetnsState::Present => s.info("pods.pod", format!("{} in {}", p.label(), a.netns)),
             NetnsState::Missing => s.error(
                 "pods.netns_missing",
                 format!("{} is registered, but its network namespace {} is gone", p.label(), a.netns),
