@@ -1,6 +1,276 @@
-//! `flowlane status`: the node daemon's lanes and counters.
+//! `flowlane status`: the node daemon's lanes, counters, connections and
+//! listeners. `--json` prints the daemon's stats answer as it is (for
+//! scripts); `--socket PATH` picks the daemon (else `$FLOWLANE_SOCKET`,
+//! else the default socket).
 
-pub fn main(_args: &[String]) -> i32 {
-    eprintln!("flowlane status: not implemented yet");
-    1
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use flowlane_lane::client::DaemonClient;
+use flowlane_lane::notify::DEFAULT_DAEMON_SOCKET;
+use flowlane_lane::proto::Stats;
+
+const USAGE: &str = "usage: flowlane status [--json] [--socket PATH]";
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+struct Options {
+    json: bool,
+    socket: PathBuf,
+}
+
+fn parse(args: &[String]) -> Result<Options, String> {
+    let mut json = false;
+    let mut socket = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--json" => json = true,
+            "--socket" => {
+                let p = it.next().ok_or("--socket needs a PATH")?;
+                socket = Some(PathBuf::from(p));
+            }
+            s if s.starts_with("--socket=") => {
+                socket = Some(PathBuf::from(&s["--socket=".len()..]))
+            }
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    let socket = socket
+        .or_else(|| std::env::var_os("FLOWLANE_SOCKET").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET));
+    Ok(Options { json, socket })
+}
+
+pub fn main(args: &[String]) -> i32 {
+    let opts = match parse(args) {
+        Ok(o) => o,
+        Err(e) if e.is_empty() => {
+            println!("{USAGE}");
+            return 0;
+        }
+        Err(e) => {
+            eprintln!("flowlane status: {e}\n{USAGE}");
+            return 2;
+        }
+    };
+    let stats = match DaemonClient::connect(&opts.socket, TIMEOUT).and_then(|mut c| c.stats()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!(
+                "flowlane status: no flowlaned answers on {}: {e}\n\
+                 (is the daemon running on this node? choose its socket with --socket PATH)",
+                opts.socket.display()
+            );
+            return 1;
+        }
+    };
+    if opts.json {
+        match serde_json::to_string_pretty(&stats) {
+            Ok(s) => println!("{s}"),
+            Err(e) => {
+                eprintln!("flowlane status: {e}");
+                return 1;
+            }
+        }
+    } else {
+        print!("{}", render(&stats));
+    }
+    0
+}
+
+/// Human-readable size with binary units.
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+fn duration(secs: u64) -> String {
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m{:02}s", s / 60, s % 60),
+        s => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// Left-aligned columns sized to their widest cell.
+fn table(head: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = head.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: Vec<&str>| {
+        let mut l = String::new();
+        for (i, (c, w)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == cells.len() {
+                l.push_str(c);
+            } else {
+                let _ = write!(l, "{c:<w$}  ");
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(head.to_vec());
+    for r in rows {
+        line(r.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+fn render(s: &Stats) -> String {
+    let d = &s.daemon;
+    let mut out = format!(
+        "flowlaned {} (pid {}, up {}), socket {}, state {}\n\
+         pods {}, listeners {}, registry reloads {}\n\n",
+        d.version,
+        d.pid,
+        duration(d.uptime_secs),
+        d.socket,
+        d.state_dir,
+        d.pods,
+        s.listeners.len(),
+        d.registry_reloads
+    );
+    let lanes: Vec<Vec<String>> = s
+        .lanes
+        .iter()
+        .map(|(name, l)| {
+            vec![
+                name.clone(),
+                l.connections_opened.to_string(),
+                l.connections_active.to_string(),
+                l.connections_closed.to_string(),
+                l.channels_pending.to_string(),
+                bytes(l.bytes),
+            ]
+        })
+        .collect();
+    out += &table(
+        &["LANE", "OPENED", "ACTIVE", "CLOSED", "PENDING", "BYTES"],
+        &lanes,
+    );
+    let total: u64 = s.fallbacks.values().sum();
+    let _ = writeln!(out, "\nFALLBACKS TO TCP: {total}");
+    if !s.fallbacks.is_empty() {
+        let rows: Vec<Vec<String>> = s
+            .fallbacks
+            .iter()
+            .map(|(r, n)| vec![format!("  {r}"), n.to_string()])
+            .collect();
+        out += &table(&["  REASON", "COUNT"], &rows);
+    }
+    let _ = writeln!(
+        out,
+        "auth failures {}, bad requests {}",
+        s.auth_failures, s.bad_requests
+    );
+    let _ = writeln!(out, "\nCONNECTIONS: {}", s.connections.len());
+    if !s.connections.is_empty() {
+        let rows: Vec<Vec<String>> = s
+            .connections
+            .iter()
+            .map(|c| {
+                vec![
+                    c.id.to_string(),
+                    c.lane.clone(),
+                    format!("{} {}", c.client.pod, c.client.addr),
+                    format!("{} {}", c.server.pod, c.server.addr),
+                    bytes(c.bytes_client_to_server),
+                    bytes(c.bytes_server_to_client),
+                    duration(c.age_secs),
+                ]
+            })
+            .collect();
+        out += &table(
+            &["ID", "LANE", "CLIENT", "SERVER", "C->S", "S->C", "AGE"],
+            &rows,
+        );
+    }
+    let _ = writeln!(out, "\nLISTENERS: {}", s.listeners.len());
+    if !s.listeners.is_empty() {
+        let rows: Vec<Vec<String>> = s
+            .listeners
+            .iter()
+            .map(|l| vec![l.pod.clone(), l.addr.to_string(), l.processes.to_string()])
+            .collect();
+        out += &table(&["POD", "ADDRESS", "PROCESSES"], &rows);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowlane_lane::proto::{ConnectionInfo, Endpoint, LaneStats};
+
+    #[test]
+    fn parses_flags_and_rejects_unknown_ones() {
+        let a = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let o = parse(&a(&["--json", "--socket", "/tmp/x.sock"])).unwrap();
+        assert!(o.json);
+        assert_eq!(o.socket, PathBuf::from("/tmp/x.sock"));
+        assert_eq!(
+            parse(&a(&["--socket=/y"])).unwrap().socket,
+            PathBuf::from("/y")
+        );
+        assert!(parse(&a(&["--socket"])).is_err());
+        assert!(parse(&a(&["--bogus"])).is_err());
+    }
+
+    #[test]
+    fn renders_lanes_fallbacks_and_connections() {
+        let mut s = Stats::default();
+        s.lanes.insert(
+            "shm".into(),
+            LaneStats {
+                connections_opened: 3,
+                connections_active: 1,
+                connections_closed: 2,
+                bytes: 3 << 30,
+                channels_pending: 0,
+            },
+        );
+        s.fallbacks.insert("no-listener".into(), 4);
+        s.connections.push(ConnectionInfo {
+            id: 9,
+            lane: "shm".into(),
+            client: Endpoint {
+                pod: "default/a".into(),
+                addr: "10.0.0.2:4000".parse().unwrap(),
+            },
+            server: Endpoint {
+                pod: "default/b".into(),
+                addr: "10.0.0.3:80".parse().unwrap(),
+            },
+            region_len: 4096,
+            bytes_client_to_server: 2048,
+            bytes_server_to_client: 0,
+            age_secs: 75,
+        });
+        let t = render(&s);
+        assert!(
+            t.contains("shm   3       1       2       0        3.0 GiB"),
+            "{t}"
+        );
+        assert!(t.contains("FALLBACKS TO TCP: 4"));
+        assert!(t.contains("no-listener"));
+        assert!(t.contains("default/a 10.0.0.2:4000"));
+        assert!(t.contains("2.0 KiB"));
+        assert!(t.contains("1m15s"));
+    }
 }
