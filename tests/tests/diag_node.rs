@@ -5,7 +5,9 @@
 //! that diag names it (problem id in `--json`) and exits non-zero; the
 //! untouched node must come out healthy with exit 0.
 //!
-//! Names: bridges, netns `fldg*`, subnets 10.204.<k>.0/24 (one `k` per test).
+//! Names: bridges and netns `fldg<k><pid>`, subnets 10.204.<n>.0/24 with `n`
+//! from the test's `k` and the process id, so that a concurrent run of this
+//! suite (another checkout on the same machine) uses other names and subnets.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -23,7 +25,8 @@ use serde_json::{json, Value};
 /// One node: config dir, bin dir, state and IPAM dirs, bridge, daemon, pods.
 struct Node {
     dir: TempDir,
-    k: u8,
+    /// Third octet of the node's pod subnet 10.204.<octet>.0/24.
+    octet: u8,
     network: String,
     daemon: Option<ChildGuard>,
     pods: Vec<(Netns, String)>,
@@ -35,7 +38,13 @@ impl Node {
     /// A node with the flowlane conflist installed, the plugin in its bin
     /// dir, flowlaned running, and `pods` pods wired by the plugin.
     fn new(k: u8, pods: usize) -> Node {
-        let network = format!("fldg{k}");
+        assert!(
+            (1..=5).contains(&k),
+            "k picks one of five subnets per process"
+        );
+        let pid = std::process::id();
+        let network = format!("fldg{k}{pid:x}");
+        let octet = ((pid % 51) * 5) as u8 + (k - 1);
         let dir = TempDir::new(&format!("dg{k}"));
         for sub in ["net.d", "bin", "state", "ipam"] {
             std::fs::create_dir_all(dir.join(sub)).unwrap();
@@ -44,7 +53,7 @@ impl Node {
         let mut node = Node {
             _bridge: LinkGuard::new(&network),
             dir,
-            k,
+            octet,
             network,
             daemon: None,
             pods: Vec::new(),
@@ -69,6 +78,11 @@ impl Node {
     fn lease_dir(&self) -> PathBuf {
         self.dir.join("ipam").join(&self.network)
     }
+    /// Host `n` of the node's pod subnet.
+    fn ip(&self, n: u8) -> String {
+        format!("10.204.{}.{n}", self.octet)
+    }
+
     fn conflist_path(&self) -> PathBuf {
         self.conf_dir().join("10-flowlane.conflist")
     }
@@ -84,7 +98,7 @@ impl Node {
             "daemonSocket": self.socket(),
             "ipam": {
                 "type": "flowlane",
-                "ranges": [[{ "subnet": format!("10.204.{}.0/24", self.k) }]],
+                "ranges": [[{ "subnet": format!("10.204.{}.0/24", self.octet) }]],
                 "dataDir": self.dir.join("ipam"),
             },
         })
@@ -130,8 +144,8 @@ impl Node {
     /// CNI ADD exactly as a runtime runs a conflist's first plugin: the
     /// plugin's entry plus the list's name and cniVersion on stdin.
     fn add_pod(&mut self, i: usize) {
-        let ns = Netns::named(&format!("fldg{}p{i}", self.k));
-        let id = format!("fldg-{}-{}-{i}", self.k, std::process::id());
+        let ns = Netns::named(&format!("{}p{i}", self.network));
+        let id = format!("{}-container-{i}", self.network);
         let mut conf = self.plugin_conf();
         conf["name"] = json!(self.network);
         conf["cniVersion"] = json!("1.1.0");
@@ -338,7 +352,7 @@ fn diag_detects_a_leaked_lease() {
     // An address taken by a container that has no pod registry entry, as a
     // plugin killed between IPAM and the registry write leaves it.
     std::fs::write(
-        node.lease_dir().join("10.204.4.200"),
+        node.lease_dir().join(node.ip(200)),
         "f00dfeedcafe0001\r\neth0",
     )
     .unwrap();
@@ -359,7 +373,7 @@ fn diag_detects_a_leaked_lease() {
     assert!(leaked[0]["summary"]
         .as_str()
         .unwrap()
-        .contains("10.204.4.200"));
+        .contains(&node.ip(200)));
     assert_ne!(code, 0);
     assert_fix_given(&report);
 }
