@@ -179,15 +179,15 @@ impl Node {
         (out.status.code().unwrap_or(-1), report)
     }
 
-    /// Runs `flowlane diag EXTRA...` with this node's directories. RDMA is
-    /// read from an empty sysfs so the result does not depend on the host.
+    /// Runs `flowlane diag` with this node's directories, then `extra`. RDMA
+    /// is read from an empty sysfs (unless `extra` names one) so the result
+    /// does not depend on the host.
     fn run_diag(&self, extra: &[&str]) -> process::Output {
         let no_rdma = self.dir.join("sys-without-rdma");
         std::fs::create_dir_all(&no_rdma).unwrap();
         process::run(
             Command::new(binaries::flowlane())
                 .arg("diag")
-                .args(extra)
                 .arg("--cni-conf-dir")
                 .arg(self.conf_dir())
                 .arg("--cni-bin-dir")
@@ -198,6 +198,8 @@ impl Node {
                 .arg(self.socket())
                 .arg("--sysfs")
                 .arg(&no_rdma)
+                // Last, so a test's own --sysfs wins.
+                .args(extra)
                 .env_remove("CNI_COMMAND"),
             Duration::from_secs(60),
         )
@@ -293,6 +295,28 @@ fn diag_reports_a_healthy_node_as_healthy() {
         .unwrap()
         .to_string();
     assert!(usage.contains("2 of 253"), "{usage}");
+
+    // With an RDMA NIC (the Soft-RoCE fixture tree), the lane's GID is
+    // chosen; the daemon's 8 MiB memlock is then only a warning, and
+    // warnings alone keep the exit code 0.
+    let rxe = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rdma/tests/fixtures/rxe");
+    let out = node.run_diag(&[
+        "--json",
+        "--sysfs",
+        rxe.to_str().unwrap(),
+        "--node-ip",
+        "192.0.2.1",
+    ]);
+    let rdma: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(
+        finding_ids(&rdma, "rdma").contains(&"rdma.gid_selected".to_string()),
+        "{rdma:#}"
+    );
+    assert!(
+        problems(&rdma).iter().all(|(_, sev)| sev == "warning"),
+        "{rdma:#}"
+    );
+    assert_eq!(out.status.code(), Some(0), "{rdma:#}");
 
     // The human form says the same (printed: docs/diag.md shows it).
     let text = node.run_diag(&[]);

@@ -37,8 +37,14 @@ impl PodState {
     }
 }
 
+/// A container id as people read it: runtimes' 64-hex-digit ids cut to 12
+/// (as `crictl ps` shows them), other ids whole.
 pub fn short(id: &str) -> &str {
-    &id[..id.len().min(12)]
+    if id.len() > 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        &id[..12]
+    } else {
+        id
+    }
 }
 
 fn netns_state(a: &Attachment) -> NetnsState {

@@ -71,13 +71,14 @@ pub fn check(sysfs_root: &Path, node_ip: Option<IpAddr>) -> (Section, Inventory)
                 p.gid_table_len
             );
             for g in &p.gids {
-                text.push_str(&format!(
+                let line = format!(
                     "\n  gid[{}] {} {} {}",
                     g.index,
                     g.gid,
                     g.gid_type.map(|t| t.to_string()).unwrap_or("-".into()),
                     g.netdev.as_deref().unwrap_or("")
-                ));
+                );
+                text.push_str(line.trim_end());
             }
             if p.is_active() {
                 s.info("rdma.port", text);
