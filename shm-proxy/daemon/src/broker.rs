@@ -367,21 +367,31 @@ impl Broker {
         self.pods.get(pod).is_some_and(|p| p.owns(ip))
     }
 
-    /// True when `pod` has a live flowlane listener accepting `dst`.
-    fn has_listener(&mut self, pod: PodId, dst: SocketAddr) -> bool {
+    /// Addresses a listener accepting `dst` may be registered on.
+    fn listener_candidates(dst: SocketAddr) -> impl Iterator<Item = SocketAddr> {
         let port = dst.port();
-        let candidates = [
+        [
             dst,
             SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port),
             // A dual-stack `::` socket also accepts IPv4.
             SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port),
-        ];
+        ]
+        .into_iter()
+        .filter(move |a| !(a.is_ipv4() && dst.is_ipv6()))
+    }
+
+    /// The registered listener of `pod` that accepts `dst`, if any.
+    fn listener_key(&self, pod: PodId, dst: SocketAddr) -> Option<(PodId, SocketAddr)> {
+        Self::listener_candidates(dst)
+            .map(|a| (pod, a))
+            .find(|k| self.listeners.contains_key(k))
+    }
+
+    /// True when `pod` has a live flowlane listener accepting `dst`.
+    fn has_listener(&mut self, pod: PodId, dst: SocketAddr) -> bool {
         let mut found = false;
         let mut pruned = false;
-        for addr in candidates {
-            if addr.is_ipv4() && dst.is_ipv6() {
-                continue;
-            }
+        for addr in Self::listener_candidates(dst) {
             if let Some(procs) = self.listeners.get_mut(&(pod, addr)) {
                 let before = procs.len();
                 procs.retain(ProcessId::is_alive);
@@ -597,6 +607,16 @@ impl Broker {
         };
         self.pending_ids.remove(&p.id);
         self.counters.shm.opened += 1;
+        // The claimer accepts on the listener: it keeps the listener alive
+        // even when the process that called listen() exits (pre-fork
+        // servers whose parent leaves).
+        if let (Some(process), Some(key)) = (caller.process, self.listener_key(pod, local)) {
+            let procs = self.listeners.entry(key).or_default();
+            if !procs.contains(&process) {
+                procs.push(process);
+                self.save_listeners();
+            }
+        }
         tracing::debug!(id = p.id, client = %p.key.src, server = %local, "channel claimed");
         self.active.insert(
             p.id,
@@ -1123,6 +1143,53 @@ mod tests {
         assert_eq!(st.fallbacks["claim-without-intent"], 1);
         assert_eq!(st.fallbacks["unsupported"], 1);
         assert_eq!(st.lanes[SHM_LANE].channels_pending, 0);
+    }
+
+    #[test]
+    fn a_claiming_process_keeps_the_listener_after_the_listening_one_exits() {
+        let mut n = node("prefork", Limits::default());
+        let b = &mut n.broker;
+        let mut parent = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let as_parent = Caller {
+            netns: Some(2),
+            process: Some(ProcessId::of(parent.id()).unwrap()),
+        };
+        let r = b.handle(
+            &as_parent,
+            Request::RegisterListener {
+                addr: sa("0.0.0.0:90"),
+            },
+        );
+        assert_eq!(r.response, Response::Ok);
+        let intent = |b: &mut Broker, port: u16| {
+            b.handle(
+                &pod(1),
+                Request::ConnectIntent {
+                    src: sa(&format!("10.202.9.1:{port}")),
+                    dst: sa("10.202.9.2:90"),
+                    region_len: 8192,
+                },
+            )
+            .response
+        };
+        assert!(matches!(intent(b, 5000), Response::Channel { .. }));
+        // A forked worker (another process of the pod) accepts and claims.
+        let r = b.handle(
+            &pod(2),
+            Request::ClaimAccepted {
+                local: sa("10.202.9.2:90"),
+                peer: sa("10.202.9.1:5000"),
+            },
+        );
+        assert!(matches!(r.response, Response::Channel { .. }));
+        parent.kill().unwrap();
+        parent.wait().unwrap();
+        b.tick(Instant::now());
+        assert_eq!(b.stats().listeners.len(), 1);
+        assert!(matches!(intent(b, 5001), Response::Channel { .. }));
     }
 
     #[test]
