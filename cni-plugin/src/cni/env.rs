@@ -58,11 +58,13 @@ pub struct CniEnv {
 /// function so tests need not touch the process environment).
 pub fn from_lookup(cmd: Command, get: impl Fn(&str) -> Option<String>) -> CniResult<CniEnv> {
     let var = |name: &str| get(name).unwrap_or_default();
+    // As libcni's skel: CNI_PATH is required by every command but VERSION
+    // (SPEC.md section 3: the runtime "must" provide it to plugins).
     let (need_id, need_netns, need_ifname, need_path) = match cmd {
-        Command::Add | Command::Check => (true, true, true, false),
-        Command::Del => (true, false, true, false),
-        Command::Gc => (false, false, false, true),
-        Command::Status | Command::Version => (false, false, false, false),
+        Command::Add | Command::Check => (true, true, true, true),
+        Command::Del => (true, false, true, true),
+        Command::Gc | Command::Status => (false, false, false, true),
+        Command::Version => (false, false, false, false),
     };
     let env = CniEnv {
         container_id: var("CNI_CONTAINERID"),
@@ -212,21 +214,28 @@ mod tests {
             ("CNI_CONTAINERID", "c1"),
             ("CNI_NETNS", "/run/netns/x"),
             ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/opt/cni/bin"),
         ];
         assert!(from_lookup(Command::Add, lookup(&full)).is_ok());
+        let e = from_lookup(Command::Add, lookup(&full[..3])).unwrap_err();
+        assert!(e.msg.contains("CNI_PATH"));
         let e = from_lookup(Command::Add, lookup(&full[1..])).unwrap_err();
         assert_eq!(e.code, 4);
         assert!(e.msg.contains("CNI_CONTAINERID"));
-        let e = from_lookup(Command::Add, lookup(&[full[0], full[2]])).unwrap_err();
+        let e = from_lookup(Command::Add, lookup(&[full[0], full[2], full[3]])).unwrap_err();
         assert!(e.msg.contains("CNI_NETNS"));
-        let e = from_lookup(Command::Check, lookup(&full[..2])).unwrap_err();
+        let e = from_lookup(Command::Check, lookup(&[full[0], full[1], full[3]])).unwrap_err();
         assert!(e.msg.contains("CNI_IFNAME"));
         // DEL does not need the netns.
-        assert!(from_lookup(Command::Del, lookup(&[full[0], full[2]])).is_ok());
-        // GC needs CNI_PATH; STATUS and VERSION need nothing.
+        assert!(from_lookup(Command::Del, lookup(&[full[0], full[2], full[3]])).is_ok());
+        // GC and STATUS need only CNI_PATH; VERSION nothing.
         assert!(from_lookup(Command::Gc, lookup(&[])).is_err());
-        assert!(from_lookup(Command::Gc, lookup(&[("CNI_PATH", "/a:/b")])).is_ok());
-        assert!(from_lookup(Command::Status, lookup(&[])).is_ok());
+        assert!(from_lookup(Command::Status, lookup(&[])).is_err());
+        assert_eq!(
+            from_lookup(Command::Gc, lookup(&[("CNI_PATH", "/a::/b")])).unwrap().path,
+            ["/a", "/b"]
+        );
+        assert!(from_lookup(Command::Version, lookup(&[])).is_ok());
     }
 
     #[test]
@@ -238,6 +247,7 @@ mod tests {
                     ("CNI_CONTAINERID", id),
                     ("CNI_NETNS", "/x"),
                     ("CNI_IFNAME", ifn),
+                    ("CNI_PATH", "/p"),
                 ]),
             )
         };

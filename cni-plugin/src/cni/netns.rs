@@ -31,6 +31,11 @@ impl Netns {
                 CniError::env(format!("CNI_NETNS {path} cannot be opened")).with_details(e)
             }
         })?;
+        if !is_nsfs(&file) {
+            return Err(CniError::env(format!(
+                "CNI_NETNS {path} is not a network namespace"
+            )));
+        }
         let meta = file
             .metadata()
             .map_err(|e| CniError::io("stat CNI_NETNS", e))?;
@@ -79,4 +84,14 @@ impl Netns {
             .unwrap_or_else(|_| Err(CniError::new(code::NETLINK, "pod netns worker panicked")))
         })
     }
+}
+
+/// Namespace files live on nsfs (`/proc/PID/ns/net` or a bind mount of it).
+fn is_nsfs(file: &File) -> bool {
+    const NSFS_MAGIC: i64 = 0x6e73_6673;
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: fstatfs fills the statfs buffer we pass for a valid open fd.
+    let rc = unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) };
+    // SAFETY: rc == 0 means the kernel initialised the buffer.
+    rc == 0 && unsafe { st.assume_init() }.f_type as i64 == NSFS_MAGIC
 }
