@@ -5,6 +5,8 @@
 //! Run as root: `cargo run --release -p flowlane-e2e --bin cni-bench [-- --pods 100 --concurrency 64 --rounds 2]`.
 //! Every call is the real binary exec'd with environment + stdin, exactly as
 //! a runtime does; network namespaces are created beforehand and not timed.
+//! Sequential calls interleave the two plugins pod by pod; concurrent batches
+//! alternate which plugin goes first each round.
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -96,15 +98,29 @@ fn timed_del(net: &TestNet, pod: &Pod, prev: &Value) -> Duration {
     d
 }
 
-fn sequential(net: &TestNet, pods: &[Arc<Pod>], st: &mut Stats) {
-    let mut results = Vec::with_capacity(pods.len());
-    for p in pods {
-        let (d, r) = timed_add(net, p);
-        st.seq_add.0.push(d);
-        results.push(r);
+/// One pod at a time, the two plugins interleaved pod by pod (alternating
+/// which goes first), so both see the same machine conditions.
+fn sequential(nets: &[Arc<TestNet>], pods: &[Vec<Arc<Pod>>], n: usize, stats: &mut [Stats]) {
+    let order = |i: usize| -> [usize; 2] {
+        if i % 2 == 0 {
+            [0, 1]
+        } else {
+            [1, 0]
+        }
+    };
+    let mut results: Vec<Vec<Value>> = vec![Vec::with_capacity(n), Vec::with_capacity(n)];
+    for i in 0..n {
+        for s in order(i) {
+            let (d, r) = timed_add(&nets[s], &pods[s][i]);
+            stats[s].seq_add.0.push(d);
+            results[s].push(r);
+        }
     }
-    for (p, r) in pods.iter().zip(&results) {
-        st.seq_del.0.push(timed_del(net, p, r));
+    for i in 0..n {
+        for s in order(i) {
+            let d = timed_del(&nets[s], &pods[s][i], &results[s][i]);
+            stats[s].seq_del.0.push(d);
+        }
     }
 }
 
@@ -191,9 +207,7 @@ fn main() {
         } else {
             vec![1, 0]
         };
-        for &i in &order {
-            sequential(&nets[i], &pods[i][..args.pods], &mut stats[i]);
-        }
+        sequential(&nets, &pods, args.pods, &mut stats);
         for &i in &order {
             concurrent(&nets[i], &pods[i][..args.concurrency], &mut stats[i]);
         }
