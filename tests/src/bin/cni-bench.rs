@@ -100,6 +100,8 @@ fn timed_del(net: &TestNet, pod: &Pod, prev: &Value) -> Duration {
 
 /// One pod at a time, the two plugins interleaved pod by pod (alternating
 /// which goes first), so both see the same machine conditions.
+// `i` indexes the two plugins' pod lists in lock step.
+#[allow(clippy::needless_range_loop)]
 fn sequential(nets: &[Arc<TestNet>], pods: &[Vec<Arc<Pod>>], n: usize, stats: &mut [Stats]) {
     let order = |i: usize| -> [usize; 2] {
         if i % 2 == 0 {
