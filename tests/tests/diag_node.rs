@@ -39,12 +39,12 @@ impl Node {
     /// dir, flowlaned running, and `pods` pods wired by the plugin.
     fn new(k: u8, pods: usize) -> Node {
         assert!(
-            (1..=5).contains(&k),
-            "k picks one of five subnets per process"
+            (1..=6).contains(&k),
+            "k picks one of six subnets per process"
         );
         let pid = std::process::id();
         let network = format!("fldg{k}{pid:x}");
-        let octet = ((pid % 51) * 5) as u8 + (k - 1);
+        let octet = ((pid % 42) * 6) as u8 + (k - 1);
         let dir = TempDir::new(&format!("dg{k}"));
         for sub in ["net.d", "bin", "state", "ipam"] {
             std::fs::create_dir_all(dir.join(sub)).unwrap();
@@ -432,4 +432,118 @@ fn diag_detects_a_pod_registered_without_its_netns() {
         "the other pod is fine"
     );
     assert_ne!(code, 0);
+}
+
+/// A pod server that counts what it receives until EOF, then prints the count.
+const COUNT_SERVER: &str = r#"
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(1)
+c, _ = s.accept(); n = 0
+while True:
+    b = c.recv(1 << 16)
+    if not b:
+        break
+    n += len(b)
+print(n, flush=True)
+"#;
+
+/// A pod client that sends N bytes, says so, and keeps the connection open
+/// until its stdin closes.
+const HOLDING_CLIENT: &str = r#"
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+c.sendall(b'x' * int(sys.argv[3]))
+print('sent', flush=True)
+sys.stdin.read()
+c.close()
+"#;
+
+fn daemon_stats(report: &Value) -> Value {
+    report["sections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "daemon")
+        .unwrap()["data"]["stats"]
+        .clone()
+}
+
+#[test]
+fn diag_shows_live_shared_memory_connections() {
+    use std::io::{BufRead, BufReader};
+
+    let node = Node::new(6, 2);
+    let preload = binaries::workspace_artifact("libflowlane_preload.so");
+    let in_pod = |i: usize, argv: &[&str]| {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", node.pods[i].0.name(), "env"])
+            .arg(format!("LD_PRELOAD={}", preload.display()))
+            .arg(format!("FLOWLANE_SOCKET={}", node.socket().display()))
+            .args(argv)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    let mut server = ChildGuard::new(
+        in_pod(1, &["/usr/bin/python3", "-c", COUNT_SERVER, "7100"])
+            .spawn()
+            .unwrap(),
+    );
+    let listening = wait::until(Duration::from_secs(20), || {
+        let o = node.pods[1].0.exec(&["ss", "-Htln", "sport = :7100"]);
+        !o.stdout.trim().is_empty()
+    });
+    assert!(listening, "the pod server did not listen");
+    let sent: u64 = 1 << 20;
+    let mut client = ChildGuard::new(
+        in_pod(
+            0,
+            &[
+                "/usr/bin/python3",
+                "-c",
+                HOLDING_CLIENT,
+                &node.ip(3),
+                "7100",
+                &sent.to_string(),
+            ],
+        )
+        .spawn()
+        .unwrap(),
+    );
+    let mut line = String::new();
+    BufReader::new(client.child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "sent");
+
+    // The connection is open: diag lists it on the shm lane, pod to pod.
+    let (code, report) = node.diag();
+    assert_eq!(code, 0, "{report:#}");
+    let stats = daemon_stats(&report);
+    let conns = stats["connections"].as_array().expect("connections");
+    assert_eq!(conns.len(), 1, "{stats:#}");
+    assert_eq!(conns[0]["lane"], "shm");
+    assert_eq!(conns[0]["client"]["pod"], "diag/pod0", "{stats:#}");
+    assert_eq!(conns[0]["server"]["addr"], format!("{}:7100", node.ip(3)));
+    assert!(finding_ids(&report, "daemon").contains(&"daemon.connection".to_string()));
+    // (Printed for docs/diag.md; run with --nocapture.)
+    println!("{}", node.run_diag(&[]).stdout);
+
+    // Closed: the lane's counters hold the bytes the client sent.
+    drop(client.child.stdin.take());
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut server.child.stdout.take().unwrap(), &mut out).unwrap();
+    assert_eq!(out.trim(), sent.to_string(), "server received");
+    let closed = wait::until(Duration::from_secs(30), || {
+        let (_, r) = node.diag();
+        let shm = &daemon_stats(&r)["lanes"]["shm"];
+        shm["connections_closed"] == 1 && shm["bytes"].as_u64().unwrap_or(0) >= sent
+    });
+    assert!(
+        closed,
+        "lane counters after close: {:#}",
+        daemon_stats(&node.diag().1)
+    );
 }

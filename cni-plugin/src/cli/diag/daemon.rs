@@ -132,7 +132,7 @@ fn describe(s: &mut Section, stats: &Stats, state_dir: &Path) {
         s.info(
             "daemon.connection",
             format!(
-                "#{} {}: {} {} -> {} {}, {} / {} (client->server / server->client), age {}",
+                "#{} {}: {} {} -> {} {}, {} client->server, {} server->client (counted as the ends close), age {}",
                 c.id,
                 c.lane,
                 c.client.pod,
