@@ -520,3 +520,33 @@ fn netns_path_that_is_not_a_netns_is_rejected() {
         &pod,
     );
 }
+
+#[test]
+fn bridge_name_taken_by_a_non_bridge_link() {
+    let net = TestNet::new("nbr", &["10.201.22.0/24"]);
+    let pod = Pod::new("nbr");
+    // Occupy the bridge's name with a veth.
+    flowlane_e2e::process::sh(&[
+        "ip",
+        "link",
+        "add",
+        &net.name,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &format!("{}p", &net.name[..net.name.len().min(14)]),
+    ])
+    .expect_ok("veth with the bridge's name");
+    let out = net.pod_call("ADD", &pod, &net.conf(V)).run();
+    let e = out.error();
+    assert!(
+        e.code == code::INVALID_CONFIG || e.code >= 100,
+        "code {}: {}",
+        e.code,
+        e.msg
+    );
+    assert_rejected("bridge name is a veth", &out, &[e.code], &net, &pod);
+    let still = flowlane_e2e::host::link(&net.name).expect("the veth is left alone");
+    assert_ne!(still.link_type, "bridge");
+}

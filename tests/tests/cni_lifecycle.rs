@@ -603,3 +603,136 @@ fn daemon_notification_is_best_effort() {
         net.assert_clean(&[&pod.id]);
     }
 }
+
+#[test]
+fn ipv6_only_network() {
+    let v = version_latest();
+    let net = TestNet::new("v6", &["fd00:201:26::/64"]);
+    let a = Pod::new("v6a");
+    let b = Pod::new("v6b");
+    let ra = expect_valid(v, &net.add(&a, v));
+    let rb = expect_valid(v, &net.add(&b, v));
+    assert!(ra.ipv4().is_none() && ra.ipv6().is_some(), "{:#}", ra.raw);
+    assert_wired(&a, &ra);
+    let b6 = rb.ipv6().unwrap().address;
+    assert!(traffic::ping(&a.netns, b6, 20), "ping6 {b6}");
+    let rep = traffic::tcp_echo(&b.netns, b6, 7604, &a.netns, 256 << 10).expect("tcp over v6");
+    assert_eq!(rep.echoed_hash, rep.sent_hash);
+    net.del(&a, v, Some(&ra.raw)).expect_ok();
+    net.del(&b, v, Some(&rb.raw)).expect_ok();
+    net.assert_clean(&[&a.id, &b.id]);
+}
+
+#[test]
+fn range_bounds_gateway_and_multi_range_sets_are_honoured() {
+    let v = version_latest();
+    let net = TestNet::new("rng", &["10.201.27.0/24"]);
+    let mut conf = net.conf(v);
+    // First range: one address (.100); then a disjoint range of the same
+    // subnet (a bridge carries one IPv4 gateway, as with the reference bridge).
+    conf["ipam"]["ranges"] = serde_json::json!([[
+        {"subnet": "10.201.27.0/24", "rangeStart": "10.201.27.100", "rangeEnd": "10.201.27.100", "gateway": "10.201.27.254"},
+        {"subnet": "10.201.27.0/24", "rangeStart": "10.201.27.150", "rangeEnd": "10.201.27.160", "gateway": "10.201.27.254"}
+    ]]);
+    let a = Pod::new("rnga");
+    let b = Pod::new("rngb");
+    let ra_raw = net.pod_call("ADD", &a, &conf).run().expect_json();
+    let rb_raw = net.pod_call("ADD", &b, &conf).run().expect_json();
+    let ra = expect_valid(v, &ra_raw);
+    let rb = expect_valid(v, &rb_raw);
+    let ia = ra.ipv4().unwrap();
+    assert_eq!(ia.cidr(), "10.201.27.100/24");
+    assert_eq!(ia.gateway, Some("10.201.27.254".parse().unwrap()));
+    let ib = rb.ipv4().unwrap();
+    let last: u8 = ib
+        .address
+        .to_string()
+        .rsplit('.')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        ib.cidr().starts_with("10.201.27.") && (150..=160).contains(&last),
+        "second pod from the second range: {}",
+        ib.cidr()
+    );
+    let br = flowlane_e2e::host::link(&net.name).expect("bridge");
+    assert!(
+        br.cidrs().contains(&"10.201.27.254/24".to_string()),
+        "{br:?}"
+    );
+    let routes = a.netns.routes(4);
+    assert!(
+        routes
+            .iter()
+            .any(|r| r["dst"] == "default" && r["gateway"] == "10.201.27.254"),
+        "{routes:#?}"
+    );
+    for (p, r) in [(&a, ra_raw), (&b, rb_raw)] {
+        let mut d = conf.clone();
+        d["prevResult"] = r;
+        net.pod_call("DEL", p, &d).run().expect_ok();
+    }
+    net.assert_clean(&[&a.id, &b.id]);
+}
+
+#[test]
+fn one_container_on_two_networks() {
+    // Multus-style: eth0 on one network, net1 on another; each attachment
+    // has its own lease and registry entry, and DEL of one keeps the other.
+    let v = version_latest();
+    let n1 = TestNet::new("mn1", &["10.201.29.0/24"]);
+    let n2 = TestNet::new("mn2", &["10.201.30.0/24"]);
+    let mut pod = Pod::new("mn");
+    let r1 = n1.add(&pod, v);
+    pod.ifname = "net1".into();
+    // Only the first network provides the default route.
+    let mut c2 = n2.conf(v);
+    c2["isDefaultGateway"] = serde_json::json!(false);
+    let r2 = n2.pod_call("ADD", &pod, &c2).run().expect_json();
+    assert!(pod.netns.link("eth0").is_some() && pod.netns.link("net1").is_some());
+    let res2 = expect_valid(v, &r2);
+    let net1 = pod.netns.link("net1").unwrap();
+    assert!(net1.cidrs().contains(&res2.ipv4().unwrap().cidr()));
+    if n1.plugin == PluginUnderTest::Flowlane {
+        assert_eq!(n1.registry_entries().len(), 1);
+        assert_eq!(n2.registry_entries()[0].ifname, "net1");
+    }
+    let mut d2 = c2.clone();
+    d2["prevResult"] = r2;
+    n2.pod_call("DEL", &pod, &d2).run().expect_ok();
+    assert!(pod.netns.link("net1").is_none());
+    assert!(
+        pod.netns.link("eth0").is_some(),
+        "the other attachment survives"
+    );
+    assert_eq!(n1.leases().len(), 1);
+    n2.assert_clean(&[&pod.id]);
+    pod.ifname = "eth0".into();
+    n1.check(&pod, v, &r1).expect_ok();
+    n1.del(&pod, v, Some(&r1)).expect_ok();
+    n1.assert_clean(&[&pod.id]);
+}
+
+#[test]
+fn repeated_add_without_del_never_leaks_a_second_lease() {
+    // A runtime must not ADD twice, but a crash-looping one may: the second
+    // ADD fails or returns the same attachment; one DEL then cleans up all.
+    let v = version_latest();
+    let net = TestNet::new("twice", &["10.201.31.0/24"]);
+    let pod = Pod::new("twice");
+    let first = net.add(&pod, v);
+    let again = net.pod_call("ADD", &pod, &net.conf(v)).run();
+    if again.success() {
+        let a = expect_valid(v, &again.json());
+        let f = expect_valid(v, &first);
+        assert_eq!(a.ips, f.ips, "a repeated ADD returns the same addresses");
+    } else {
+        again.error();
+    }
+    assert_eq!(net.leases().len(), 1, "one lease for one attachment");
+    assert_eq!(flowlane_e2e::host::bridge_ports(&net.name).len(), 1);
+    net.del(&pod, v, Some(&first)).expect_ok();
+    net.assert_clean(&[&pod.id]);
+}
