@@ -139,6 +139,8 @@ fn containerd_cri_pods_talk_through_flowlane_and_leave_nothing() {
             assert_eq!(e.pod_uid.as_deref(), Some(format!("uid-{name}").as_str()));
             assert_eq!(e.ips, vec![format!("{}/24", pod.ip)]);
             assert!(e.netns.starts_with("/var/run/netns/cni-"), "{}", e.netns);
+            let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&e.netns).unwrap());
+            assert_eq!(e.netns_inode, ino, "registry inode of {}", e.netns);
             netns_paths.push(e.netns.clone());
         }
     }
