@@ -179,11 +179,23 @@ fn unclaimed_channels_expire_and_the_daemon_keeps_no_fd() {
     assert_eq!(pa.cmd(&format!("cancel {id}")), "ok");
     assert_eq!(node.stats().fallbacks["intent-cancelled"], 1);
 
-    // Claimed channels: the daemon drops its copy at the claim.
+    // Claimed channels: the daemon keeps one fd per live connection (for
+    // its live byte counters) and lets go of it when both ends closed.
+    let mut ids = Vec::new();
     for port in 42200..42210 {
-        pa.expect_channel(&format!("intent 0.0.0.0:{port} 10.202.3.3:7000 65536"));
+        ids.push(pa.expect_channel(&format!("intent 0.0.0.0:{port} 10.202.3.3:7000 65536")));
         pb.expect_channel(&format!("claim 10.202.3.3:7000 10.202.3.2:{port}"));
     }
+    assert_eq!(node.stats().lanes["shm"].connections_active, 10);
+    for id in ids {
+        assert_eq!(pa.cmd(&format!("closed {id} 10 0")), "ok");
+        assert_eq!(pb.cmd(&format!("closed {id} 0 10")), "ok");
+    }
+    let st = node.stats();
+    assert_eq!(
+        (st.lanes["shm"].connections_closed, st.lanes["shm"].bytes),
+        (10, 100)
+    );
     let settled =
         flowlane_e2e::wait::until(Duration::from_secs(10), || node.daemon_fds() <= fds_before);
     assert!(

@@ -6,7 +6,7 @@
 //! and a decoded request and returns the answer (and the memfd to pass, if
 //! any). Sockets live in `server.rs`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -23,6 +23,7 @@ use crate::identity::ProcessId;
 use crate::listener_store::{ListenerRecord, ListenerStore};
 use crate::memfd;
 use crate::pods::{PodId, PodTable};
+use crate::ring_watch::{Progress, RingWatch};
 
 /// The only lane this broker hands out today.
 pub const SHM_LANE: &str = "shm";
@@ -43,7 +44,9 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_region: 64 << 20,
+            // 64 MiB of rings plus the control page: FLOWLANE_RING_SIZE up
+            // to 32 MiB per direction fits.
+            max_region: (64 << 20) + 4096,
             min_region: 4096,
             intent_ttl: Duration::from_secs(30),
             max_pending_per_pod: 4096,
@@ -114,13 +117,28 @@ struct Active {
     server_process: Option<ProcessId>,
     client_report: Option<SideReport>,
     server_report: Option<SideReport>,
+    /// The daemon's view into the region (live bytes, both ends closed).
+    watch: Option<RingWatch>,
 }
 
 impl Active {
+    /// Bytes per direction: the larger of what the ends reported and what
+    /// the ring's counters show.
     fn bytes(&self) -> (u64, u64) {
         let c = self.client_report.unwrap_or_default();
         let s = self.server_report.unwrap_or_default();
-        (c.sent.max(s.received), s.sent.max(c.received))
+        let live = self.progress();
+        (
+            c.sent.max(s.received).max(live.client_to_server),
+            s.sent.max(c.received).max(live.server_to_client),
+        )
+    }
+
+    fn progress(&self) -> Progress {
+        self.watch
+            .as_ref()
+            .and_then(|w| w.progress().ok())
+            .unwrap_or_default()
     }
 }
 
@@ -140,6 +158,9 @@ pub struct Broker {
     pending: HashMap<IntentKey, Pending>,
     pending_ids: HashMap<u64, IntentKey>,
     active: BTreeMap<u64, Active>,
+    /// Ids of recently closed connections, so a late close report is not
+    /// mistaken for one of a connection brokered by an earlier daemon.
+    recently_closed: (HashSet<u64>, VecDeque<u64>),
     next_id: u64,
     counters: Counters,
     limits: Limits,
@@ -166,6 +187,7 @@ impl Broker {
             pending: HashMap::new(),
             pending_ids: HashMap::new(),
             active: BTreeMap::new(),
+            recently_closed: (HashSet::new(), VecDeque::new()),
             next_id: (now_ms << 16).max(1),
             counters: Counters::default(),
             limits,
@@ -618,6 +640,13 @@ impl Broker {
             }
         }
         tracing::debug!(id = p.id, client = %p.key.src, server = %local, "channel claimed");
+        let watch = match p.memfd.try_clone() {
+            Ok(fd) => Some(RingWatch::new(fd)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot keep a view of the channel; no live counters");
+                None
+            }
+        };
         self.active.insert(
             p.id,
             Active {
@@ -632,6 +661,7 @@ impl Broker {
                 server_process: caller.process,
                 client_report: None,
                 server_report: None,
+                watch,
             },
         );
         Answer {
@@ -655,6 +685,9 @@ impl Broker {
             Err(a) => return a,
         };
         let report = SideReport { sent, received };
+        if self.recently_closed.0.contains(&channel_id) {
+            return Response::Ok.into();
+        }
         let Some(conn) = self.active.get_mut(&channel_id) else {
             // Brokered by an earlier daemon (ids are unique across
             // restarts): the bytes still count for the lane.
@@ -691,6 +724,15 @@ impl Broker {
         if let Some(conn) = self.active.remove(&id) {
             let (c2s, s2c) = conn.bytes();
             self.counters.shm.closed += 1;
+            const REMEMBER: usize = 65536;
+            let (set, order) = &mut self.recently_closed;
+            set.insert(id);
+            order.push_back(id);
+            if order.len() > REMEMBER {
+                if let Some(old) = order.pop_front() {
+                    set.remove(&old);
+                }
+            }
             self.counters.shm.bytes = self
                 .counters
                 .shm
@@ -719,7 +761,7 @@ impl Broker {
             .values()
             .filter(|c| {
                 let gone = |p: Option<ProcessId>| p.is_none_or(|p| !p.is_alive());
-                gone(c.client_process) && gone(c.server_process)
+                c.progress().both_closed || (gone(c.client_process) && gone(c.server_process))
             })
             .map(|c| c.id)
             .collect();
@@ -764,7 +806,14 @@ impl Broker {
                 connections_opened: self.counters.shm.opened,
                 connections_active: self.active.len() as u64,
                 connections_closed: self.counters.shm.closed,
-                bytes: self.counters.shm.bytes,
+                bytes: self
+                    .active
+                    .values()
+                    .map(|c| {
+                        let (a, b) = c.bytes();
+                        a.saturating_add(b)
+                    })
+                    .fold(self.counters.shm.bytes, u64::saturating_add),
                 channels_pending: self.pending.len() as u64,
             },
         );
@@ -1143,6 +1192,79 @@ mod tests {
         assert_eq!(st.fallbacks["claim-without-intent"], 1);
         assert_eq!(st.fallbacks["unsupported"], 1);
         assert_eq!(st.lanes[SHM_LANE].channels_pending, 0);
+    }
+
+    #[test]
+    fn live_bytes_come_from_the_rings_and_closed_rings_close_the_connection() {
+        use flowlane_lane::ring::{self, Side};
+        use std::os::fd::AsRawFd;
+        let mut n = node("live", Limits::default());
+        let b = &mut n.broker;
+        b.handle(
+            &pod(2),
+            Request::RegisterListener {
+                addr: sa("0.0.0.0:91"),
+            },
+        );
+        let len = ring::region_len_for(8192);
+        let a = b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: sa("10.202.9.1:6000"),
+                dst: sa("10.202.9.2:91"),
+                region_len: len as u64,
+            },
+        );
+        let Response::Channel { id, .. } = a.response else {
+            panic!()
+        };
+        let s = b.handle(
+            &pod(2),
+            Request::ClaimAccepted {
+                local: sa("10.202.9.2:91"),
+                peer: sa("10.202.9.1:6000"),
+            },
+        );
+        let fd = s.fd.unwrap();
+        // SAFETY: shared mapping of the whole region, unmapped below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        // SAFETY: `base` maps `len` bytes while these are used.
+        let (mut ctx, _) = unsafe { ring::endpoints(base.cast(), len, Side::Client) }.unwrap();
+        let (mut stx, _) = unsafe { ring::endpoints(base.cast(), len, Side::Server) }.unwrap();
+        ctx.write(&[1u8; 5000]);
+        stx.write(&[2u8; 70]);
+        let st = b.stats();
+        assert_eq!(st.connections[0].bytes_client_to_server, 5000);
+        assert_eq!(st.connections[0].bytes_server_to_client, 70);
+        assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
+        ctx.close();
+        stx.close();
+        b.tick(Instant::now());
+        let st = b.stats();
+        assert_eq!(st.lanes[SHM_LANE].connections_closed, 1);
+        assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
+        // Late reports of the closed connection change nothing.
+        b.handle(
+            &pod(1),
+            Request::ReportClosed {
+                channel_id: id,
+                sent: 5000,
+                received: 70,
+            },
+        );
+        assert_eq!(b.stats().lanes[SHM_LANE].bytes, 5070);
+        // SAFETY: unmapping the mapping made above.
+        unsafe { libc::munmap(base, len) };
     }
 
     #[test]

@@ -13,6 +13,7 @@ mod listener_store;
 mod memfd;
 mod metrics;
 mod pods;
+mod ring_watch;
 mod server;
 
 use std::path::PathBuf;
@@ -46,7 +47,7 @@ struct Args {
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
     /// Largest channel region (bytes) a client may request.
-    #[arg(long, default_value_t = 64 << 20)]
+    #[arg(long, default_value_t = (64 << 20) + 4096)]
     max_region: u64,
 }
 
