@@ -326,3 +326,147 @@ pub fn nth_host(net: IpNetwork, n: u128) -> Option<IpAddr> {
         IpAddr::V6(a) => u128::from(a).checked_add(n).map(|x| IpAddr::V6(x.into())),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::diag::report::Severity;
+
+    struct Dir(PathBuf);
+    impl Dir {
+        fn new(tag: &str) -> Dir {
+            let d = std::env::temp_dir()
+                .join(format!("flowlane-diag-cni-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).unwrap();
+            Dir(d)
+        }
+        fn write(&self, name: &str, body: &str) {
+            std::fs::write(self.0.join(name), body).unwrap();
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn ids(s: &Section) -> Vec<(&'static str, Severity)> {
+        s.findings.iter().map(|f| (f.id, f.severity)).collect()
+    }
+
+    const FLOWLANE: &str = r#"{"cniVersion": "1.1.0", "name": "pods", "plugins": [
+        {"type": "flowlane", "bridge": "br-pods", "isGateway": true, "stateDir": "/srv/fl",
+         "ipam": {"type": "flowlane", "dataDir": "/srv/ipam",
+                  "ranges": [[{"subnet": "10.204.9.0/24", "rangeStart": "10.204.9.10", "rangeEnd": "10.204.9.50"}],
+                             [{"subnet": "fd00:204:9::/64"}]]}},
+        {"type": "portmap", "capabilities": {"portMappings": true}}]}"#;
+
+    #[test]
+    fn the_first_file_in_lexical_order_is_the_one_checked() {
+        let d = Dir::new("order");
+        d.write("10-flowlane.conflist", FLOWLANE);
+        d.write("99-junk.conf", "{ nope");
+        d.write("README", "not a config: ignored");
+        let (s, net) = check(&d.0);
+        assert_eq!(
+            ids(&s),
+            vec![
+                ("cni.config_ok", Severity::Ok),
+                ("cni.invalid_json_ignored", Severity::Warning)
+            ]
+        );
+        let net = net.expect("flowlane config described");
+        assert_eq!(net.network, "pods");
+        assert_eq!(net.bridge, "br-pods");
+        assert!(net.is_gateway);
+        assert_eq!(net.plugin_types, vec!["flowlane", "portmap"]);
+        assert_eq!(net.lease_dir, Some(PathBuf::from("/srv/ipam/pods")));
+        assert_eq!(net.state_dir, Some(PathBuf::from("/srv/fl")));
+        assert_eq!(net.ranges.len(), 2);
+        assert_eq!(
+            net.ranges[0].effective_gateway(),
+            Some("10.204.9.1".parse().unwrap())
+        );
+        assert_eq!(
+            net.ranges[1].effective_gateway(),
+            Some("fd00:204:9::1".parse().unwrap())
+        );
+
+        // A broken file that sorts first breaks the node even though flowlane's is fine.
+        d.write("00-broken.conflist", "{\"name\": ");
+        let (s, net) = check(&d.0);
+        assert!(net.is_none());
+        assert_eq!(s.findings[0].id, "cni.invalid_json");
+        assert_eq!(s.findings[0].severity, Severity::Error);
+        assert!(ids(&s).contains(&("cni.flowlane_shadowed", Severity::Error)));
+    }
+
+    #[test]
+    fn configs_that_are_not_usable_are_explained() {
+        for (name, body, id) in [
+            (
+                "a.conflist",
+                r#"{"name": "x", "plugins": []}"#,
+                "cni.invalid_config",
+            ),
+            (
+                "a.conflist",
+                r#"{"name": "x", "plugins": [{"bridge": "b"}]}"#,
+                "cni.invalid_config",
+            ),
+            ("a.conf", r#"{"name": "x"}"#, "cni.invalid_config"),
+            ("a.conf", r#"{"type": "flowlane"}"#, "cni.invalid_config"),
+            ("a.json", r#"[1, 2]"#, "cni.invalid_config"),
+            (
+                "a.conf",
+                r#"{"name": "x", "type": "bridge"}"#,
+                "cni.not_flowlane",
+            ),
+        ] {
+            let d = Dir::new("bad");
+            d.write(name, body);
+            let (s, net) = check(&d.0);
+            assert!(net.is_none(), "{body}");
+            assert_eq!(s.findings[0].id, id, "{body}");
+            assert!(s.findings[0].fix.is_some());
+        }
+        let d = Dir::new("empty");
+        assert_eq!(check(&d.0).0.findings[0].id, "cni.no_config");
+        assert_eq!(
+            check(&d.0.join("missing")).0.findings[0].id,
+            "cni.conf_dir_missing"
+        );
+    }
+
+    #[test]
+    fn a_single_plugin_conf_and_defaults_are_understood() {
+        let d = Dir::new("conf");
+        d.write(
+            "50-fl.conf",
+            r#"{"cniVersion": "1.0.0", "name": "n1", "type": "flowlane", "ipam": {"type": "flowlane", "subnet": "10.204.8.0/24"}}"#,
+        );
+        let (s, net) = check(&d.0);
+        assert_eq!(s.findings[0].id, "cni.config_ok");
+        let net = net.unwrap();
+        assert_eq!(net.bridge, "cni0", "the reference bridge plugin's default");
+        assert!(!net.is_gateway);
+        assert_eq!(
+            net.lease_dir,
+            Some(PathBuf::from("/var/lib/cni/networks/n1"))
+        );
+        assert_eq!(net.ranges[0].subnet.to_string(), "10.204.8.0/24");
+
+        d.write(
+            "50-fl.conf",
+            r#"{"name": "n1", "type": "flowlane", "ipam": {"type": "dhcp"}}"#,
+        );
+        assert_eq!(
+            check(&d.0).1.unwrap().lease_dir,
+            None,
+            "leases of other IPAM plugins are not ours to read"
+        );
+        d.write("50-fl.conf", r#"{"name": "n1", "type": "flowlane"}"#);
+        assert!(ids(&check(&d.0).0).contains(&("cni.no_ipam", Severity::Warning)));
+    }
+}

@@ -185,3 +185,75 @@ fn capacity(r: &Range) -> u128 {
     }
     n
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(subnet: &str, start: Option<&str>, end: Option<&str>, gw: Option<&str>) -> Range {
+        Range {
+            subnet: subnet.parse().unwrap(),
+            gateway: gw.map(|g| g.parse().unwrap()),
+            range_start: start.map(|s| s.parse().unwrap()),
+            range_end: end.map(|s| s.parse().unwrap()),
+        }
+    }
+
+    #[test]
+    fn capacity_follows_host_local_rules() {
+        // .1 is the gateway, .0 and .255 are never leased.
+        assert_eq!(capacity(&range("10.0.0.0/24", None, None, None)), 253);
+        assert_eq!(
+            capacity(&range("10.0.0.0/24", None, None, Some("10.0.0.254"))),
+            253
+        );
+        assert_eq!(
+            capacity(&range(
+                "10.0.0.0/24",
+                Some("10.0.0.10"),
+                Some("10.0.0.19"),
+                None
+            )),
+            10
+        );
+        assert_eq!(capacity(&range("10.0.0.0/30", None, None, None)), 1);
+        // IPv6 has no broadcast address.
+        assert_eq!(capacity(&range("fd00::/120", None, None, None)), 254);
+        assert_eq!(
+            capacity(&range("fd00::/64", None, None, None)),
+            (1u128 << 64) - 2
+        );
+    }
+
+    #[test]
+    fn lease_files_are_read_and_other_files_skipped() {
+        let d = std::env::temp_dir().join(format!("flowlane-diag-leases-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("10.0.0.5"), "c1\r\neth0").unwrap();
+        std::fs::write(d.join("fd00::5"), "c1\r\neth0").unwrap();
+        std::fs::write(d.join("10.0.0.6"), "old-style-id-only").unwrap();
+        std::fs::write(d.join("last_reserved_ip.0"), "10.0.0.6").unwrap();
+        std::fs::write(d.join("lock"), "").unwrap();
+        let leases = read_leases(&d).unwrap();
+        assert_eq!(leases.len(), 3);
+        assert_eq!(
+            leases[0],
+            (
+                "10.0.0.5".parse().unwrap(),
+                "c1".into(),
+                Some("eth0".into())
+            )
+        );
+        assert_eq!(
+            leases[1],
+            (
+                "10.0.0.6".parse().unwrap(),
+                "old-style-id-only".into(),
+                None
+            )
+        );
+        assert!(read_leases(&d.join("missing")).unwrap().is_empty());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
