@@ -22,6 +22,12 @@ use flowlane_e2e::process::{self, ChildGuard};
 use flowlane_e2e::wait;
 use serde_json::{json, Value};
 
+/// Third octet of test `k`'s pod subnet 10.204.<octet>.0/24: eight slots
+/// per process, placed by the process id.
+fn octet_of(k: u8) -> u8 {
+    ((std::process::id() % 31) * 8) as u8 + (k - 1)
+}
+
 /// One node: config dir, bin dir, state and IPAM dirs, bridge, daemon, pods.
 struct Node {
     dir: TempDir,
@@ -39,12 +45,12 @@ impl Node {
     /// dir, flowlaned running, and `pods` pods wired by the plugin.
     fn new(k: u8, pods: usize) -> Node {
         assert!(
-            (1..=6).contains(&k),
-            "k picks one of six subnets per process"
+            (1..=7).contains(&k),
+            "k picks one of seven subnets per process (8 is a peer's)"
         );
         let pid = std::process::id();
         let network = format!("fldg{k}{pid:x}");
-        let octet = ((pid % 42) * 6) as u8 + (k - 1);
+        let octet = octet_of(k);
         let dir = TempDir::new(&format!("dg{k}"));
         for sub in ["net.d", "bin", "state", "ipam"] {
             std::fs::create_dir_all(dir.join(sub)).unwrap();
@@ -546,4 +552,88 @@ fn diag_shows_live_shared_memory_connections() {
         "lane counters after close: {:#}",
         daemon_stats(&node.diag().1)
     );
+}
+
+#[test]
+fn diag_checks_routes_to_other_nodes_from_the_node_table() {
+    let node = Node::new(7, 1);
+    let peer_cidr = format!("10.204.{}.0/24", octet_of(8));
+    let peer_underlay = node.ip(254);
+    let table = node.dir.join("nodes.json");
+    std::fs::write(
+        &table,
+        serde_json::to_vec_pretty(&json!({"nodes": [
+            {"name": "this", "podCIDRs": [format!("10.204.{}.0/24", node.octet)], "underlay": node.ip(1)},
+            {"name": "peer", "podCIDRs": [peer_cidr], "underlay": peer_underlay,
+             "rdma": {"device": "mlx5_0", "port": 1, "gidIndex": 3, "gid": "::ffff:10.9.9.9",
+                      "linkLayer": "Ethernet"}},
+        ]}))
+        .unwrap(),
+    )
+    .unwrap();
+    let nodes_arg = table.display().to_string();
+
+    // No route to the peer's pods yet: broken.
+    let out = node.run_diag(&["--json", "--nodes", &nodes_arg]);
+    let report: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(has_error(&report, "nodes.route_missing"), "{report:#}");
+    let fix = report["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == "nodes.route_missing")
+        .unwrap()["fix"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(fix, format!("ip route add {peer_cidr} via {peer_underlay}"));
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        finding_ids(&report, "nodes").contains(&"nodes.self".to_string()),
+        "{report:#}"
+    );
+
+    // Do what diag says (the route dies with the test's bridge): healthy,
+    // and the peer's lane is explained (it has RDMA, this node does not).
+    process::sh(&[
+        "ip",
+        "route",
+        "add",
+        &peer_cidr,
+        "via",
+        &peer_underlay,
+        "dev",
+        &node.network,
+    ])
+    .expect_ok("ip route add");
+    let out = node.run_diag(&["--json", "--nodes", &nodes_arg]);
+    let report: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+    assert!(
+        finding_ids(&report, "nodes").contains(&"nodes.route_ok".to_string()),
+        "{report:#}"
+    );
+    let lane = report["sections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "nodes")
+        .unwrap()["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["id"] == "nodes.lane")
+        .unwrap()["summary"]
+        .clone();
+    assert_eq!(lane, "peer: TCP (it has RDMA, this node does not)");
+
+    // A table that cannot be used is an error of its own.
+    std::fs::write(
+        &table,
+        r#"{"nodes": [{"name": "a", "podCIDRs": ["10.204.0.0/24"], "underlay": "x"}]}"#,
+    )
+    .unwrap();
+    let out = node.run_diag(&["--json", "--nodes", &nodes_arg]);
+    let report: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(has_error(&report, "nodes.table_invalid"), "{report:#}");
 }

@@ -16,6 +16,7 @@ mod daemon;
 mod host;
 mod ipam;
 mod netinfo;
+mod nodes;
 mod pods;
 mod rdma;
 mod report;
@@ -36,6 +37,8 @@ Exit code: 0 healthy (or warnings only), 1 something is broken, 2 bad usage.
   --sysfs DIR            sysfs root for RDMA discovery (default /sys)
   --node-ip IP           the node's underlay address for GID selection
                          (default: the addresses of the default-route interface)
+  --nodes FILE           the cluster's node table (JSON: name, podCIDRs, underlay, rdma)
+                         to check routes to other nodes' pods and RDMA lanes
 ";
 
 #[derive(Debug, Clone)]
@@ -47,6 +50,7 @@ struct Options {
     socket: Option<PathBuf>,
     sysfs: PathBuf,
     node_ip: Option<IpAddr>,
+    nodes: Option<PathBuf>,
 }
 
 fn parse(args: &[String]) -> Result<Option<Options>, String> {
@@ -58,6 +62,7 @@ fn parse(args: &[String]) -> Result<Option<Options>, String> {
         socket: None,
         sysfs: "/sys".into(),
         node_ip: None,
+        nodes: None,
     };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
@@ -85,6 +90,7 @@ fn parse(args: &[String]) -> Result<Option<Options>, String> {
                         .map_err(|_| format!("--node-ip: {v:?} is not an IP address"))?,
                 );
             }
+            "--nodes" => o.nodes = Some(value()?.into()),
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown option {other:?}")),
         }
@@ -133,9 +139,12 @@ fn run(o: &Options) -> Report {
     let (pods, pod_states) = pods::check(&state_dir);
     let ipam = ipam::check(net, &pod_states);
     let (daemon, daemon_state) = daemon::check(&socket, &state_dir);
-    let (rdma, inventory) = rdma::check(&o.sysfs, o.node_ip);
+    let (rdma, inventory, gid) = rdma::check(&o.sysfs, o.node_ip);
+    let nodes = nodes::check(o.nodes.as_deref(), net, gid.as_ref());
     let host = host::check(daemon_state.pid, !inventory.devices.is_empty());
-    Report::new(vec![cni, bins, bridge, ipam, daemon, pods, rdma, host])
+    Report::new(vec![
+        cni, bins, bridge, ipam, daemon, pods, rdma, nodes, host,
+    ])
 }
 
 #[cfg(test)]

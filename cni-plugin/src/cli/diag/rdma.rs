@@ -5,12 +5,18 @@
 use std::net::IpAddr;
 use std::path::Path;
 
-use flowlane_rdma::{discover, select_gid, GidType, Inventory, NoGidReason, NodeAddress, Sysfs};
+use flowlane_rdma::{
+    discover, select_gid, GidType, Inventory, NoGidReason, NodeAddress, SelectedGid, Sysfs,
+};
 
 use super::netinfo;
 use super::report::Section;
 
-pub fn check(sysfs_root: &Path, node_ip: Option<IpAddr>) -> (Section, Inventory) {
+/// The section, the inventory, and the GID the RDMA lane would use.
+pub fn check(
+    sysfs_root: &Path,
+    node_ip: Option<IpAddr>,
+) -> (Section, Inventory, Option<SelectedGid>) {
     let mut s = Section::new(
         "rdma",
         format!("RDMA ({}/class/infiniband)", sysfs_root.display()),
@@ -23,7 +29,7 @@ pub fn check(sysfs_root: &Path, node_ip: Option<IpAddr>) -> (Section, Inventory)
                 format!("cannot read RDMA devices: {e}"),
                 "check that sysfs is mounted (the daemon's container needs /sys)",
             );
-            return (s, Inventory::default());
+            return (s, Inventory::default(), None);
         }
     };
     if inv.devices.is_empty() {
@@ -32,7 +38,7 @@ pub fn check(sysfs_root: &Path, node_ip: Option<IpAddr>) -> (Section, Inventory)
             "no RDMA devices: traffic to other nodes stays on TCP",
         );
         s.data = serde_json::json!({ "inventory": inv });
-        return (s, inv);
+        return (s, inv, None);
     }
     for d in &inv.devices {
         let kind = match (&d.driver, &d.parent) {
@@ -104,7 +110,8 @@ pub fn check(sysfs_root: &Path, node_ip: Option<IpAddr>) -> (Section, Inventory)
     }
 
     let addrs = node_addresses(node_ip);
-    match select_gid(&inv, &addrs) {
+    let selection = select_gid(&inv, &addrs);
+    match &selection {
         Ok(g) => s.ok(
             "rdma.gid_selected",
             format!(
@@ -127,12 +134,12 @@ pub fn check(sysfs_root: &Path, node_ip: Option<IpAddr>) -> (Section, Inventory)
     s.data = serde_json::json!({
         "inventory": inv,
         "node_addresses": addrs,
-        "selection": match select_gid(&inv, &addrs) {
+        "selection": match &selection {
             Ok(g) => serde_json::json!({ "selected": g }),
             Err(e) => serde_json::json!({ "none": e }),
         },
     });
-    (s, inv)
+    (s, inv, selection.ok())
 }
 
 fn fix_for(r: NoGidReason) -> &'static str {

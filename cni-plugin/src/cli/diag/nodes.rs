@@ -1,0 +1,153 @@
+//! The cross-node view from this node: which node this is in the node
+//! table, whether every other node's pod CIDR routes to that node's
+//! underlay address, and which nodes an RDMA lane can reach.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+use flowlane_rdma::topology::{NodeDirectory, StaticNodeFile};
+use flowlane_rdma::SelectedGid;
+
+use super::cni_config::FlowlaneNet;
+use super::netinfo::{self, Route};
+use super::report::Section;
+
+pub fn check(
+    file: Option<&Path>,
+    net: Option<&FlowlaneNet>,
+    local_gid: Option<&SelectedGid>,
+) -> Section {
+    let Some(file) = file else {
+        let mut s = Section::new("nodes", "Cluster nodes");
+        s.info(
+            "nodes.no_table",
+            "no node table given (--nodes FILE): routes to other nodes' pods are not checked",
+        );
+        return s;
+    };
+    let mut s = Section::new("nodes", format!("Cluster nodes ({})", file.display()));
+    let view = match StaticNodeFile::new(file).view() {
+        Ok(v) => v,
+        Err(e) => {
+            s.error(
+                "nodes.table_invalid",
+                format!("cannot use the node table: {e}"),
+                "rewrite it as {\"nodes\": [{\"name\", \"podCIDRs\", \"underlay\", \"rdma\"?}]} with one entry per node",
+            );
+            return s;
+        }
+    };
+    s.data = serde_json::to_value(view.nodes()).unwrap_or_default();
+    // This node is the one whose pod CIDR holds our pod subnet.
+    let me = net
+        .and_then(|n| n.ranges.first())
+        .and_then(|r| view.owner_of(r.subnet.network()));
+    match me {
+        Some(me) => s.ok(
+            "nodes.self",
+            format!(
+                "this node is {} of {} in the table (underlay {})",
+                me.name,
+                view.nodes().len(),
+                me.underlay
+            ),
+        ),
+        None => s.warn(
+            "nodes.self_unknown",
+            "this node's pod subnet is in no node's podCIDRs",
+            "add this node to the table with the pod subnet of its CNI config",
+        ),
+    }
+    let routes = netinfo::routes();
+    for other in view
+        .nodes()
+        .iter()
+        .filter(|n| Some(n.name.as_str()) != me.map(|m| m.name.as_str()))
+    {
+        for cidr in &other.pod_cidrs {
+            match covering_route(&routes, cidr) {
+                Some(r) if r.gateway == Some(other.underlay) => s.ok(
+                    "nodes.route_ok",
+                    format!(
+                        "{} ({cidr}) routes via its underlay {} dev {}",
+                        other.name, other.underlay, r.dev
+                    ),
+                ),
+                Some(r) => s.warn(
+                    "nodes.route_elsewhere",
+                    format!(
+                        "{} ({cidr}) routes via {} dev {}, not via its underlay {}",
+                        other.name,
+                        r.gateway
+                            .map(|g| g.to_string())
+                            .unwrap_or("a direct link".into()),
+                        r.dev,
+                        other.underlay
+                    ),
+                    format!("ip route replace {cidr} via {}", other.underlay),
+                ),
+                None => s.error(
+                    "nodes.route_missing",
+                    format!(
+                        "no route to {}'s pods ({cidr}): pods here cannot reach pods there",
+                        other.name
+                    ),
+                    format!("ip route add {cidr} via {}", other.underlay),
+                ),
+            }
+        }
+        let lane = match (me.and_then(|m| m.rdma.as_ref()), other.rdma.as_ref()) {
+            (Some(a), Some(b)) if a.link_layer == b.link_layer => format!(
+                "RDMA lane to {} ({}, its GID {} on {}/{})",
+                other.name, b.link_layer, b.gid, b.device, b.port
+            ),
+            (Some(_), Some(_)) => format!(
+                "{}: TCP (RoCE and InfiniBand cannot talk to each other)",
+                other.name
+            ),
+            (None, Some(_)) => format!("{}: TCP (it has RDMA, this node does not)", other.name),
+            (_, None) => format!("{}: TCP (no RDMA lane there)", other.name),
+        };
+        s.info("nodes.lane", lane);
+    }
+    // Does the table describe this node's RDMA as discovery sees it now?
+    if let Some(me) = me {
+        match (&me.rdma, local_gid) {
+            (Some(t), Some(g)) if t.gid != g.gid || t.device != g.device => s.warn(
+                "nodes.rdma_stale",
+                format!(
+                    "the table gives this node GID {} on {}, discovery selects {} on {}",
+                    t.gid, t.device, g.gid, g.device
+                ),
+                "republish this node's RDMA lane (restart flowlaned, or rewrite the node table)",
+            ),
+            (Some(t), None) => s.warn(
+                "nodes.rdma_stale",
+                format!("the table gives this node an RDMA lane ({} on {}), but no GID is usable here now", t.gid, t.device),
+                "fix the RDMA section's problem, or remove the lane from the table so peers use TCP",
+            ),
+            (None, Some(g)) => s.info(
+                "nodes.rdma_unpublished",
+                format!("this node has a usable GID ({} on {}) that the table does not publish", g.gid, g.device),
+            ),
+            _ => {}
+        }
+    }
+    s
+}
+
+/// The most specific non-default route that covers all of `cidr`.
+fn covering_route<'a>(routes: &'a [Route], cidr: &ipnetwork::IpNetwork) -> Option<&'a Route> {
+    routes
+        .iter()
+        .filter(|r| {
+            r.dst.prefix() > 0 && r.dst.prefix() <= cidr.prefix() && r.dst.contains(cidr.network())
+        })
+        .filter(|r| {
+            matches!(
+                (r.dst.ip(), cidr.ip()),
+                (IpAddr::V4(_), IpAddr::V4(_)) | (IpAddr::V6(_), IpAddr::V6(_))
+            )
+        })
+        .max_by_key(|r| r.dst.prefix())
+}
