@@ -38,12 +38,19 @@ pub fn preload_lib() -> PathBuf {
 }
 
 fn sh(args: &[&str]) -> std::process::Output {
-    Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
 }
 
 fn sh_ok(args: &[&str]) {
     let o = sh(args);
-    assert!(o.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 /// A pod: a named network namespace with one address on the node's bridge.
@@ -78,7 +85,14 @@ impl Node {
         let dir = std::env::temp_dir().join(format!("fls-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let mut node = Node { bridge, dir, subnet, pods: Vec::new(), daemon: None, wiring: "ip" };
+        let mut node = Node {
+            bridge,
+            dir,
+            subnet,
+            pods: Vec::new(),
+            daemon: None,
+            wiring: "ip",
+        };
         let _ = sh(&["ip", "link", "del", &node.bridge]);
         for i in 0..pods {
             let pod = node.add_pod(&format!("fls{tag}{n:x}p{i}"));
@@ -126,7 +140,11 @@ impl Node {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()?;
-        child.stdin.take().unwrap().write_all(self.cni_conf().as_bytes())?;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(self.cni_conf().as_bytes())?;
         child.wait_with_output()
     }
 
@@ -139,15 +157,24 @@ impl Node {
         if let Ok(out) = self.cni("ADD", ns, &id) {
             if out.status.success() {
                 if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&out.stdout) {
-                    let ip = v["ips"][0]["address"].as_str().and_then(|a| a.split('/').next()?.parse().ok());
+                    let ip = v["ips"][0]["address"]
+                        .as_str()
+                        .and_then(|a| a.split('/').next()?.parse().ok());
                     if let Some(ip) = ip {
                         self.wiring = "cni";
-                        return Pod { netns: ns.to_string(), ip, container_id: id };
+                        return Pod {
+                            netns: ns.to_string(),
+                            ip,
+                            container_id: id,
+                        };
                     }
                 }
             }
             if self.pods.is_empty() {
-                eprintln!("shm harness: flowlane CNI ADD failed, wiring with ip: {}", String::from_utf8_lossy(&out.stderr));
+                eprintln!(
+                    "shm harness: flowlane CNI ADD failed, wiring with ip: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
             }
         }
         self.add_pod_manually(ns, id)
@@ -159,18 +186,45 @@ impl Node {
     fn add_pod_manually(&mut self, ns: &str, id: String) -> Pod {
         if sh(&["ip", "link", "show", &self.bridge]).status.success() == false {
             sh_ok(&["ip", "link", "add", &self.bridge, "type", "bridge"]);
-            sh_ok(&["ip", "addr", "add", &format!("10.202.{}.1/24", self.subnet), "dev", &self.bridge]);
+            sh_ok(&[
+                "ip",
+                "addr",
+                "add",
+                &format!("10.202.{}.1/24", self.subnet),
+                "dev",
+                &self.bridge,
+            ]);
             sh_ok(&["ip", "link", "set", &self.bridge, "up"]);
         }
         let i = self.pods.len() as u8;
         let ip = Ipv4Addr::new(10, 202, self.subnet, 10 + i);
         let host = format!("{}h{i}", &self.bridge[..self.bridge.len() - 1]);
         let _ = sh(&["ip", "link", "del", &host]);
-        sh_ok(&["ip", "link", "add", &host, "type", "veth", "peer", "name", "eth0", "netns", ns]);
+        sh_ok(&[
+            "ip", "link", "add", &host, "type", "veth", "peer", "name", "eth0", "netns", ns,
+        ]);
         sh_ok(&["ip", "link", "set", &host, "master", &self.bridge, "up"]);
-        sh_ok(&["ip", "-n", ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+        sh_ok(&[
+            "ip",
+            "-n",
+            ns,
+            "addr",
+            "add",
+            &format!("{ip}/24"),
+            "dev",
+            "eth0",
+        ]);
         sh_ok(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
-        sh_ok(&["ip", "-n", ns, "route", "add", "default", "via", &format!("10.202.{}.1", self.subnet)]);
+        sh_ok(&[
+            "ip",
+            "-n",
+            ns,
+            "route",
+            "add",
+            "default",
+            "via",
+            &format!("10.202.{}.1", self.subnet),
+        ]);
         let path = format!("/var/run/netns/{ns}");
         let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&path).unwrap());
         let reg = flowlane_registry::Registry::new(self.state_dir());
@@ -188,7 +242,11 @@ impl Node {
             created_unix: flowlane_registry::now_unix(),
         })
         .unwrap();
-        Pod { netns: ns.to_string(), ip, container_id: id }
+        Pod {
+            netns: ns.to_string(),
+            ip,
+            container_id: id,
+        }
     }
 
     /// Starts `flowlaned` for this node and waits until it answers.
@@ -209,7 +267,11 @@ impl Node {
         self.daemon = Some(child);
         let t0 = Instant::now();
         while self.stats_opt().is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(20), "flowlaned did not come up: {}", self.daemon_log());
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "flowlaned did not come up: {}",
+                self.daemon_log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -240,7 +302,10 @@ impl Node {
     }
 
     fn stats_opt(&self) -> Option<Stats> {
-        DaemonClient::connect(&self.socket(), Duration::from_secs(2)).ok()?.stats().ok()
+        DaemonClient::connect(&self.socket(), Duration::from_secs(2))
+            .ok()?
+            .stats()
+            .ok()
     }
 
     /// The daemon's counters.
@@ -250,7 +315,11 @@ impl Node {
 
     /// Shared-memory connections opened so far.
     pub fn shm_opened(&self) -> u64 {
-        self.stats().lanes.get("shm").map(|l| l.connections_opened).unwrap_or(0)
+        self.stats()
+            .lanes
+            .get("shm")
+            .map(|l| l.connections_opened)
+            .unwrap_or(0)
     }
 
     /// A command run inside `pod`, with the preload library if `preload`.
@@ -288,7 +357,11 @@ pub struct Bg(pub Child);
 
 impl Bg {
     pub fn spawn(mut cmd: Command) -> Bg {
-        Bg(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn"))
+        Bg(cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn"))
     }
 
     /// The pid of the program itself (`ip netns exec` and `env` exec it in place).
@@ -297,7 +370,10 @@ impl Bg {
     }
 
     /// Waits up to `timeout` for exit; returns (status, stdout, stderr), killing on timeout.
-    pub fn finish(mut self, timeout: Duration) -> (Option<std::process::ExitStatus>, String, String) {
+    pub fn finish(
+        mut self,
+        timeout: Duration,
+    ) -> (Option<std::process::ExitStatus>, String, String) {
         let t0 = Instant::now();
         let status = loop {
             if let Some(s) = self.0.try_wait().unwrap() {
@@ -346,18 +422,32 @@ pub fn run_ok(cmd: Command, timeout: Duration, what: &str) -> String {
 pub fn wait_listening(pod: &Pod, port: u16) {
     let t0 = Instant::now();
     loop {
-        let o = sh(&["ip", "netns", "exec", &pod.netns, "ss", "-Htln", &format!("sport = :{port}")]);
+        let o = sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &pod.netns,
+            "ss",
+            "-Htln",
+            &format!("sport = :{port}"),
+        ]);
         if !String::from_utf8_lossy(&o.stdout).trim().is_empty() {
             return;
         }
-        assert!(t0.elapsed() < Duration::from_secs(20), "nothing listens on {port} in {}", pod.netns);
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "nothing listens on {port} in {}",
+            pod.netns
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 /// Counts fds and memfd mappings of a process (leak checks).
 pub fn fd_and_memfd_count(pid: u32) -> (usize, usize) {
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0);
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
     (fds, maps.lines().filter(|l| l.contains("/memfd:")).count())
 }

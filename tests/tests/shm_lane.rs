@@ -18,10 +18,23 @@ fn python_echo_uses_shared_memory() {
     let srv = Bg::spawn(node.cmd(server, true, &[PYTHON, "-c", ECHO_SERVER, "7001"]));
     wait_listening(server, 7001);
     let ip = server.ip.to_string();
-    let out = run_ok(node.cmd(client, true, &[PYTHON, "-c", ECHO_CLIENT, &ip, "7001", "50000000", "1"]), T, "echo client");
+    let out = run_ok(
+        node.cmd(
+            client,
+            true,
+            &[PYTHON, "-c", ECHO_CLIENT, &ip, "7001", "50000000", "1"],
+        ),
+        T,
+        "echo client",
+    );
     assert!(out.starts_with("ok 50000000"), "{out}");
     let (st, _, err) = srv.finish(T);
     assert!(st.is_some_and(|s| s.success()), "server: {err}");
-    assert_eq!(node.shm_opened(), 1, "the connection must have used the shm lane; daemon log:\n{}", node.daemon_log());
+    assert_eq!(
+        node.shm_opened(),
+        1,
+        "the connection must have used the shm lane; daemon log:\n{}",
+        node.daemon_log()
+    );
     let _ = shm::heavy;
 }

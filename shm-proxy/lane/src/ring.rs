@@ -3,7 +3,7 @@
 //! rings, one per direction (client→server, server→client).
 //!
 //! ```text
-//! offset 0      page 0: control blocks (RingCtl c2s at 512, RingCtl s2c at 1024)
+//! offset 0      page 0: attach word (u32 at 0), control blocks (RingCtl c2s at 512, s2c at 1024)
 //! offset 4096   ring data client→server   (ring_size bytes, a power of two)
 //! offset 4096+R ring data server→client   (ring_size bytes)
 //! ```
@@ -52,6 +52,20 @@ pub const MIN_RING_SIZE: usize = 4096;
 pub const MAX_RING_SIZE: usize = 64 << 20;
 
 const CTL_OFFSET: [usize; 2] = [512, 1024];
+
+/// Offset of the attach word: 0 = undecided, 1 = the server mapped the
+/// region and uses it, 2 = the client gave up waiting and both stay on TCP.
+/// Whoever moves it first from 0 decides for both (compare-and-swap), so the
+/// two ends can never disagree about the lane.
+const ATTACH_OFFSET: usize = 0;
+
+/// Values of the attach word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attach {
+    Undecided,
+    ServerAttached,
+    ClientGaveUp,
+}
 
 /// Which end of the connection a process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,7 +118,9 @@ pub fn ring_size_for(region_len: usize) -> Option<usize> {
 /// The region length to request for `ring_size` bytes per direction
 /// (rounded to a power of two and clamped to the library's bounds).
 pub fn region_len_for(ring_size: usize) -> usize {
-    let r = ring_size.clamp(MIN_RING_SIZE, MAX_RING_SIZE).next_power_of_two();
+    let r = ring_size
+        .clamp(MIN_RING_SIZE, MAX_RING_SIZE)
+        .next_power_of_two();
     HEADER_LEN + 2 * r
 }
 
@@ -138,7 +154,11 @@ impl RingRef {
 /// `base` must point to a mapping of at least `region_len` bytes, aligned to a
 /// page, that stays mapped (and is shared with at most one peer end) for as
 /// long as the returned values are used.
-pub unsafe fn endpoints(base: *mut u8, region_len: usize, side: Side) -> Option<(Producer, Consumer)> {
+pub unsafe fn endpoints(
+    base: *mut u8,
+    region_len: usize,
+    side: Side,
+) -> Option<(Producer, Consumer)> {
     let size = ring_size_for(region_len)?;
     let ring = |i: usize| RingRef {
         // SAFETY (for both `add`s): offsets are below HEADER_LEN + 2*size <= region_len.
@@ -150,7 +170,16 @@ pub unsafe fn endpoints(base: *mut u8, region_len: usize, side: Side) -> Option<
         Side::Client => (ring(0), ring(1)),
         Side::Server => (ring(1), ring(0)),
     };
-    Some((Producer { ring: tx, head_cache: 0 }, Consumer { ring: rx, tail_cache: 0 }))
+    Some((
+        Producer {
+            ring: tx,
+            head_cache: 0,
+        },
+        Consumer {
+            ring: rx,
+            tail_cache: 0,
+        },
+    ))
 }
 
 /// Lock-free, read-only view of both directions of one end, for readiness
@@ -159,7 +188,14 @@ pub unsafe fn endpoints(base: *mut u8, region_len: usize, side: Side) -> Option<
 pub struct Probe {
     tx: RingRef,
     rx: RingRef,
+    attach: *const AtomicU32,
 }
+
+// SAFETY: like RingRef: pointers into a mapping kept alive by the owner;
+// only atomics are accessed through them.
+unsafe impl Send for Probe {}
+// SAFETY: as above.
+unsafe impl Sync for Probe {}
 
 impl Probe {
     /// The view of `side`'s end. Same safety contract as [`endpoints`].
@@ -169,19 +205,75 @@ impl Probe {
     pub unsafe fn new(base: *mut u8, region_len: usize, side: Side) -> Option<Probe> {
         // SAFETY: forwarded contract.
         let (p, c) = unsafe { endpoints(base, region_len, side) }?;
-        Some(Probe { tx: p.ring, rx: c.ring })
+        // SAFETY: offset 0 of a page-aligned mapping is aligned for a u32.
+        let attach = unsafe { base.add(ATTACH_OFFSET) } as *const AtomicU32;
+        Some(Probe {
+            tx: p.ring,
+            rx: c.ring,
+            attach,
+        })
+    }
+
+    fn attach_word(&self) -> &AtomicU32 {
+        // SAFETY: points into the live mapping (constructor contract).
+        unsafe { &*self.attach }
+    }
+
+    /// The lane decision so far.
+    pub fn attach_state(&self) -> Attach {
+        match self.attach_word().load(Ordering::Acquire) {
+            0 => Attach::Undecided,
+            1 => Attach::ServerAttached,
+            _ => Attach::ClientGaveUp,
+        }
+    }
+
+    /// Server: claim the lane. False if the client already gave up (then
+    /// the connection is plain TCP on both ends).
+    pub fn server_attach(&self) -> bool {
+        match self
+            .attach_word()
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => true,
+            Err(v) => v == 1,
+        }
+    }
+
+    /// Client: give up on the lane. False if the server attached first (then
+    /// the ring must be used).
+    pub fn client_give_up(&self) -> bool {
+        match self
+            .attach_word()
+            .compare_exchange(0, 2, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => true,
+            Err(v) => v == 2,
+        }
     }
 
     /// What a read would find now.
     pub fn rx_state(&self) -> ReadState {
         let ctl = self.rx.ctl();
-        let n = ctl.tail.0.load(Ordering::Acquire).wrapping_sub(ctl.head.0.load(Ordering::Acquire));
+        let n = ctl
+            .tail
+            .0
+            .load(Ordering::Acquire)
+            .wrapping_sub(ctl.head.0.load(Ordering::Acquire));
         if n > 0 {
             return ReadState::Data(n as usize);
         }
         if ctl.flags.0.producer_closed.load(Ordering::Acquire) != 0 {
-            let n = ctl.tail.0.load(Ordering::Acquire).wrapping_sub(ctl.head.0.load(Ordering::Acquire));
-            return if n > 0 { ReadState::Data(n as usize) } else { ReadState::Eof };
+            let n = ctl
+                .tail
+                .0
+                .load(Ordering::Acquire)
+                .wrapping_sub(ctl.head.0.load(Ordering::Acquire));
+            return if n > 0 {
+                ReadState::Data(n as usize)
+            } else {
+                ReadState::Eof
+            };
         }
         ReadState::Empty
     }
@@ -189,7 +281,11 @@ impl Probe {
     /// Free room in the sending ring now.
     pub fn tx_free(&self) -> usize {
         let ctl = self.tx.ctl();
-        let used = ctl.tail.0.load(Ordering::Acquire).wrapping_sub(ctl.head.0.load(Ordering::Acquire));
+        let used = ctl
+            .tail
+            .0
+            .load(Ordering::Acquire)
+            .wrapping_sub(ctl.head.0.load(Ordering::Acquire));
         self.tx.size.saturating_sub(used as usize)
     }
 
@@ -205,25 +301,51 @@ impl Probe {
 
     /// The peer stopped reading (closed): writes fail.
     pub fn tx_peer_gone(&self) -> bool {
-        self.tx.ctl().flags.0.consumer_closed.load(Ordering::Acquire) != 0
+        self.tx
+            .ctl()
+            .flags
+            .0
+            .consumer_closed
+            .load(Ordering::Acquire)
+            != 0
     }
 
     /// Announce a sleeping reader (see [`Consumer::prepare_wait`]).
     pub fn prepare_read_wait(&self) {
-        self.rx.ctl().flags.0.reader_waiting.store(1, Ordering::Relaxed);
+        self.rx
+            .ctl()
+            .flags
+            .0
+            .reader_waiting
+            .store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 
     /// Announce a sleeping writer (see [`Producer::prepare_wait`]).
     pub fn prepare_write_wait(&self) {
-        self.tx.ctl().flags.0.writer_waiting.store(1, Ordering::Relaxed);
+        self.tx
+            .ctl()
+            .flags
+            .0
+            .writer_waiting
+            .store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 
     /// Withdraw both announcements.
     pub fn cancel_waits(&self) {
-        self.rx.ctl().flags.0.reader_waiting.store(0, Ordering::Relaxed);
-        self.tx.ctl().flags.0.writer_waiting.store(0, Ordering::Relaxed);
+        self.rx
+            .ctl()
+            .flags
+            .0
+            .reader_waiting
+            .store(0, Ordering::Relaxed);
+        self.tx
+            .ctl()
+            .flags
+            .0
+            .writer_waiting
+            .store(0, Ordering::Relaxed);
     }
 }
 
@@ -327,34 +449,62 @@ impl Producer {
     pub fn take_reader_wakeup(&self) -> bool {
         let f = &self.ring.ctl().flags.0;
         fence(Ordering::SeqCst);
-        f.reader_waiting.load(Ordering::Relaxed) != 0 && f.reader_waiting.swap(0, Ordering::AcqRel) != 0
+        f.reader_waiting.load(Ordering::Relaxed) != 0
+            && f.reader_waiting.swap(0, Ordering::AcqRel) != 0
     }
 
     /// Before sleeping for room: announce it. The caller must re-check
     /// `free()` afterwards and only sleep if still full.
     pub fn prepare_wait(&self) {
-        self.ring.ctl().flags.0.writer_waiting.store(1, Ordering::Relaxed);
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .writer_waiting
+            .store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 
     /// Withdraws a `prepare_wait` (woken or not going to sleep).
     pub fn cancel_wait(&self) {
-        self.ring.ctl().flags.0.writer_waiting.store(0, Ordering::Relaxed);
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .writer_waiting
+            .store(0, Ordering::Relaxed);
     }
 
     /// The producer will write no more; the consumer sees end-of-stream.
     pub fn close(&self) {
-        self.ring.ctl().flags.0.producer_closed.store(1, Ordering::Release);
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .producer_closed
+            .store(1, Ordering::Release);
     }
 
     /// The producer already closed (shutdown(SHUT_WR)).
     pub fn is_closed(&self) -> bool {
-        self.ring.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .producer_closed
+            .load(Ordering::Acquire)
+            != 0
     }
 
     /// The consumer will read no more: writes should fail with EPIPE.
     pub fn peer_gone(&self) -> bool {
-        self.ring.ctl().flags.0.consumer_closed.load(Ordering::Acquire) != 0
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .consumer_closed
+            .load(Ordering::Acquire)
+            != 0
     }
 }
 
@@ -389,7 +539,15 @@ impl Consumer {
         if n > 0 {
             return ReadState::Data(n);
         }
-        if self.ring.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0 {
+        if self
+            .ring
+            .ctl()
+            .flags
+            .0
+            .producer_closed
+            .load(Ordering::Acquire)
+            != 0
+        {
             // Every tail stored before the flag is visible now.
             return match self.available() {
                 0 => ReadState::Eof,
@@ -454,30 +612,52 @@ impl Consumer {
     pub fn take_writer_wakeup(&self) -> bool {
         let f = &self.ring.ctl().flags.0;
         fence(Ordering::SeqCst);
-        f.writer_waiting.load(Ordering::Relaxed) != 0 && f.writer_waiting.swap(0, Ordering::AcqRel) != 0
+        f.writer_waiting.load(Ordering::Relaxed) != 0
+            && f.writer_waiting.swap(0, Ordering::AcqRel) != 0
     }
 
     /// Before sleeping for data: announce it. The caller must re-check
     /// `state()` afterwards and only sleep if still empty.
     pub fn prepare_wait(&self) {
-        self.ring.ctl().flags.0.reader_waiting.store(1, Ordering::Relaxed);
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .reader_waiting
+            .store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 
     /// Withdraws a `prepare_wait`.
     pub fn cancel_wait(&self) {
-        self.ring.ctl().flags.0.reader_waiting.store(0, Ordering::Relaxed);
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .reader_waiting
+            .store(0, Ordering::Relaxed);
     }
 
     /// The consumer will read no more (its process closed the connection).
     pub fn close(&self) {
-        self.ring.ctl().flags.0.consumer_closed.store(1, Ordering::Release);
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .consumer_closed
+            .store(1, Ordering::Release);
     }
 
     /// The producer closed its side (used when the TCP connection reset, to
     /// tell an orderly close from a crash).
     pub fn producer_closed(&self) -> bool {
-        self.ring.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0
+        self.ring
+            .ctl()
+            .flags
+            .0
+            .producer_closed
+            .load(Ordering::Acquire)
+            != 0
     }
 }
 

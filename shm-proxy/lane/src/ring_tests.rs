@@ -26,7 +26,9 @@ struct Region {
 }
 impl Region {
     fn new(len: usize) -> Self {
-        Region { map: memmap2::MmapMut::map_anon(len).unwrap() }
+        Region {
+            map: memmap2::MmapMut::map_anon(len).unwrap(),
+        }
     }
     fn ends(&mut self, side: Side) -> (Producer, Consumer) {
         let len = self.map.len();
@@ -50,7 +52,10 @@ fn sizes_are_powers_of_two_that_fit() {
     assert_eq!(ring_size_for(HEADER_LEN + 100), None);
     assert_eq!(ring_size_for(10), None);
     assert_eq!(region_len_for(3000), HEADER_LEN + 2 * 4096);
-    assert_eq!(region_len_for(usize::MAX / 4), HEADER_LEN + 2 * MAX_RING_SIZE);
+    assert_eq!(
+        region_len_for(usize::MAX / 4),
+        HEADER_LEN + 2 * MAX_RING_SIZE
+    );
 }
 
 #[test]
@@ -81,7 +86,11 @@ fn wrap_around_matches_a_model() {
                 } else {
                     p.write(&buf)
                 };
-                assert_eq!(n, len.min(4096 - model.len()), "write must take exactly what fits");
+                assert_eq!(
+                    n,
+                    len.min(4096 - model.len()),
+                    "write must take exactly what fits"
+                );
                 model.extend(&buf[..n]);
                 written += n as u64;
             }
@@ -89,7 +98,10 @@ fn wrap_around_matches_a_model() {
                 let mut buf = vec![0u8; rng.below(3000)];
                 let n = c.peek(&mut buf);
                 assert_eq!(n, buf.len().min(model.len()));
-                assert!(buf[..n].iter().zip(model.iter()).all(|(a, b)| a == b), "peek bytes");
+                assert!(
+                    buf[..n].iter().zip(model.iter()).all(|(a, b)| a == b),
+                    "peek bytes"
+                );
                 assert_eq!(c.available(), model.len(), "peek consumes nothing");
             }
             _ => {
@@ -194,7 +206,11 @@ fn pipe() -> (OwnedFd, OwnedFd) {
 
 /// Waits up to `ms` for the pipe to be readable, drains it; false on timeout.
 fn wait_pipe(fd: &OwnedFd, ms: i32) -> bool {
-    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
     // SAFETY: one valid pollfd.
     let r = unsafe { libc::poll(&mut pfd, 1, ms) };
     if r == 1 {
@@ -334,7 +350,10 @@ fn two_processes_share_a_memfd_region() {
             ReadState::Empty => std::hint::spin_loop(),
             ReadState::Data(_) => {
                 let n = c.read(&mut buf);
-                ok &= buf[..n].iter().enumerate().all(|(i, b)| *b == pattern(9, got + i as u64));
+                ok &= buf[..n]
+                    .iter()
+                    .enumerate()
+                    .all(|(i, b)| *b == pattern(9, got + i as u64));
                 got += n as u64;
             }
         }
@@ -345,4 +364,38 @@ fn two_processes_share_a_memfd_region() {
     assert!(ok, "corrupted bytes across processes");
     assert_eq!(got, total);
     assert_eq!(status, 0);
+}
+
+#[test]
+fn attach_word_decides_once() {
+    let mut r = Region::new(region_len_for(4096));
+    let len = r.map.len();
+    let base = r.map.as_mut_ptr();
+    // SAFETY: the mapping outlives both probes.
+    let (c, s) = unsafe {
+        (
+            Probe::new(base, len, Side::Client).unwrap(),
+            Probe::new(base, len, Side::Server).unwrap(),
+        )
+    };
+    assert_eq!(c.attach_state(), Attach::Undecided);
+    assert!(s.server_attach());
+    assert!(
+        !c.client_give_up(),
+        "the server attached first: the ring stays"
+    );
+    assert_eq!(c.attach_state(), Attach::ServerAttached);
+
+    let mut r = Region::new(region_len_for(4096));
+    let base = r.map.as_mut_ptr();
+    // SAFETY: as above.
+    let (c, s) = unsafe {
+        (
+            Probe::new(base, len, Side::Client).unwrap(),
+            Probe::new(base, len, Side::Server).unwrap(),
+        )
+    };
+    assert!(c.client_give_up());
+    assert!(!s.server_attach(), "the client gave up first: TCP");
+    assert_eq!(s.attach_state(), Attach::ClientGaveUp);
 }

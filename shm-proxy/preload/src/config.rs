@@ -64,7 +64,8 @@ fn parse_level(s: &str) -> u8 {
 }
 
 fn read_env() -> Config {
-    let disabled = env(c"FLOWLANE_DISABLE").is_some_and(|v| !matches!(v.trim(), "" | "0" | "false" | "no"));
+    let disabled =
+        env(c"FLOWLANE_DISABLE").is_some_and(|v| !matches!(v.trim(), "" | "0" | "false" | "no"));
     let ring_size = env(c"FLOWLANE_RING_SIZE")
         .and_then(|v| parse_size(&v))
         .unwrap_or(ring::DEFAULT_RING_SIZE)
@@ -78,7 +79,13 @@ fn read_env() -> Config {
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| flowlane_lane::notify::DEFAULT_DAEMON_SOCKET.to_string())
         .into();
-    Config { disabled, ring_size, spin_us, log_level, socket }
+    Config {
+        disabled,
+        ring_size,
+        spin_us,
+        log_level,
+        socket,
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! wake-up is lost).
 
 use crate::{config, real};
-use flowlane_lane::ring::{self, Consumer, Probe, Producer, ReadState, Side};
+use flowlane_lane::ring::{self, Attach, Consumer, Probe, Producer, ReadState, Side};
 use libc::c_int;
 use std::io::IoSlice;
 use std::os::fd::OwnedFd;
@@ -23,6 +23,22 @@ use std::time::{Duration, Instant};
 /// wait on the same connection, the other re-checks the ring after at most
 /// this long. Idle cost: a few wake-ups per second of a blocked thread.
 pub const MAX_SLEEP_MS: c_int = 250;
+
+/// How long a client waits for the server to attach to the region before
+/// both ends stay on TCP (the server is not accepting, accepted without a
+/// claim, or its claim failed). Until then its first read/write waits.
+pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where a client connection stands on the attach handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    /// Use the rings.
+    Ring,
+    /// The connection is plain TCP: forget the ring, call the real function.
+    Tcp,
+    /// Still undecided (non-blocking caller): not ready yet.
+    Pending,
+}
 
 pub fn errno() -> c_int {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -50,6 +66,9 @@ pub struct Conn {
     pub shut_wr: AtomicBool,
     /// Non-blocking connect still in progress.
     pub connecting: AtomicBool,
+    /// Client only: the server has not attached yet (see `settle`).
+    pub pending: AtomicBool,
+    created: Instant,
     pub sent: AtomicU64,
     pub received: AtomicU64,
     /// Fds of this process that refer to the connection (dup/dup2/fcntl).
@@ -57,6 +76,11 @@ pub struct Conn {
     /// `state::FORK_GEN` when created: if it changed, another process may
     /// share the socket, and only the kernel knows when the last one closes.
     pub fork_gen: u64,
+    /// The application's view of TCP_NODELAY / TCP_CORK: the real socket
+    /// always has NODELAY on and CORK off, or Nagle would hold doorbells
+    /// back for a delayed ACK (40 ms per wake-up).
+    pub app_nodelay: std::sync::atomic::AtomicI32,
+    pub app_cork: std::sync::atomic::AtomicI32,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -65,14 +89,29 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Conn {
     /// Maps the channel's memfd and builds the connection for `side`.
-    pub fn new(id: u64, memfd: OwnedFd, len: usize, side: Side, nonblock: bool, connecting: bool) -> std::io::Result<Conn> {
+    pub fn new(
+        id: u64,
+        memfd: OwnedFd,
+        len: usize,
+        side: Side,
+        nonblock: bool,
+        connecting: bool,
+    ) -> std::io::Result<Conn> {
         if ring::ring_size_for(len).is_none() {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "region too small"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "region too small",
+            ));
         }
         let mut st: libc::stat = unsafe_zeroed_stat();
         // SAFETY: fstat on an fd we own, into a local struct.
-        if unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&memfd), &mut st) } != 0 || (st.st_size as usize) < len {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "memfd shorter than announced"));
+        if unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&memfd), &mut st) } != 0
+            || (st.st_size as usize) < len
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "memfd shorter than announced",
+            ));
         }
         let map = memmap2::MmapOptions::new().len(len).map_raw(&memfd)?;
         drop(memfd); // the mapping keeps the memory alive
@@ -94,31 +133,90 @@ impl Conn {
             shut_rd: AtomicBool::new(false),
             shut_wr: AtomicBool::new(false),
             connecting: AtomicBool::new(connecting),
+            pending: AtomicBool::new(side == Side::Client),
+            created: Instant::now(),
             sent: AtomicU64::new(0),
             received: AtomicU64::new(0),
             aliases: AtomicUsize::new(1),
             fork_gen: crate::state::FORK_GEN.load(Ordering::Relaxed),
+            app_nodelay: std::sync::atomic::AtomicI32::new(0),
+            app_cork: std::sync::atomic::AtomicI32::new(0),
         })
+    }
+
+    /// Takes over the socket's Nagle settings (see `app_nodelay`), keeping
+    /// what the application had set for getsockopt.
+    pub fn take_tcp_options(&self, fd: c_int) {
+        for (opt, keep) in [
+            (libc::TCP_NODELAY, &self.app_nodelay),
+            (libc::TCP_CORK, &self.app_cork),
+        ] {
+            let mut v: c_int = 0;
+            let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+            // SAFETY: getsockopt into a local int.
+            if unsafe {
+                real::getsockopt(
+                    fd,
+                    libc::IPPROTO_TCP,
+                    opt,
+                    (&mut v as *mut c_int).cast(),
+                    &mut len,
+                )
+            } == 0
+            {
+                keep.store(v, Ordering::Relaxed);
+            }
+        }
+        let (on, off): (c_int, c_int) = (1, 0);
+        let sz = std::mem::size_of::<c_int>() as libc::socklen_t;
+        // SAFETY: setsockopt with local ints.
+        unsafe {
+            real::setsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_CORK,
+                (&off as *const c_int).cast(),
+                sz,
+            );
+            real::setsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                (&on as *const c_int).cast(),
+                sz,
+            );
+        }
     }
 
     /// Sends one doorbell byte on the TCP socket.
     pub fn ring_bell(&self, fd: c_int) {
         let b = 0u8;
         // SAFETY: one byte from a local.
-        unsafe { real::send(fd, (&b as *const u8).cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        unsafe {
+            real::send(
+                fd,
+                (&b as *const u8).cast(),
+                1,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
     }
 
     /// Consumes pending doorbells and notes EOF/RST of the TCP socket.
     /// Keeps errno unchanged.
     pub fn drain(&self, fd: c_int) {
-        if self.connecting.load(Ordering::Relaxed) || self.tcp_eof.load(Ordering::Relaxed) || self.tcp_reset.load(Ordering::Relaxed) {
+        if self.connecting.load(Ordering::Relaxed)
+            || self.tcp_eof.load(Ordering::Relaxed)
+            || self.tcp_reset.load(Ordering::Relaxed)
+        {
             return;
         }
         let saved = errno();
         let mut buf = [0u8; 256];
         loop {
             // SAFETY: reading into a local buffer of its length.
-            let r = unsafe { real::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+            let r =
+                unsafe { real::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
             if r > 0 {
                 if (r as usize) < buf.len() {
                     break;
@@ -144,7 +242,11 @@ impl Conn {
     /// Sleeps until the TCP socket is readable (doorbell, FIN, RST) or
     /// `ms` passed, then drains it.
     fn sleep(&self, fd: c_int, ms: c_int) {
-        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd.
         unsafe { real::poll(&mut p, 1, ms) };
         self.drain(fd);
@@ -174,12 +276,79 @@ impl Conn {
         self.tcp_eof.load(Ordering::Acquire) || self.tcp_reset.load(Ordering::Acquire)
     }
 
+    /// Client: resolves whether the server attached. Blocking callers wait
+    /// (bounded by ATTACH_TIMEOUT); the answer is final once not Pending.
+    pub fn settle(&self, fd: c_int, block: bool) -> Settle {
+        if !self.pending.load(Ordering::Acquire) {
+            return Settle::Ring;
+        }
+        loop {
+            match self.probe.attach_state() {
+                Attach::ServerAttached => {
+                    self.pending.store(false, Ordering::Release);
+                    return Settle::Ring;
+                }
+                Attach::ClientGaveUp => return Settle::Tcp,
+                Attach::Undecided => {}
+            }
+            if !self.connecting.load(Ordering::Acquire) || self.finish_connect(fd, false).is_ok() {
+                // Bytes (or EOF) on TCP before an attach: the server runs on
+                // TCP. (A ring server attaches before its first doorbell.)
+                let mut b = 0u8;
+                let saved = errno();
+                // SAFETY: peeking one byte into a local.
+                let r = unsafe {
+                    real::recv(
+                        fd,
+                        (&mut b as *mut u8).cast(),
+                        1,
+                        libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                    )
+                };
+                let e = errno();
+                set_errno(saved);
+                let tcp_moved = r >= 0 || (e != libc::EAGAIN && e != libc::EINTR);
+                if tcp_moved && self.probe.attach_state() == Attach::Undecided {
+                    return self.give_up();
+                }
+            } else if self.tcp_reset.load(Ordering::Acquire) {
+                return self.give_up();
+            }
+            if self.created.elapsed() >= ATTACH_TIMEOUT {
+                return self.give_up();
+            }
+            if !block {
+                return Settle::Pending;
+            }
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { real::poll(&mut p, 1, 1) };
+        }
+    }
+
+    fn give_up(&self) -> Settle {
+        if self.probe.client_give_up() {
+            Settle::Tcp
+        } else {
+            self.pending.store(false, Ordering::Release);
+            Settle::Ring
+        }
+    }
+
     /// Waits for a non-blocking connect to finish (or reports EAGAIN).
     pub fn finish_connect(&self, fd: c_int, block: bool) -> Result<(), c_int> {
         if !self.connecting.load(Ordering::Acquire) {
             return Ok(());
         }
-        let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd.
         let r = unsafe { real::poll(&mut p, 1, if block { -1 } else { 0 }) };
         if r <= 0 {
@@ -188,7 +357,15 @@ impl Conn {
         let mut err: c_int = 0;
         let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
         // SAFETY: SO_ERROR into a local int.
-        unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, (&mut err as *mut c_int).cast(), &mut len) };
+        unsafe {
+            real::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_ERROR,
+                (&mut err as *mut c_int).cast(),
+                &mut len,
+            )
+        };
         if err != 0 {
             self.tcp_reset.store(true, Ordering::Release);
             return Err(err);
@@ -212,6 +389,9 @@ impl Conn {
         }
         let dontwait = self.nonblocking(flags);
         self.finish_connect(fd, !dontwait)?;
+        if self.pending.load(Ordering::Acquire) {
+            return Err(libc::EAGAIN);
+        }
         let peek = flags & libc::MSG_PEEK != 0;
         let waitall = flags & libc::MSG_WAITALL != 0 && !peek && !dontwait;
         let mut rx = lock(&self.rx);
@@ -241,7 +421,10 @@ impl Conn {
                         if let ReadState::Data(_) = rx.state() {
                             continue;
                         }
-                        if self.tcp_reset.load(Ordering::Acquire) && !rx.producer_closed() && got == 0 {
+                        if self.tcp_reset.load(Ordering::Acquire)
+                            && !rx.producer_closed()
+                            && got == 0
+                        {
                             return Err(libc::ECONNRESET);
                         }
                         return Ok(got);
@@ -276,6 +459,9 @@ impl Conn {
         }
         let dontwait = self.nonblocking(flags);
         self.finish_connect(fd, !dontwait)?;
+        if self.pending.load(Ordering::Acquire) {
+            return Err(libc::EAGAIN);
+        }
         if want == 0 {
             return Ok(0);
         }
@@ -287,7 +473,11 @@ impl Conn {
                 if done > 0 {
                     return Ok(done);
                 }
-                return Err(if self.tcp_reset.load(Ordering::Acquire) { libc::ECONNRESET } else { libc::EPIPE });
+                return Err(if self.tcp_reset.load(Ordering::Acquire) {
+                    libc::ECONNRESET
+                } else {
+                    libc::EPIPE
+                });
             }
             let mut wrote = 0;
             while idx < bufs.len() {
@@ -335,12 +525,21 @@ impl Conn {
     }
 
     /// sendfile from `in_fd` (at `*offset` when given, else its file position).
-    pub fn sendfile(&self, fd: c_int, in_fd: c_int, offset: Option<&mut libc::off_t>, count: usize) -> Result<usize, c_int> {
+    pub fn sendfile(
+        &self,
+        fd: c_int,
+        in_fd: c_int,
+        offset: Option<&mut libc::off_t>,
+        count: usize,
+    ) -> Result<usize, c_int> {
         if self.shut_wr.load(Ordering::Relaxed) {
             return Err(libc::EPIPE);
         }
         let dontwait = self.nonblock.load(Ordering::Relaxed);
         self.finish_connect(fd, !dontwait)?;
+        if self.pending.load(Ordering::Acquire) {
+            return Err(libc::EAGAIN);
+        }
         let mut tx = lock(&self.tx);
         let mut pos = offset.as_ref().map(|o| **o);
         let mut done = 0usize;
@@ -426,6 +625,12 @@ impl Conn {
 
     /// poll-style readiness of the connection now (POLLIN/OUT/RDHUP/HUP/ERR).
     pub fn readiness(&self) -> i16 {
+        if self.pending.load(Ordering::Acquire) {
+            if self.probe.attach_state() != Attach::ServerAttached {
+                return 0; // the wait loops settle it (doorbell or timeout)
+            }
+            self.pending.store(false, Ordering::Release);
+        }
         let mut ev = 0i16;
         let eof = self.tcp_eof.load(Ordering::Acquire);
         let reset = self.tcp_reset.load(Ordering::Acquire);

@@ -3,12 +3,15 @@
 //! test; the rest is delegated to `setup`, `conn` and `wait`. Every body
 //! runs under `catch_unwind`, so no panic crosses into C.
 
-use crate::conn::{errno, set_errno, Conn};
+use crate::conn::{errno, set_errno, Conn, Settle};
 use crate::state::{self, CONN_FDS, EPOLL_FDS, EPOLL_SEEN, LISTEN_FDS};
 use crate::{config, real, setup, wait};
-use libc::{c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use libc::{
+    c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t,
+};
 use std::io::IoSlice;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 
 /// Runs `body`; a panic becomes `-1`/`EIO`.
 fn guard<R: From<i8>>(body: impl FnOnce() -> R) -> R {
@@ -57,23 +60,37 @@ unsafe fn buf_ref<'a>(buf: *const c_void, n: size_t) -> Option<&'a [u8]> {
 /// # Safety
 /// `iov` valid for `n` entries, each valid for its length.
 unsafe fn iov_mut<'a>(iov: *const iovec, n: c_int) -> Option<Vec<&'a mut [u8]>> {
-    if n < 0 || n > libc::UIO_MAXIOV || (n > 0 && iov.is_null()) {
+    if !(0..=libc::UIO_MAXIOV).contains(&n) || (n > 0 && iov.is_null()) {
         return None;
     }
-    let list = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(iov, n as usize) } };
+    let list = if n == 0 {
+        &[][..]
+    } else {
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        unsafe { std::slice::from_raw_parts(iov, n as usize) }
+    };
     // SAFETY: caller contract for each entry.
-    list.iter().map(|v| unsafe { buf_mut(v.iov_base, v.iov_len) }).collect()
+    list.iter()
+        .map(|v| unsafe { buf_mut(v.iov_base, v.iov_len) })
+        .collect()
 }
 
 /// # Safety
 /// As `iov_mut`.
 unsafe fn iov_ref<'a>(iov: *const iovec, n: c_int) -> Option<Vec<IoSlice<'a>>> {
-    if n < 0 || n > libc::UIO_MAXIOV || (n > 0 && iov.is_null()) {
+    if !(0..=libc::UIO_MAXIOV).contains(&n) || (n > 0 && iov.is_null()) {
         return None;
     }
-    let list = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(iov, n as usize) } };
+    let list = if n == 0 {
+        &[][..]
+    } else {
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        unsafe { std::slice::from_raw_parts(iov, n as usize) }
+    };
     // SAFETY: caller contract for each entry.
-    list.iter().map(|v| unsafe { buf_ref(v.iov_base, v.iov_len) }.map(IoSlice::new)).collect()
+    list.iter()
+        .map(|v| unsafe { buf_ref(v.iov_base, v.iov_len) }.map(IoSlice::new))
+        .collect()
 }
 
 fn efault() -> ssize_t {
@@ -95,22 +112,46 @@ fn conn_send(c: &Conn, fd: c_int, bufs: Option<Vec<IoSlice<'_>>>, flags: c_int) 
     }
 }
 
+/// The ring connection on `fd` for a data call with `flags`, or `None` when
+/// the fd is (now) plain TCP. A client whose server has not attached yet is
+/// settled here: blocking callers wait for the decision.
+fn active(fd: c_int, flags: c_int) -> Option<Arc<Conn>> {
+    let c = state::conn(fd)?;
+    let block =
+        flags & libc::MSG_DONTWAIT == 0 && !c.nonblock.load(std::sync::atomic::Ordering::Relaxed);
+    match c.settle(fd, block) {
+        Settle::Ring | Settle::Pending => Some(c),
+        Settle::Tcp => {
+            setup::to_tcp(&c);
+            None
+        }
+    }
+}
+
 // ------------------------------------------------------------ data path
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::read(fd, buf, n) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, 0) {
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         Some(c) => conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), 0),
         None => unsafe { real::read(fd, buf, n) },
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
+pub unsafe extern "C" fn __read_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+) -> ssize_t {
     if !CONN_FDS.get(fd) || n > buflen {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::__read_chk(fd, buf, n, buflen) };
     }
     unsafe { read(fd, buf, n) }
@@ -119,36 +160,56 @@ pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, bufl
 #[no_mangle]
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::recv(fd, buf, n, flags) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, flags) {
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         Some(c) => conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), flags),
         None => unsafe { real::recv(fd, buf, n, flags) },
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn __recv_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t {
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+) -> ssize_t {
     if !CONN_FDS.get(fd) || n > buflen {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::__recv_chk(fd, buf, n, buflen, flags) };
     }
     unsafe { recv(fd, buf, n, flags) }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn recvfrom(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t {
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::recvfrom(fd, buf, n, flags, addr, len) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, flags) {
         Some(c) => {
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             let r = conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), flags);
             if r >= 0 && !len.is_null() {
                 // TCP does not report a source address.
+                // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
                 unsafe { *len = 0 };
             }
             r
         }
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         None => unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
     })
 }
@@ -164,6 +225,7 @@ pub unsafe extern "C" fn __recvfrom_chk(
     len: *mut socklen_t,
 ) -> ssize_t {
     if !CONN_FDS.get(fd) || n > buflen {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::__recvfrom_chk(fd, buf, n, buflen, flags, addr, len) };
     }
     unsafe { recvfrom(fd, buf, n, flags, addr, len) }
@@ -172,9 +234,11 @@ pub unsafe extern "C" fn __recvfrom_chk(
 #[no_mangle]
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::readv(fd, iov, n) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, 0) {
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         Some(c) => conn_recv(&c, fd, unsafe { iov_mut(iov, n) }, 0),
         None => unsafe { real::readv(fd, iov, n) },
     })
@@ -183,15 +247,23 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_
 #[no_mangle]
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::recvmsg(fd, msg, flags) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, flags) {
         Some(c) => {
             if msg.is_null() {
                 return efault();
             }
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             let m = unsafe { &mut *msg };
-            let r = conn_recv(&c, fd, unsafe { iov_mut(m.msg_iov, m.msg_iovlen as c_int) }, flags);
+            let r = conn_recv(
+                &c,
+                fd,
+                // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+                unsafe { iov_mut(m.msg_iov, m.msg_iovlen as c_int) },
+                flags,
+            );
             if r >= 0 {
                 m.msg_namelen = 0;
                 m.msg_controllen = 0;
@@ -199,6 +271,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
             }
             r
         }
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         None => unsafe { real::recvmsg(fd, msg, flags) },
     })
 }
@@ -206,10 +279,18 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::write(fd, buf, n) };
     }
-    guard(|| match state::conn(fd) {
-        Some(c) => conn_send(&c, fd, unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]), 0),
+    guard(|| match active(fd, 0) {
+        Some(c) => conn_send(
+            &c,
+            fd,
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+            unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]),
+            0,
+        ),
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         None => unsafe { real::write(fd, buf, n) },
     })
 }
@@ -217,22 +298,45 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
 #[no_mangle]
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::send(fd, buf, n, flags) };
     }
-    guard(|| match state::conn(fd) {
-        Some(c) => conn_send(&c, fd, unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]), flags),
+    guard(|| match active(fd, flags) {
+        Some(c) => conn_send(
+            &c,
+            fd,
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+            unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]),
+            flags,
+        ),
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         None => unsafe { real::send(fd, buf, n, flags) },
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn sendto(fd: c_int, buf: *const c_void, n: size_t, flags: c_int, addr: *const sockaddr, len: socklen_t) -> ssize_t {
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    len: socklen_t,
+) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::sendto(fd, buf, n, flags, addr, len) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, flags) {
         // A connected TCP socket ignores the address.
-        Some(c) => conn_send(&c, fd, unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]), flags),
+        Some(c) => conn_send(
+            &c,
+            fd,
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+            unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]),
+            flags,
+        ),
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         None => unsafe { real::sendto(fd, buf, n, flags, addr, len) },
     })
 }
@@ -240,9 +344,11 @@ pub unsafe extern "C" fn sendto(fd: c_int, buf: *const c_void, n: size_t, flags:
 #[no_mangle]
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::writev(fd, iov, n) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, 0) {
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         Some(c) => conn_send(&c, fd, unsafe { iov_ref(iov, n) }, 0),
         None => unsafe { real::writev(fd, iov, n) },
     })
@@ -251,28 +357,49 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
 #[no_mangle]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::sendmsg(fd, msg, flags) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, flags) {
         Some(c) => {
             if msg.is_null() {
                 return efault();
             }
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             let m = unsafe { &*msg };
-            conn_send(&c, fd, unsafe { iov_ref(m.msg_iov, m.msg_iovlen as c_int) }, flags)
+            conn_send(
+                &c,
+                fd,
+                // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+                unsafe { iov_ref(m.msg_iov, m.msg_iovlen as c_int) },
+                flags,
+            )
         }
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         None => unsafe { real::sendmsg(fd, msg, flags) },
     })
 }
 
 fn sendfile_any(out: c_int, inp: c_int, off: *mut off_t, n: size_t, large: bool) -> ssize_t {
-    let pass = || unsafe { if large { real::sendfile64(out, inp, off, n) } else { real::sendfile(out, inp, off, n) } };
+    // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+    let pass = || unsafe {
+        if large {
+            real::sendfile64(out, inp, off, n)
+        } else {
+            real::sendfile(out, inp, off, n)
+        }
+    };
     if !CONN_FDS.get(out) {
         return pass();
     }
-    guard(|| match state::conn(out) {
+    guard(|| match active(out, 0) {
         Some(c) => {
-            let off = if off.is_null() { None } else { Some(unsafe { &mut *off }) };
+            let off = if off.is_null() {
+                None
+            } else {
+                // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+                Some(unsafe { &mut *off })
+            };
             ret(c.sendfile(out, inp, off, n), 0, true)
         }
         None => pass(),
@@ -290,13 +417,21 @@ pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: 
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out: c_int, off_out: *mut libc::loff_t, len: size_t, flags: c_uint) -> ssize_t {
+pub unsafe extern "C" fn splice(
+    fd_in: c_int,
+    off_in: *mut libc::loff_t,
+    fd_out: c_int,
+    off_out: *mut libc::loff_t,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
     if CONN_FDS.get(fd_in) || CONN_FDS.get(fd_out) {
         // The bytes of a ring connection are not in the kernel socket;
         // applications fall back to read/write on EINVAL (documented limit).
         set_errno(libc::EINVAL);
         return -1;
     }
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) }
 }
 
@@ -305,22 +440,27 @@ pub unsafe extern "C" fn splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out:
 #[no_mangle]
 pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
     if setup::in_lib() || config::get().disabled {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::connect(fd, addr, len) };
     }
     guard(|| {
         if CONN_FDS.get(fd) {
             // A repeated connect on a non-blocking socket: pass, note completion.
+            // SAFETY: forwards the caller's arguments unchanged (same C contract).
             let r = unsafe { real::connect(fd, addr, len) };
             let e = errno();
             if r == 0 || e == libc::EISCONN {
                 if let Some(c) = state::conn(fd) {
-                    c.connecting.store(false, std::sync::atomic::Ordering::Release);
+                    c.connecting
+                        .store(false, std::sync::atomic::Ordering::Release);
                 }
             }
             set_errno(e);
             return r;
         }
-        let intent = unsafe { setup::decode(addr, len) }.and_then(|dst| setup::client_intent(fd, dst));
+        let intent =
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+            unsafe { setup::decode(addr, len) }.and_then(|dst| setup::client_intent(fd, dst));
         let r = unsafe { real::connect(fd, addr, len) };
         let e = errno();
         if let Some(i) = intent {
@@ -333,6 +473,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 
 #[no_mangle]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     let r = unsafe { real::listen(fd, backlog) };
     if r == 0 && !setup::in_lib() {
         let e = errno();
@@ -359,12 +500,19 @@ fn after_accept(listen_fd: c_int, r: c_int, flags: c_int) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     let r = unsafe { real::accept(fd, addr, len) };
     after_accept(fd, r, 0)
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
+pub unsafe extern "C" fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    flags: c_int,
+) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     let r = unsafe { real::accept4(fd, addr, len, flags) };
     after_accept(fd, r, flags)
 }
@@ -392,6 +540,7 @@ fn tracked(fd: c_int) -> bool {
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     if !tracked(fd) || setup::in_lib() {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::close(fd) };
     }
     let saved = errno();
@@ -400,6 +549,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         0
     });
     set_errno(saved);
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     unsafe { real::close(fd) }
 }
 
@@ -418,15 +568,17 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
         });
         set_errno(saved);
     }
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     unsafe { real::close_range(first, last, flags) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::shutdown(fd, how) };
     }
-    guard(|| match state::conn(fd) {
+    guard(|| match active(fd, 0) {
         Some(c) => {
             if !matches!(how, libc::SHUT_RD | libc::SHUT_WR | libc::SHUT_RDWR) {
                 set_errno(libc::EINVAL);
@@ -435,6 +587,7 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
             c.shutdown(fd, how);
             0
         }
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         None => unsafe { real::shutdown(fd, how) },
     })
 }
@@ -457,6 +610,7 @@ fn alias(old: c_int, new: c_int) {
 
 #[no_mangle]
 pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     let r = unsafe { real::dup(fd) };
     if r >= 0 && tracked(fd) {
         guard(|| {
@@ -473,6 +627,7 @@ fn dup_to(old: c_int, new: c_int, f: impl FnOnce() -> c_int) -> c_int {
     }
     guard(|| {
         // Check `old` first: dup2 onto a valid fd closes it only if `old` is valid.
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         if unsafe { real::fcntl(old, libc::F_GETFD, 0) } < 0 {
             set_errno(libc::EBADF);
             return -1;
@@ -492,16 +647,25 @@ fn dup_to(old: c_int, new: c_int, f: impl FnOnce() -> c_int) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     dup_to(old, new, || unsafe { real::dup2(old, new) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
     dup_to(old, new, || unsafe { real::dup3(old, new, flags) })
 }
 
 fn fcntl_any(fd: c_int, cmd: c_int, arg: c_ulong, large: bool) -> c_int {
-    let call = || unsafe { if large { real::fcntl64(fd, cmd, arg) } else { real::fcntl(fd, cmd, arg) } };
+    // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+    let call = || unsafe {
+        if large {
+            real::fcntl64(fd, cmd, arg)
+        } else {
+            real::fcntl(fd, cmd, arg)
+        }
+    };
     if !tracked(fd) {
         return call();
     }
@@ -512,7 +676,10 @@ fn fcntl_any(fd: c_int, cmd: c_int, arg: c_ulong, large: bool) -> c_int {
             match cmd {
                 libc::F_SETFL => {
                     if let Some(c) = state::conn(fd) {
-                        c.nonblock.store(arg as c_int & libc::O_NONBLOCK != 0, std::sync::atomic::Ordering::Relaxed);
+                        c.nonblock.store(
+                            arg as c_int & libc::O_NONBLOCK != 0,
+                            std::sync::atomic::Ordering::Relaxed,
+                        );
                     }
                 }
                 libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => alias(fd, r),
@@ -537,6 +704,7 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::ioctl(fd, req, arg) };
     }
     guard(|| match (state::conn(fd), req) {
@@ -545,17 +713,88 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int {
                 set_errno(libc::EFAULT);
                 return -1;
             }
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             unsafe { *(arg as *mut c_int) = c.readable_bytes().min(c_int::MAX as usize) as c_int };
             0
         }
         (Some(c), libc::FIONBIO) => {
+            // SAFETY: forwards the caller's arguments unchanged (same C contract).
             let r = unsafe { real::ioctl(fd, req, arg) };
             if r == 0 && arg != 0 {
-                c.nonblock.store(unsafe { *(arg as *const c_int) } != 0, std::sync::atomic::Ordering::Relaxed);
+                c.nonblock.store(
+                    // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+                    unsafe { *(arg as *const c_int) } != 0,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
             }
             r
         }
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         _ => unsafe { real::ioctl(fd, req, arg) },
+    })
+}
+
+/// TCP_NODELAY/TCP_CORK on a ring connection: remembered for getsockopt,
+/// not applied (the socket only carries doorbells, which must not wait).
+fn tcp_option(fd: c_int, level: c_int, name: c_int) -> Option<(Arc<Conn>, bool)> {
+    if level != libc::IPPROTO_TCP
+        || !(name == libc::TCP_NODELAY || name == libc::TCP_CORK)
+        || !CONN_FDS.get(fd)
+    {
+        return None;
+    }
+    state::conn(fd).map(|c| (c, name == libc::TCP_NODELAY))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    guard(|| match tcp_option(fd, level, name) {
+        Some((c, nodelay)) if !val.is_null() && len as usize >= std::mem::size_of::<c_int>() => {
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+            let v = unsafe { std::ptr::read_unaligned(val as *const c_int) };
+            let slot = if nodelay { &c.app_nodelay } else { &c.app_cork };
+            slot.store((v != 0) as c_int, std::sync::atomic::Ordering::Relaxed);
+            0
+        }
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
+        _ => unsafe { real::setsockopt(fd, level, name, val, len) },
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    guard(|| match tcp_option(fd, level, name) {
+        Some((c, nodelay))
+            if !val.is_null()
+                && !len.is_null()
+                // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+                && unsafe { *len } as usize >= std::mem::size_of::<c_int>() =>
+        {
+            let slot = if nodelay { &c.app_nodelay } else { &c.app_cork };
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+            unsafe {
+                std::ptr::write_unaligned(
+                    val as *mut c_int,
+                    slot.load(std::sync::atomic::Ordering::Relaxed),
+                );
+                *len = std::mem::size_of::<c_int>() as socklen_t;
+            }
+            0
+        }
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
+        _ => unsafe { real::getsockopt(fd, level, name, val, len) },
     })
 }
 
@@ -565,47 +804,73 @@ fn ts_ms(ts: *const libc::timespec) -> c_int {
     if ts.is_null() {
         return -1;
     }
+    // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
     let t = unsafe { *ts };
-    let ms = (t.tv_sec as i64).saturating_mul(1000).saturating_add((t.tv_nsec as i64 + 999_999) / 1_000_000);
+    let ms = t
+        .tv_sec
+        .saturating_mul(1000)
+        .saturating_add((t.tv_nsec + 999_999) / 1_000_000);
     ms.clamp(0, c_int::MAX as i64) as c_int
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
     if state::LIVE.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::poll(fds, n, timeout) };
     }
     guard(|| unsafe { wait::poll(fds, n, timeout, None) })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn __poll_chk(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int, fdslen: size_t) -> c_int {
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout: c_int,
+    fdslen: size_t,
+) -> c_int {
     if (n as usize).saturating_mul(std::mem::size_of::<libc::pollfd>()) > fdslen {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::__poll_chk(fds, n, timeout, fdslen) };
     }
     unsafe { poll(fds, n, timeout) }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ppoll(fds: *mut libc::pollfd, n: libc::nfds_t, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int {
+pub unsafe extern "C" fn ppoll(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
     if state::LIVE.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::ppoll(fds, n, ts, mask) };
     }
     guard(|| unsafe { wait::poll(fds, n, ts_ms(ts), Some(mask)) })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn select(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, tv: *mut libc::timeval) -> c_int {
+pub unsafe extern "C" fn select(
+    n: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    tv: *mut libc::timeval,
+) -> c_int {
     if state::LIVE.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::select(n, r, w, e, tv) };
     }
     guard(|| {
         let ms = if tv.is_null() {
             -1
         } else {
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             let t = unsafe { *tv };
-            ((t.tv_sec as i64) * 1000 + (t.tv_usec as i64 + 999) / 1000).clamp(0, c_int::MAX as i64) as c_int
+            (t.tv_sec * 1000 + (t.tv_usec + 999) / 1000).clamp(0, c_int::MAX as i64) as c_int
         };
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         match unsafe { wait::select(n, r, w, e, ms, None) } {
             Some(rc) => rc,
             None => unsafe { real::select(n, r, w, e, tv) },
@@ -623,17 +888,27 @@ pub unsafe extern "C" fn pselect(
     mask: *const libc::sigset_t,
 ) -> c_int {
     if state::LIVE.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::pselect(n, r, w, e, ts, mask) };
     }
-    guard(|| match unsafe { wait::select(n, r, w, e, ts_ms(ts), Some(mask)) } {
-        Some(rc) => rc,
-        None => unsafe { real::pselect(n, r, w, e, ts, mask) },
-    })
+    guard(
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        || match unsafe { wait::select(n, r, w, e, ts_ms(ts), Some(mask)) } {
+            Some(rc) => rc,
+            None => unsafe { real::pselect(n, r, w, e, ts, mask) },
+        },
+    )
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int {
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    ev: *mut libc::epoll_event,
+) -> c_int {
     if !CONN_FDS.get(fd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
         if r == 0 && op == libc::EPOLL_CTL_ADD && !setup::in_lib() {
             EPOLL_SEEN.set(fd, true);
@@ -641,22 +916,36 @@ pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut l
         return r;
     }
     guard(|| match state::conn(fd) {
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         Some(c) => unsafe { wait::epoll_ctl_conn(epfd, op, fd, ev, c) },
         None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn epoll_wait(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int) -> c_int {
+pub unsafe extern "C" fn epoll_wait(
+    epfd: c_int,
+    ev: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+) -> c_int {
     if !EPOLL_FDS.get(epfd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::epoll_wait(epfd, ev, max, timeout) };
     }
     guard(|| unsafe { wait::epoll_wait(epfd, ev, max, timeout, None) })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn epoll_pwait(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int, mask: *const libc::sigset_t) -> c_int {
+pub unsafe extern "C" fn epoll_pwait(
+    epfd: c_int,
+    ev: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+    mask: *const libc::sigset_t,
+) -> c_int {
     if !EPOLL_FDS.get(epfd) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) };
     }
     guard(|| unsafe { wait::epoll_wait(epfd, ev, max, timeout, Some(mask)) })

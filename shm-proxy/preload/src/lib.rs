@@ -27,7 +27,14 @@ extern "C" fn init() {
     std::panic::set_hook(Box::new(|info| {
         log::emit(1, format_args!("internal error (contained): {info}"));
     }));
-    log::log_at!(3, "loaded (disabled={}, ring={} bytes, spin={} us, socket={})", cfg.disabled, cfg.ring_size, cfg.spin_us, cfg.socket.display());
+    log::log_at!(
+        3,
+        "loaded (disabled={}, ring={} bytes, spin={} us, socket={})",
+        cfg.disabled,
+        cfg.ring_size,
+        cfg.spin_us,
+        cfg.socket.display()
+    );
 }
 
 #[used]

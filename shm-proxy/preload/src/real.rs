@@ -5,7 +5,9 @@
 //! lazy and race-free (a benign race stores the same pointer twice);
 //! `dlsym` does not call any function this library interposes.
 
-use libc::{c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use libc::{
+    c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t,
+};
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 fn resolve(name: &'static [u8]) -> *mut c_void {
@@ -79,5 +81,7 @@ real_fns! {
     fn sendfile(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
     fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
     fn splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out: c_int, off_out: *mut libc::loff_t, len: size_t, flags: c_uint) -> ssize_t;
+    fn setsockopt(fd: c_int, level: c_int, name: c_int, val: *const c_void, len: socklen_t) -> c_int;
+    fn getsockopt(fd: c_int, level: c_int, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int;
     fn pread(fd: c_int, buf: *mut c_void, n: size_t, off: off_t) -> ssize_t;
 }

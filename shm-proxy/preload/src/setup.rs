@@ -33,7 +33,9 @@ pub fn in_lib() -> bool {
 fn with_daemon<R>(f: impl FnOnce(&mut DaemonClient) -> R) -> Option<R> {
     IN_LIB.with(|c| c.set(true));
     let saved = errno();
-    let r = DaemonClient::connect(&config::get().socket, DAEMON_TIMEOUT).ok().map(|mut d| f(&mut d));
+    let r = DaemonClient::connect(&config::get().socket, DAEMON_TIMEOUT)
+        .ok()
+        .map(|mut d| f(&mut d));
     set_errno(saved);
     IN_LIB.with(|c| c.set(false));
     r
@@ -44,13 +46,37 @@ fn report_fallback(reason: FallbackReason) {
     with_daemon(|d| d.report_fallback(reason));
 }
 
+fn socket_family(fd: c_int) -> c_int {
+    let mut v: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as socklen_t;
+    // SAFETY: getsockopt into a local int.
+    unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_DOMAIN,
+            (&mut v as *mut c_int).cast(),
+            &mut len,
+        )
+    };
+    v
+}
+
 /// Whether the library handles this fd at all: an IPv4/IPv6 TCP socket.
 pub fn is_tcp(fd: c_int) -> bool {
     let get = |opt| {
         let mut v: c_int = 0;
         let mut len = std::mem::size_of::<c_int>() as socklen_t;
         // SAFETY: getsockopt into a local int.
-        let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, opt, (&mut v as *mut c_int).cast(), &mut len) };
+        let r = unsafe {
+            real::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&mut v as *mut c_int).cast(),
+                &mut len,
+            )
+        };
         (r == 0).then_some(v)
     };
     matches!(get(libc::SO_DOMAIN), Some(libc::AF_INET | libc::AF_INET6))
@@ -72,11 +98,22 @@ pub unsafe fn decode(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr
         libc::AF_INET if len as usize >= std::mem::size_of::<libc::sockaddr_in>() => {
             // SAFETY: length checked; read unaligned to be safe with any buffer.
             let a: libc::sockaddr_in = unsafe { std::ptr::read_unaligned(addr.cast()) };
-            Some(SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)), u16::from_be(a.sin_port))))
+            Some(SocketAddr::V4(SocketAddrV4::new(
+                Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                u16::from_be(a.sin_port),
+            )))
         }
         libc::AF_INET6 if len as usize >= std::mem::size_of::<libc::sockaddr_in6>() => {
             // SAFETY: as above.
             let a: libc::sockaddr_in6 = unsafe { std::ptr::read_unaligned(addr.cast()) };
+            let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
+            if let Some(v4) = ip.to_ipv4_mapped() {
+                // Dual-stack sockets name IPv4 peers as ::ffff:a.b.c.d.
+                return Some(SocketAddr::V4(SocketAddrV4::new(
+                    v4,
+                    u16::from_be(a.sin6_port),
+                )));
+            }
             Some(SocketAddr::V6(SocketAddrV6::new(
                 Ipv6Addr::from(a.sin6_addr.s6_addr),
                 u16::from_be(a.sin6_port),
@@ -89,6 +126,25 @@ pub unsafe fn decode(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr
 }
 
 fn encode(a: &SocketAddr) -> (libc::sockaddr_storage, socklen_t) {
+    encode_for(
+        a,
+        if a.is_ipv4() {
+            libc::AF_INET
+        } else {
+            libc::AF_INET6
+        },
+    )
+}
+
+/// Encodes `a` for a socket of `family` (IPv4 addresses as ::ffff:a.b.c.d
+/// on an IPv6 socket).
+fn encode_for(a: &SocketAddr, family: c_int) -> (libc::sockaddr_storage, socklen_t) {
+    let a = &match (a, family) {
+        (SocketAddr::V4(v4), libc::AF_INET6) => {
+            SocketAddr::V6(SocketAddrV6::new(v4.ip().to_ipv6_mapped(), v4.port(), 0, 0))
+        }
+        _ => *a,
+    };
     // SAFETY: sockaddr_storage is plain old data.
     let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let len = match a {
@@ -96,7 +152,9 @@ fn encode(a: &SocketAddr) -> (libc::sockaddr_storage, socklen_t) {
             let sin = libc::sockaddr_in {
                 sin_family: libc::AF_INET as libc::sa_family_t,
                 sin_port: v4.port().to_be(),
-                sin_addr: libc::in_addr { s_addr: u32::from(*v4.ip()).to_be() },
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(*v4.ip()).to_be(),
+                },
                 sin_zero: [0; 8],
             };
             // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
@@ -108,7 +166,9 @@ fn encode(a: &SocketAddr) -> (libc::sockaddr_storage, socklen_t) {
                 sin6_family: libc::AF_INET6 as libc::sa_family_t,
                 sin6_port: v6.port().to_be(),
                 sin6_flowinfo: v6.flowinfo(),
-                sin6_addr: libc::in6_addr { s6_addr: v6.ip().octets() },
+                sin6_addr: libc::in6_addr {
+                    s6_addr: v6.ip().octets(),
+                },
                 sin6_scope_id: v6.scope_id(),
             };
             // SAFETY: as above, for sockaddr_in6.
@@ -125,20 +185,33 @@ fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
     let mut len = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
     let p = (&mut ss as *mut libc::sockaddr_storage).cast();
     // SAFETY: the buffer and its length are valid.
-    let r = unsafe { if peer { libc::getpeername(fd, p, &mut len) } else { libc::getsockname(fd, p, &mut len) } };
+    let r = unsafe {
+        if peer {
+            libc::getpeername(fd, p, &mut len)
+        } else {
+            libc::getsockname(fd, p, &mut len)
+        }
+    };
     // SAFETY: the kernel filled `len` bytes.
     (r == 0).then(|| unsafe { decode(p, len) }).flatten()
 }
 
 /// Destinations the library never touches.
 fn leave_alone(ip: IpAddr) -> bool {
-    ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast())
+    ip.is_loopback()
+        || ip.is_unspecified()
+        || ip.is_multicast()
+        || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast())
 }
 
 /// The source address the kernel would pick for `dst` (UDP connect: a route
 /// lookup that sends nothing).
 fn route_source(dst: &SocketAddr) -> Option<IpAddr> {
-    let family = if dst.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    let family = if dst.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
     // SAFETY: plain socket call.
     let s = unsafe { libc::socket(family, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if s < 0 {
@@ -147,7 +220,11 @@ fn route_source(dst: &SocketAddr) -> Option<IpAddr> {
     let (ss, len) = encode(dst);
     // SAFETY: valid sockaddr of `len` bytes.
     let ok = unsafe { real::connect(s, (&ss as *const libc::sockaddr_storage).cast(), len) } == 0;
-    let src = if ok { name_of(s, false).map(|a| a.ip()) } else { None };
+    let src = if ok {
+        name_of(s, false).map(|a| a.ip())
+    } else {
+        None
+    };
     // SAFETY: closing the socket we opened.
     unsafe { real::close(s) };
     src
@@ -163,14 +240,21 @@ pub struct Intent {
 /// connection on TCP.
 pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
     let cfg = config::get();
-    if cfg.disabled || leave_alone(dst.ip()) || fd as usize >= state::MAX_FD || state::CONN_FDS.get(fd) {
+    if cfg.disabled
+        || leave_alone(dst.ip())
+        || fd as usize >= state::MAX_FD
+        || state::CONN_FDS.get(fd)
+    {
         return None;
     }
     if !is_tcp(fd) {
         return None;
     }
     if state::EPOLL_SEEN.get(fd) {
-        log_at!(2, "fd {fd}: already in an epoll set before connect, staying on TCP");
+        log_at!(
+            2,
+            "fd {fd}: already in an epoll set before connect, staying on TCP"
+        );
         report_fallback(FallbackReason::Unsupported);
         return None;
     }
@@ -180,10 +264,14 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
         if leave_alone(ip) {
             return None;
         }
-        let (ss, len) = encode(&SocketAddr::new(ip, 0));
+        let (ss, len) = encode_for(&SocketAddr::new(ip, 0), socket_family(fd));
         // SAFETY: valid sockaddr of `len` bytes.
         if unsafe { libc::bind(fd, (&ss as *const libc::sockaddr_storage).cast(), len) } != 0 {
-            log_at!(3, "fd {fd}: bind to {ip} failed (errno {}), staying on TCP", errno());
+            log_at!(
+                3,
+                "fd {fd}: bind to {ip} failed (errno {}), staying on TCP",
+                errno()
+            );
             return None;
         }
         src = name_of(fd, false)?;
@@ -220,16 +308,30 @@ pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
     }
     let nonblock = nonblocking(fd);
     let ring_size = ring::ring_size_for(channel.len).unwrap_or(0);
-    match Conn::new(id, channel.memfd, channel.len, Side::Client, nonblock, in_progress) {
+    match Conn::new(
+        id,
+        channel.memfd,
+        channel.len,
+        Side::Client,
+        nonblock,
+        in_progress,
+    ) {
         Ok(conn) => {
-            log_at!(3, "fd {fd}: channel {id} (client, {ring_size} bytes per direction)");
+            log_at!(
+                3,
+                "fd {fd}: channel {id} (client, {ring_size} bytes per direction)"
+            );
+            conn.take_tcp_options(fd);
             drop(state::install(fd, Arc::new(conn)));
         }
         Err(e) => {
             // The daemon now has a claim nobody will use; the server side
             // claims it and would wait on an empty ring: a broken pair. The
             // safest answer is to break the TCP connection visibly.
-            log_at!(1, "fd {fd}: mapping channel {id} failed: {e}; resetting the connection");
+            log_at!(
+                1,
+                "fd {fd}: mapping channel {id} failed: {e}; resetting the connection"
+            );
             reset(fd);
             report_fallback(FallbackReason::InternalError);
         }
@@ -238,10 +340,19 @@ pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
 
 /// Turns the TCP connection into a visible reset (SO_LINGER 0 + shutdown).
 fn reset(fd: c_int) {
-    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
     // SAFETY: setsockopt with a local linger struct; shutdown on the fd.
     unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, (&l as *const libc::linger).cast(), std::mem::size_of::<libc::linger>() as socklen_t);
+        real::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as socklen_t,
+        );
         real::shutdown(fd, libc::SHUT_RDWR);
     }
 }
@@ -258,7 +369,9 @@ pub fn listener(fd: c_int) {
     if cfg.disabled || state::LISTEN_FDS.get(fd) || fd as usize >= state::MAX_FD || !is_tcp(fd) {
         return;
     }
-    let Some(addr) = name_of(fd, false) else { return };
+    let Some(addr) = name_of(fd, false) else {
+        return;
+    };
     if addr.ip().is_loopback() {
         return;
     }
@@ -288,17 +401,37 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
     if !state::LISTEN_FDS.get(listen_fd) || fd as usize >= state::MAX_FD || config::get().disabled {
         return;
     }
-    let (Some(local), Some(peer)) = (name_of(fd, false), name_of(fd, true)) else { return };
+    let (Some(local), Some(peer)) = (name_of(fd, false), name_of(fd, true)) else {
+        return;
+    };
     match with_daemon(|d| d.claim_accepted(local, peer)) {
         Some(Ok(Some(ch))) => {
             let id = ch.id;
-            match Conn::new(id, ch.memfd, ch.len, Side::Server, flags & libc::SOCK_NONBLOCK != 0, false) {
+            match Conn::new(
+                id,
+                ch.memfd,
+                ch.len,
+                Side::Server,
+                flags & libc::SOCK_NONBLOCK != 0,
+                false,
+            ) {
                 Ok(conn) => {
-                    log_at!(3, "fd {fd}: channel {id} (server) for {peer}");
-                    drop(state::install(fd, Arc::new(conn)));
+                    if conn.probe.server_attach() {
+                        conn.take_tcp_options(fd);
+                        log_at!(3, "fd {fd}: channel {id} (server) for {peer}");
+                        drop(state::install(fd, Arc::new(conn)));
+                        // Wake a client waiting for the attach.
+                        state::conn(fd).inspect(|c| c.ring_bell(fd));
+                    } else {
+                        log_at!(2, "fd {fd}: client {peer} gave up on channel {id}; TCP");
+                        report_fallback(FallbackReason::InternalError);
+                    }
                 }
                 Err(e) => {
-                    log_at!(1, "fd {fd}: mapping channel {id} failed: {e}; resetting the connection");
+                    log_at!(
+                        1,
+                        "fd {fd}: mapping channel {id} failed: {e}; resetting the connection"
+                    );
                     reset(fd);
                     report_fallback(FallbackReason::InternalError);
                 }
@@ -310,8 +443,37 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
     }
 }
 
+/// A client connection whose server never attached becomes plain TCP: all
+/// its fds are forgotten, epoll registrations get the application's own
+/// events and data back, and the daemon drops the channel.
+pub fn to_tcp(conn: &Arc<Conn>) {
+    for fd in state::fds_of(conn) {
+        let (_c, regs) = state::remove(fd);
+        for (epfd, reg) in regs {
+            let mut ev = libc::epoll_event {
+                events: reg.events,
+                u64: reg.data,
+            };
+            // SAFETY: re-registering the fd with a valid local event.
+            unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, fd, &mut ev) };
+        }
+    }
+    log_at!(
+        2,
+        "channel {}: the server did not attach; connection stays on TCP",
+        conn.id
+    );
+    with_daemon(|d| {
+        let _ = d.cancel_intent(conn.id);
+        d.report_fallback(FallbackReason::NoPeerLibrary)
+    });
+}
+
 /// The connection's last fd in this process closed: tell the daemon.
 pub fn closed(conn: &Conn) {
-    let (sent, received) = (conn.sent.load(std::sync::atomic::Ordering::Relaxed), conn.received.load(std::sync::atomic::Ordering::Relaxed));
+    let (sent, received) = (
+        conn.sent.load(std::sync::atomic::Ordering::Relaxed),
+        conn.received.load(std::sync::atomic::Ordering::Relaxed),
+    );
     with_daemon(|d| d.report_closed(conn.id, sent, received));
 }

@@ -96,11 +96,18 @@ struct Locked {
 // SAFETY: `tables` is only accessed while `busy` is held (see `with`).
 unsafe impl Sync for Locked {}
 
-static STATE: Locked = Locked { busy: AtomicBool::new(false), tables: UnsafeCell::new(None) };
+static STATE: Locked = Locked {
+    busy: AtomicBool::new(false),
+    tables: UnsafeCell::new(None),
+};
 
 fn lock() {
     let mut spins = 0u32;
-    while STATE.busy.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+    while STATE
+        .busy
+        .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
         spins += 1;
         if spins < 64 {
             std::hint::spin_loop();
@@ -154,19 +161,19 @@ pub fn install(fd: i32, conn: Arc<Conn>) -> Option<Arc<Conn>> {
 }
 
 /// Removes the connection on `fd` and every epoll registration of `fd`.
-/// Returns the connection and the removed registrations (drop them outside
-/// the lock).
-pub fn remove(fd: i32) -> (Option<Arc<Conn>>, Vec<Reg>) {
+/// Returns the connection and the removed registrations with their epoll
+/// fds (drop them outside the lock).
+pub fn remove(fd: i32) -> (Option<Arc<Conn>>, Vec<(i32, Reg)>) {
     let (c, regs) = with(|t| {
         CONN_FDS.set(fd, false);
         let c = t.conns.remove(&fd);
         let mut regs = Vec::new();
         if c.is_some() {
-            for list in t.epolls.values_mut() {
+            for (epfd, list) in t.epolls.iter_mut() {
                 let mut i = 0;
                 while i < list.len() {
                     if list[i].fd == fd {
-                        regs.push(list.swap_remove(i));
+                        regs.push((*epfd, list.swap_remove(i)));
                     } else {
                         i += 1;
                     }
@@ -181,12 +188,29 @@ pub fn remove(fd: i32) -> (Option<Arc<Conn>>, Vec<Reg>) {
     (c, regs)
 }
 
+/// Every fd of this process that refers to `conn`.
+pub fn fds_of(conn: &Arc<Conn>) -> Vec<i32> {
+    with(|t| {
+        t.conns
+            .iter()
+            .filter(|(_, c)| Arc::ptr_eq(c, conn))
+            .map(|(fd, _)| *fd)
+            .collect()
+    })
+}
+
 /// Marks `fd` as a registered listener.
 pub fn add_listener(fd: i32, addr: SocketAddr) {
     let gen = FORK_GEN.load(Ordering::Relaxed);
     with(|t| {
         LISTEN_FDS.set(fd, true);
-        t.listeners.insert(fd, Listener { addr, fork_gen: gen });
+        t.listeners.insert(
+            fd,
+            Listener {
+                addr,
+                fork_gen: gen,
+            },
+        );
     });
 }
 

@@ -9,8 +9,9 @@
 //! rings the doorbell (flag, fence, re-check: no lost wake-up).
 
 use crate::config;
-use crate::conn::{set_errno, Conn, MAX_SLEEP_MS};
+use crate::conn::{set_errno, Conn, Settle, MAX_SLEEP_MS};
 use crate::real;
+use crate::setup;
 use crate::state::{self, Reg};
 use libc::{c_int, epoll_event, pollfd, sigset_t};
 use std::sync::atomic::Ordering;
@@ -27,13 +28,23 @@ fn deadline(timeout_ms: c_int) -> Option<Instant> {
     (timeout_ms >= 0).then(|| Instant::now() + Duration::from_millis(timeout_ms as u64))
 }
 
-/// The next kernel sleep: at most MAX_SLEEP_MS, at most until the deadline.
-fn sleep_ms(deadline: Option<Instant>) -> c_int {
+/// Longest kernel sleep while a client waits for its server to attach (the
+/// attach timeout must be noticed without a doorbell).
+const PENDING_SLEEP_MS: c_int = 5;
+
+/// The next kernel sleep: at most MAX_SLEEP_MS (PENDING_SLEEP_MS while an
+/// attach is pending), at most until the deadline.
+fn sleep_ms(deadline: Option<Instant>, pending: bool) -> c_int {
+    let cap = if pending {
+        PENDING_SLEEP_MS
+    } else {
+        MAX_SLEEP_MS
+    };
     match deadline {
-        None => MAX_SLEEP_MS,
+        None => cap,
         Some(d) => {
             let left = d.saturating_duration_since(Instant::now());
-            (left.as_micros().div_ceil(1000) as c_int).min(MAX_SLEEP_MS)
+            (left.as_micros().div_ceil(1000) as c_int).min(cap)
         }
     }
 }
@@ -88,8 +99,16 @@ impl PollSet<'_> {
         let r = unsafe {
             match mask {
                 Some(m) => {
-                    let ts = libc::timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _ };
-                    real::ppoll(self.kernel.as_mut_ptr(), self.kernel.len() as _, if ms < 0 { std::ptr::null() } else { &ts }, m)
+                    let ts = libc::timespec {
+                        tv_sec: (ms / 1000) as _,
+                        tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _,
+                    };
+                    real::ppoll(
+                        self.kernel.as_mut_ptr(),
+                        self.kernel.len() as _,
+                        if ms < 0 { std::ptr::null() } else { &ts },
+                        m,
+                    )
                 }
                 None => real::poll(self.kernel.as_mut_ptr(), self.kernel.len() as _, ms),
             }
@@ -115,6 +134,32 @@ impl PollSet<'_> {
             }
         }
         0
+    }
+
+    /// Settles clients waiting for their server's attach; entries that
+    /// became plain TCP are handed to the kernel as they are. True while
+    /// some attach is still pending.
+    fn settle(&mut self) -> bool {
+        let mut pending = false;
+        for i in 0..self.conns.len() {
+            let Some(c) = self.conns[i].clone() else {
+                continue;
+            };
+            if !c.pending.load(Ordering::Acquire) {
+                continue;
+            }
+            match c.settle(self.app[i].fd, false) {
+                Settle::Ring => {}
+                Settle::Pending => pending = true,
+                Settle::Tcp => {
+                    setup::to_tcp(&c);
+                    self.conns[i] = None;
+                    self.kernel[i].events = self.app[i].events;
+                    self.plain = true;
+                }
+            }
+        }
+        pending
     }
 
     fn count(&self) -> c_int {
@@ -143,14 +188,31 @@ impl PollSet<'_> {
 ///
 /// # Safety
 /// `fds` must point to `n` valid pollfds.
-pub unsafe fn poll(fds: *mut pollfd, n: libc::nfds_t, timeout_ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+pub unsafe fn poll(
+    fds: *mut pollfd,
+    n: libc::nfds_t,
+    timeout_ms: c_int,
+    mask: Option<*const sigset_t>,
+) -> c_int {
     let pass = || {
         // SAFETY: forwarded caller contract.
         unsafe {
             match mask {
                 Some(m) => {
-                    let ts = libc::timespec { tv_sec: (timeout_ms / 1000) as _, tv_nsec: ((timeout_ms % 1000) as i64 * 1_000_000) as _ };
-                    real::ppoll(fds, n, if timeout_ms < 0 { std::ptr::null() } else { &ts }, m)
+                    let ts = libc::timespec {
+                        tv_sec: (timeout_ms / 1000) as _,
+                        tv_nsec: ((timeout_ms % 1000) as i64 * 1_000_000) as _,
+                    };
+                    real::ppoll(
+                        fds,
+                        n,
+                        if timeout_ms < 0 {
+                            std::ptr::null()
+                        } else {
+                            &ts
+                        },
+                        m,
+                    )
                 }
                 None => real::poll(fds, n, timeout_ms),
             }
@@ -169,18 +231,39 @@ pub unsafe fn poll(fds: *mut pollfd, n: libc::nfds_t, timeout_ms: c_int, mask: O
         .iter()
         .zip(&conns)
         .map(|(p, c)| match c {
-            Some(c) if !c.connecting.load(Ordering::Acquire) => pollfd { fd: p.fd, events: libc::POLLIN, revents: 0 },
-            _ => pollfd { fd: p.fd, events: p.events, revents: 0 },
+            Some(c) if !c.connecting.load(Ordering::Acquire) => pollfd {
+                fd: p.fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            _ => pollfd {
+                fd: p.fd,
+                events: p.events,
+                revents: 0,
+            },
         })
         .collect();
-    let plain = conns.iter().any(|c| c.as_ref().is_none_or(|c| c.connecting.load(Ordering::Acquire)));
-    let mut set = PollSet { app, conns, kernel, plain };
+    let plain = conns.iter().any(|c| {
+        c.as_ref()
+            .is_none_or(|c| c.connecting.load(Ordering::Acquire))
+    });
+    let mut set = PollSet {
+        app,
+        conns,
+        kernel,
+        plain,
+    };
     for p in set.app.iter_mut() {
         p.revents = 0;
     }
     let deadline = deadline(timeout_ms);
-    let mut spin_until = if timeout_ms == 0 { None } else { spin_deadline() };
+    let mut spin_until = if timeout_ms == 0 {
+        None
+    } else {
+        spin_deadline()
+    };
     loop {
+        let pending = set.settle();
         if set.eval_rings() > 0 || timeout_ms == 0 {
             if set.plain && set.kernel(0, None) < 0 {
                 return -1;
@@ -219,7 +302,7 @@ pub unsafe fn poll(fds: *mut pollfd, n: libc::nfds_t, timeout_ms: c_int, mask: O
             set.set_waits(false);
             continue;
         }
-        let r = set.kernel(sleep_ms(deadline), mask);
+        let r = set.kernel(sleep_ms(deadline, pending), mask);
         set.set_waits(false);
         if r < 0 {
             return -1;
@@ -244,7 +327,8 @@ pub unsafe fn select(
     timeout_ms: c_int,
     mask: Option<*const sigset_t>,
 ) -> Option<c_int> {
-    if state::LIVE.load(Ordering::Relaxed) == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
+    if state::LIVE.load(Ordering::Relaxed) == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds)
+    {
         return None;
     }
     // SAFETY: FD_ISSET on valid sets (caller contract).
@@ -264,7 +348,11 @@ pub unsafe fn select(
         }
         if ev != 0 {
             any_conn |= state::CONN_FDS.get(fd);
-            list.push(pollfd { fd, events: ev, revents: 0 });
+            list.push(pollfd {
+                fd,
+                events: ev,
+                revents: 0,
+            });
         }
     }
     if !any_conn {
@@ -288,15 +376,24 @@ pub unsafe fn select(
             return Some(-1);
         }
         // SAFETY (for each FD_SET): fd < nfds <= FD_SETSIZE on a valid set.
-        if !r.is_null() && p.events & libc::POLLIN != 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+        if !r.is_null()
+            && p.events & libc::POLLIN != 0
+            && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+        {
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             unsafe { libc::FD_SET(p.fd, r) };
             count += 1;
         }
-        if !w.is_null() && p.events & libc::POLLOUT != 0 && p.revents & (libc::POLLOUT | libc::POLLERR) != 0 {
+        if !w.is_null()
+            && p.events & libc::POLLOUT != 0
+            && p.revents & (libc::POLLOUT | libc::POLLERR) != 0
+        {
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             unsafe { libc::FD_SET(p.fd, w) };
             count += 1;
         }
         if !e.is_null() && p.events & libc::POLLPRI != 0 && p.revents & libc::POLLPRI != 0 {
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             unsafe { libc::FD_SET(p.fd, e) };
             count += 1;
         }
@@ -312,7 +409,13 @@ pub unsafe fn select(
 ///
 /// # Safety
 /// `ev` must be null or valid (as for epoll_ctl).
-pub unsafe fn epoll_ctl_conn(epfd: c_int, op: c_int, fd: c_int, ev: *mut epoll_event, conn: Arc<Conn>) -> c_int {
+pub unsafe fn epoll_ctl_conn(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    ev: *mut epoll_event,
+    conn: Arc<Conn>,
+) -> c_int {
     if op == libc::EPOLL_CTL_DEL {
         // SAFETY: forwarding a DEL.
         let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
@@ -327,7 +430,10 @@ pub unsafe fn epoll_ctl_conn(epfd: c_int, op: c_int, fd: c_int, ev: *mut epoll_e
     }
     // SAFETY: non-null, caller contract.
     let app = unsafe { *ev };
-    let mut kev = epoll_event { events: kernel_events(&conn, app.events), u64: TAG | fd as u32 as u64 };
+    let mut kev = epoll_event {
+        events: kernel_events(&conn, app.events),
+        u64: TAG | fd as u32 as u64,
+    };
     // SAFETY: a valid local event.
     let r = unsafe { real::epoll_ctl(epfd, op, fd, &mut kev) };
     if r == 0 {
@@ -360,7 +466,9 @@ fn collect(epfd: c_int, out: &mut [epoll_event]) -> usize {
         return 0;
     }
     state::with(|t| {
-        let Some(list) = t.epolls.get_mut(&epfd) else { return 0 };
+        let Some(list) = t.epolls.get_mut(&epfd) else {
+            return 0;
+        };
         let mut k = 0;
         for reg in list.iter_mut() {
             if k == out.len() {
@@ -390,7 +498,10 @@ fn collect(epfd: c_int, out: &mut [epoll_event]) -> usize {
             if reg.events & libc::EPOLLONESHOT as u32 != 0 {
                 reg.armed = false;
             }
-            out[k] = epoll_event { events: ev, u64: reg.data };
+            out[k] = epoll_event {
+                events: ev,
+                u64: reg.data,
+            };
             k += 1;
         }
         k
@@ -416,6 +527,31 @@ fn set_waits(epfd: c_int, on: bool) {
     })
 }
 
+/// Settles clients of `epfd` waiting for their server's attach (see
+/// `Conn::settle`); true while one is still pending.
+fn settle_pending(epfd: c_int) -> bool {
+    let pend: Vec<(c_int, Arc<Conn>)> = state::with(|t| {
+        t.epolls
+            .get(&epfd)
+            .map(|l| {
+                l.iter()
+                    .filter(|r| r.conn.pending.load(Ordering::Acquire))
+                    .map(|r| (r.fd, r.conn.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    });
+    let mut pending = false;
+    for (fd, c) in pend {
+        match c.settle(fd, false) {
+            Settle::Ring => {}
+            Settle::Pending => pending = true,
+            Settle::Tcp => setup::to_tcp(&c),
+        }
+    }
+    pending
+}
+
 /// Removes the library's tagged entries from `buf[..n]` (after draining
 /// their doorbells and finishing pending connects); returns the count of
 /// application entries left at the front.
@@ -425,11 +561,19 @@ fn filter_kernel(epfd: c_int, buf: &mut [epoll_event], n: usize) -> usize {
         let e = buf[i];
         if e.u64 & 0xFFFF_FFFF_0000_0000 == TAG {
             let fd = e.u64 as u32 as c_int;
-            let reg = state::with(|t| t.epolls.get(&epfd).and_then(|l| l.iter().find(|r| r.fd == fd)).map(|r| (r.conn.clone(), r.events)));
+            let reg = state::with(|t| {
+                t.epolls
+                    .get(&epfd)
+                    .and_then(|l| l.iter().find(|r| r.fd == fd))
+                    .map(|r| (r.conn.clone(), r.events))
+            });
             if let Some((conn, app_events)) = reg {
                 if conn.connecting.load(Ordering::Acquire) {
                     if conn.finish_connect(fd, false).is_ok() {
-                        let mut kev = epoll_event { events: kernel_events(&conn, app_events), u64: TAG | fd as u32 as u64 };
+                        let mut kev = epoll_event {
+                            events: kernel_events(&conn, app_events),
+                            u64: TAG | fd as u32 as u64,
+                        };
                         // SAFETY: re-registering a valid local event.
                         unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, fd, &mut kev) };
                     }
@@ -446,7 +590,12 @@ fn filter_kernel(epfd: c_int, buf: &mut [epoll_event], n: usize) -> usize {
 }
 
 /// One kernel epoll_wait into `buf` with the library's entries filtered out.
-fn kernel_wait(epfd: c_int, buf: &mut [epoll_event], ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+fn kernel_wait(
+    epfd: c_int,
+    buf: &mut [epoll_event],
+    ms: c_int,
+    mask: Option<*const sigset_t>,
+) -> c_int {
     if buf.is_empty() {
         return 0;
     }
@@ -467,7 +616,13 @@ fn kernel_wait(epfd: c_int, buf: &mut [epoll_event], ms: c_int, mask: Option<*co
 ///
 /// # Safety
 /// `events` must be valid for `max` entries.
-pub unsafe fn epoll_wait(epfd: c_int, events: *mut epoll_event, max: c_int, timeout_ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+pub unsafe fn epoll_wait(
+    epfd: c_int,
+    events: *mut epoll_event,
+    max: c_int,
+    timeout_ms: c_int,
+    mask: Option<*const sigset_t>,
+) -> c_int {
     if max <= 0 || events.is_null() {
         set_errno(libc::EINVAL);
         return -1;
@@ -475,8 +630,13 @@ pub unsafe fn epoll_wait(epfd: c_int, events: *mut epoll_event, max: c_int, time
     // SAFETY: caller contract.
     let out = unsafe { std::slice::from_raw_parts_mut(events, max as usize) };
     let deadline = deadline(timeout_ms);
-    let mut spin_until = if timeout_ms == 0 { None } else { spin_deadline() };
+    let mut spin_until = if timeout_ms == 0 {
+        None
+    } else {
+        spin_deadline()
+    };
     loop {
+        let pending = settle_pending(epfd);
         let k = collect(epfd, out);
         if k > 0 || timeout_ms == 0 {
             let n = kernel_wait(epfd, &mut out[k..], 0, None);
@@ -516,7 +676,7 @@ pub unsafe fn epoll_wait(epfd: c_int, events: *mut epoll_event, max: c_int, time
             set_waits(epfd, false);
             return k as c_int;
         }
-        let n = kernel_wait(epfd, out, sleep_ms(deadline), mask);
+        let n = kernel_wait(epfd, out, sleep_ms(deadline, pending), mask);
         set_waits(epfd, false);
         if n < 0 {
             return -1;
