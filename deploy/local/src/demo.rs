@@ -1,1 +1,576 @@
-//! The demo (filled in next).
+//! `flowlane demo`: brings up local clusters, runs the training-traffic
+//! workloads in their pods over each lane, and writes the report.
+//!
+//! Default plan (a few minutes on a 2-core machine):
+//! 1. 1 node x 4 pods: for every model, ring all-reduce with 1, 2 and 4
+//!    workers and synchronous parameter servers (1 server, 1 to 3 workers),
+//!    each over plain TCP and with the preload library (shared memory);
+//! 2. 2 nodes x 2 pods: the same jobs spread over both nodes, and
+//!    all-reduce between a same-node pair and a cross-node pair.
+//!
+//! The lane of every run is read from the node daemons' counters, never
+//! assumed from what was asked.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use flowlane_workloads::models::ModelProfile;
+use flowlane_workloads::report::{self, Report, RunRecord};
+use flowlane_workloads::stats::WorkerResult;
+
+use crate::lanes;
+use crate::spec::{Binaries, ClusterSpec, Plugin};
+use crate::status::{ClusterState, PodState};
+
+/// The demo's clusters use this /16 for their pods (node i: 10.210.i.0/24).
+pub const DEMO_POD_NETWORK: [u8; 2] = [10, 210];
+/// Longest a single run may take before its processes are killed.
+const RUN_TIMEOUT: Duration = Duration::from_secs(180);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    AllReduce,
+    PsSync,
+    PsAsync,
+}
+
+impl Workload {
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::AllReduce => "allreduce",
+            Workload::PsSync => "ps-sync",
+            Workload::PsAsync => "ps-async",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Workload, String> {
+        match s {
+            "allreduce" => Ok(Workload::AllReduce),
+            "ps-sync" | "ps" => Ok(Workload::PsSync),
+            "ps-async" => Ok(Workload::PsAsync),
+            o => Err(format!(
+                "unknown workload {o:?} (allreduce, ps-sync, ps-async)"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// Plain TCP: the programs run without the preload library.
+    Tcp,
+    /// The programs run with the preload library: co-located pods may get
+    /// shared memory (the counters tell whether they did).
+    Shm,
+}
+
+impl Lane {
+    pub fn name(self) -> &'static str {
+        match self {
+            Lane::Tcp => "tcp",
+            Lane::Shm => "shm",
+        }
+    }
+}
+
+/// What the demo runs.
+#[derive(Debug, Clone)]
+pub struct DemoConfig {
+    pub out: PathBuf,
+    /// Fraction of the real models' size (tensors and compute time).
+    pub scale: f64,
+    pub steps: u32,
+    pub warmup: u32,
+    pub models: Vec<ModelProfile>,
+    pub workloads: Vec<Workload>,
+    pub lanes: Vec<Lane>,
+    /// Run the 1 node x 4 pods phase.
+    pub single_node: bool,
+    /// Run the 2 nodes x 2 pods phase.
+    pub two_nodes: bool,
+    pub run_root: PathBuf,
+    pub plugin: Plugin,
+    /// Prefix of the demo's cluster names (`<prefix>1`, `<prefix>2`).
+    pub cluster_prefix: String,
+    /// The pods' /16 (`a.b.0.0`).
+    pub pod_network: [u8; 2],
+}
+
+impl DemoConfig {
+    pub fn default_for(out: PathBuf) -> Self {
+        DemoConfig {
+            out,
+            scale: 1.0 / 8.0,
+            steps: 5,
+            warmup: 1,
+            models: flowlane_workloads::models::talk_models(),
+            workloads: vec![Workload::AllReduce, Workload::PsSync],
+            lanes: vec![Lane::Tcp, Lane::Shm],
+            single_node: true,
+            two_nodes: true,
+            run_root: PathBuf::from(crate::spec::DEFAULT_RUN_ROOT),
+            plugin: Plugin::Flowlane,
+            cluster_prefix: "demo".into(),
+            pod_network: DEMO_POD_NETWORK,
+        }
+    }
+}
+
+/// One job: which pods run which role.
+struct Job<'a> {
+    workload: Workload,
+    model: &'a ModelProfile,
+    lane: Lane,
+    workers: Vec<&'a PodState>,
+    /// The parameter server's pod (PS workloads).
+    server: Option<&'a PodState>,
+    cluster: String,
+    placement: String,
+}
+
+/// Runs the demo; `progress` gets a line per step. Clusters are always
+/// torn down, also when a run fails.
+pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result<Report, String> {
+    for exe in [bins.flowlane(), bins.train()] {
+        if !exe.is_file() {
+            return Err(format!(
+                "{} is missing: build first (cargo build --release --workspace)",
+                exe.display()
+            ));
+        }
+    }
+    if !(cfg.scale > 0.0 && cfg.scale <= 1.0) {
+        return Err("scale must be in (0, 1]".into());
+    }
+    let models: Vec<ModelProfile> = cfg.models.iter().map(|m| m.scaled(cfg.scale)).collect();
+    let mut rep = Report {
+        title: "flowlane demo: distributed-training traffic over each lane".into(),
+        generated_unix: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        host_cpus: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
+        scale: cfg.scale,
+        notes: notes(cfg, &models),
+        runs: Vec::new(),
+    };
+    let mut phases: Vec<(u32, u32)> = Vec::new();
+    if cfg.single_node {
+        phases.push((1, 4));
+    }
+    if cfg.two_nodes {
+        phases.push((2, 2));
+    }
+    for (i, (nodes, pods)) in phases.into_iter().enumerate() {
+        let mut spec = ClusterSpec::new(&format!("{}{}", cfg.cluster_prefix, i + 1), nodes, pods);
+        spec.pod_network = std::net::Ipv4Addr::new(cfg.pod_network[0], cfg.pod_network[1], 0, 0);
+        spec.plugin = cfg.plugin;
+        spec.run_root = cfg.run_root.clone();
+        // A cluster left by an interrupted earlier demo goes first.
+        let _ = crate::down(&spec.run_root, &spec.name, bins);
+        progress(&format!(
+            "cluster {}: {nodes} node(s) x {pods} pod(s), pods wired by the {:?} CNI plugin",
+            spec.name, spec.plugin
+        ));
+        let state = match crate::up(&spec, bins, &|s| progress(&format!("  {s}"))) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = crate::down(&spec.run_root, &spec.name, bins);
+                return Err(format!("cluster {}: {e}", spec.name));
+            }
+        };
+        let jobs = plan(cfg, &models, &state);
+        let total = jobs.len();
+        for (k, job) in jobs.iter().enumerate() {
+            let rec = run_job(cfg, bins, &state, job, 20000 + (k as u16 % 1000) * 10);
+            progress(&describe(k + 1, total, &rec));
+            rep.runs.push(rec);
+        }
+        let d = crate::down(&spec.run_root, &spec.name, bins);
+        if !d.errors.is_empty() {
+            progress(&format!(
+                "cluster {} teardown problems: {}",
+                spec.name,
+                d.errors.join("; ")
+            ));
+        }
+    }
+    rep.finish();
+    Ok(rep)
+}
+
+fn notes(cfg: &DemoConfig, scaled: &[ModelProfile]) -> Vec<String> {
+    let mut n = vec![
+        format!(
+            "Scaled: every model's tensors AND compute time are {:.4} of the real model's (1/{:.0}), so a run is short while each model keeps its compute-to-communication ratio. Real sizes: {}.",
+            cfg.scale,
+            1.0 / cfg.scale,
+            cfg.models
+                .iter()
+                .map(|m| format!("{} {:.1}M params / {:.0} ms compute per step", m.name, m.params as f64 / 1e6, m.compute_s * 1e3))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        format!(
+            "As run: {}.",
+            scaled
+                .iter()
+                .map(|m| format!("{} {:.2} MB gradient, {:.1} ms compute", m.name, m.tensor_bytes() as f64 / 1e6, m.compute_s * 1e3))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        "Compute is emulated by sleeping (the talk's compute ran on GPUs, leaving host CPUs to the network); compute times are K80-class, batch 32 per worker, from published tf_cnn_benchmarks figures (GoogLeNet estimated from FLOPs).".into(),
+        format!("Each run: {} warm-up step(s), then {} measured steps; throughput is set by the slowest worker; images/s = steps/s x batch x workers; efficiency = speed-up / workers against the 1-worker run of the same series.", cfg.warmup, cfg.steps),
+        "Lane 'asked' = tcp (no preload library) or shm (LD_PRELOAD=libflowlane_preload.so). Lane 'measured' comes from the node daemons' counters before and after each run: shm = every connection got a shared-memory channel, shm+tcp = some did (e.g. cross-node ones stay on TCP), tcp = none did.".into(),
+        "RDMA lane: not measured (this machine has no RDMA NIC); it joins the report when the RDMA transport lands.".into(),
+    ];
+    if let Ok(cpus) = std::thread::available_parallelism() {
+        n.push(format!(
+            "All pods share this machine's {cpus} CPU core(s): with more workers the network stack competes for the same cores, which a real cluster does not have."
+        ));
+    }
+    n
+}
+
+/// The jobs of one cluster.
+fn plan<'a>(cfg: &DemoConfig, models: &'a [ModelProfile], st: &'a ClusterState) -> Vec<Job<'a>> {
+    let nodes = st.spec.nodes;
+    let pods = &st.pods;
+    let cluster = format!("{}x{}", nodes, st.spec.pods_per_node);
+    let mut jobs = Vec::new();
+    // Worker order: alternate nodes, so 2 workers on 2 nodes are cross-node.
+    let mut spread: Vec<&PodState> = Vec::new();
+    for p in 0..st.spec.pods_per_node {
+        for n in 0..nodes {
+            spread.push(&pods[(n * st.spec.pods_per_node + p) as usize]);
+        }
+    }
+    for model in models {
+        for &workload in &cfg.workloads {
+            for &lane in &cfg.lanes {
+                match workload {
+                    Workload::AllReduce => {
+                        for w in [1usize, 2, 4].into_iter().filter(|&w| w <= spread.len()) {
+                            jobs.push(Job {
+                                workload,
+                                model,
+                                lane,
+                                workers: spread[..w].to_vec(),
+                                server: None,
+                                cluster: cluster.clone(),
+                                placement: placement(&spread[..w], None),
+                            });
+                        }
+                        if nodes > 1 && st.spec.pods_per_node > 1 {
+                            // The same-node pair, against the cross-node pair
+                            // (spread[..2]) of the series above.
+                            let same = vec![&pods[0], &pods[1]];
+                            jobs.push(Job {
+                                workload,
+                                model,
+                                lane,
+                                placement: placement(&same, None),
+                                workers: same,
+                                server: None,
+                                cluster: format!("{cluster} pairs"),
+                            });
+                        }
+                    }
+                    Workload::PsSync | Workload::PsAsync => {
+                        // The server in the last pod, workers in the others.
+                        let server = spread[spread.len() - 1];
+                        let others: Vec<&PodState> = spread
+                            .iter()
+                            .copied()
+                            .filter(|p| p.name != server.name)
+                            .collect();
+                        for w in 1..=others.len() {
+                            jobs.push(Job {
+                                workload,
+                                model,
+                                lane,
+                                workers: others[..w].to_vec(),
+                                server: Some(server),
+                                cluster: cluster.clone(),
+                                placement: placement(&others[..w], Some(server)),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    jobs
+}
+
+/// "same node" / "cross node" / "1 node" description of who talks to whom.
+fn placement(workers: &[&PodState], server: Option<&PodState>) -> String {
+    let mut all: Vec<u32> = workers.iter().map(|p| p.node).collect();
+    if let Some(s) = server {
+        all.push(s.node);
+    }
+    let first = all[0];
+    let peers = all.len();
+    if peers < 2 {
+        return "1 pod".into();
+    }
+    let kind = if all.iter().all(|&n| n == first) {
+        "same node"
+    } else {
+        "cross node"
+    };
+    let names: Vec<&str> = workers.iter().map(|p| p.name.as_str()).collect();
+    let names = names.join(",");
+    match server {
+        Some(s) => format!("{kind} {names}>{}", s.name),
+        None => format!("{kind} {names}"),
+    }
+}
+
+fn describe(k: usize, total: usize, r: &RunRecord) -> String {
+    match &r.error {
+        Some(e) => format!(
+            "({k}/{total}) {} {} W={} lane {}: FAILED: {e}",
+            r.workload, r.model, r.workers, r.lane_requested
+        ),
+        None => format!(
+            "({k}/{total}) {:<9} {:<10} {} W={} {:<30} asked {} measured {:<7} {:>7.1} images/s  step {:>6.1} ms = compute {:>6.1} + comm {:>6.1}{}",
+            r.workload,
+            r.model,
+            r.cluster,
+            r.workers,
+            r.placement,
+            r.lane_requested,
+            r.lane_measured,
+            r.images_per_s,
+            r.step_s * 1e3,
+            r.compute_s * 1e3,
+            r.comm_s * 1e3,
+            r.busbw_gbps.map(|b| format!("  busbw {b:.2} GB/s")).unwrap_or_default()
+        ),
+    }
+}
+
+/// A process of a run, in its pod.
+fn pod_command(bins: &Binaries, st: &ClusterState, pod: &PodState, lane: Lane) -> Command {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &pod.netns, "env"]);
+    if lane == Lane::Shm {
+        // The deploy layer's injection: the library plus the node daemon's
+        // socket (reachable: a pod here shares the host's mount namespace).
+        cmd.arg(format!("LD_PRELOAD={}", bins.preload().display()));
+        cmd.arg(format!(
+            "FLOWLANE_SOCKET={}",
+            st.node(pod.node).daemon_socket.display()
+        ));
+    }
+    cmd.arg(bins.train());
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    crate::procs::die_with_parent(&mut cmd);
+    cmd
+}
+
+fn run_job(
+    cfg: &DemoConfig,
+    bins: &Binaries,
+    st: &ClusterState,
+    job: &Job,
+    port: u16,
+) -> RunRecord {
+    let mut rec = RunRecord {
+        workload: job.workload.name().into(),
+        model: job.model.name.clone(),
+        cluster: job.cluster.clone(),
+        placement: job.placement.clone(),
+        lane_requested: job.lane.name().into(),
+        workers: job.workers.len() as u32,
+        servers: u32::from(job.server.is_some()),
+        batch: job.model.batch,
+        ..Default::default()
+    };
+    let sockets: Vec<PathBuf> = st.nodes.iter().map(|n| n.daemon_socket.clone()).collect();
+    let read_all = |s: &[PathBuf]| -> Vec<Option<lanes::Counters>> {
+        s.iter().map(|p| lanes::read(bins, p)).collect()
+    };
+    let before = read_all(&sockets);
+    let outcome = spawn_and_collect(cfg, bins, st, job, port);
+    let after = read_all(&sockets);
+    rec.evidence = lanes::evidence(&before, &after);
+    rec.lane_measured = report::measured_lane(&rec.evidence);
+    match outcome {
+        Ok(results) => rec.absorb(&results),
+        Err(e) => rec.error = Some(e),
+    }
+    rec
+}
+
+fn steps_args(cfg: &DemoConfig, model: &ModelProfile) -> Vec<String> {
+    vec![
+        "--steps".into(),
+        cfg.steps.to_string(),
+        "--warmup".into(),
+        cfg.warmup.to_string(),
+        "--compute-ms".into(),
+        format!("{:.3}", model.compute_s * 1e3),
+        "--connect-timeout".into(),
+        "30".into(),
+        // Lets every process of the job reach listen() before anyone
+        // connects: a connection racing a listener's start may stay on TCP.
+        "--start-delay-ms".into(),
+        "300".into(),
+    ]
+}
+
+fn spawn_and_collect(
+    cfg: &DemoConfig,
+    bins: &Binaries,
+    st: &ClusterState,
+    job: &Job,
+    port: u16,
+) -> Result<Vec<WorkerResult>, String> {
+    let w = job.workers.len();
+    let params = job.model.params.to_string();
+    let mut servers: Vec<Child> = Vec::new();
+    let mut workers: Vec<Child> = Vec::new();
+    let spawn = |mut c: Command| c.spawn().map_err(|e| format!("spawn: {e}"));
+    let result = (|| {
+        match job.workload {
+            Workload::AllReduce => {
+                for (rank, pod) in job.workers.iter().enumerate() {
+                    let next = job.workers[(rank + 1) % w];
+                    let mut c = pod_command(bins, st, pod, job.lane);
+                    c.args(["allreduce-worker", "--rank", &rank.to_string()])
+                        .args(["--workers", &w.to_string(), "--elements", &params])
+                        .args(["--listen", &format!("{}:{}", pod.ip, port + rank as u16)])
+                        .args([
+                            "--next",
+                            &format!("{}:{}", next.ip, port + ((rank + 1) % w) as u16),
+                        ])
+                        .args(steps_args(cfg, job.model));
+                    workers.push(spawn(c)?);
+                }
+            }
+            Workload::PsSync | Workload::PsAsync => {
+                let server = job.server.ok_or("PS job without a server pod")?;
+                let mode = if job.workload == Workload::PsSync {
+                    "sync"
+                } else {
+                    "async"
+                };
+                let addr = format!("{}:{port}", server.ip);
+                let mut c = pod_command(bins, st, server, job.lane);
+                c.args(["ps-server", "--listen", &addr, "--params", &params])
+                    .args(["--workers", &w.to_string(), "--mode", mode]);
+                servers.push(spawn(c)?);
+                for (rank, pod) in job.workers.iter().enumerate() {
+                    let mut c = pod_command(bins, st, pod, job.lane);
+                    c.args(["ps-worker", "--servers", &addr, "--rank", &rank.to_string()])
+                        .args(["--workers", &w.to_string(), "--params", &params])
+                        .args(steps_args(cfg, job.model));
+                    workers.push(spawn(c)?);
+                }
+            }
+        }
+        let n_workers = workers.len();
+        let mut all: Vec<&mut Child> = workers.iter_mut().chain(servers.iter_mut()).collect();
+        let outputs = wait_all(&mut all, Instant::now() + RUN_TIMEOUT)?;
+        let mut results = Vec::new();
+        for out in outputs.iter().take(n_workers) {
+            if let Some(line) = out.lines().find(|l| l.starts_with('{')) {
+                let r: WorkerResult = serde_json::from_str(line)
+                    .map_err(|e| format!("bad worker output ({e}): {line}"))?;
+                results.push(r);
+            }
+        }
+        if results.len() != w {
+            return Err(format!("{} of {w} workers reported", results.len()));
+        }
+        Ok(results)
+    })();
+    // Whatever happened, no process of this run outlives it.
+    for c in workers.iter_mut().chain(servers.iter_mut()) {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    result
+}
+
+fn last_line(s: &str) -> String {
+    s.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty() && !l.starts_with(' '))
+        .unwrap_or("(no output)")
+        .to_string()
+}
+
+fn drain(r: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(mut r) = r {
+            let _ = r.read_to_string(&mut s);
+        }
+        s
+    })
+}
+
+/// Waits for every process of a run; returns their stdouts. The first
+/// failure (or the deadline) ends the run: the others would only wait for
+/// a peer that is gone.
+fn wait_all(children: &mut [&mut Child], deadline: Instant) -> Result<Vec<String>, String> {
+    let readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| (drain(c.stdout.take()), drain(c.stderr.take())))
+        .collect();
+    let mut done = vec![false; children.len()];
+    let mut failure = None;
+    while failure.is_none() && done.iter().any(|d| !d) {
+        for (i, c) in children.iter_mut().enumerate() {
+            if done[i] {
+                continue;
+            }
+            match c.try_wait() {
+                Ok(Some(s)) => {
+                    done[i] = true;
+                    if !s.success() {
+                        failure = Some(i);
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => return Err(format!("wait: {e}")),
+            }
+        }
+        if Instant::now() > deadline {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+            }
+            return Err(format!("run timed out after {RUN_TIMEOUT:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if failure.is_some() {
+        for c in children.iter_mut() {
+            let _ = c.kill();
+        }
+    }
+    let mut outs = Vec::new();
+    let mut errs = Vec::new();
+    for (o, e) in readers {
+        outs.push(o.join().unwrap_or_default());
+        errs.push(e.join().unwrap_or_default());
+    }
+    if let Some(i) = failure {
+        return Err(format!("a process failed: {}", last_line(&errs[i])));
+    }
+    Ok(outs)
+}
+
+/// Writes the report files into `out` and returns their paths.
+pub fn write_report(rep: &Report, out: &Path) -> std::io::Result<Vec<PathBuf>> {
+    rep.write(out)
+}

@@ -1,6 +1,7 @@
 //! Which lane a run really used, from the node daemons' own counters
 //! (`flowlane status --json --socket PATH`), read before and after a run.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
@@ -10,11 +11,12 @@ use serde_json::Value;
 use crate::spec::Binaries;
 
 /// The counters of one daemon that tell lanes apart.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Counters {
     pub shm_opened: u64,
     pub shm_bytes: u64,
-    pub fallbacks: u64,
+    /// Connections left on TCP, by the daemon's reason.
+    pub fallbacks: BTreeMap<String, u64>,
 }
 
 /// Reads a daemon's counters; `None` when the daemon or the status command
@@ -45,8 +47,12 @@ pub fn parse(v: &Value) -> Option<Counters> {
     let fallbacks = stats
         .get("fallbacks")
         .and_then(Value::as_object)
-        .map(|m| m.values().filter_map(Value::as_u64).sum())
-        .unwrap_or(0);
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_u64()?)))
+                .collect()
+        })
+        .unwrap_or_default();
     Some(Counters {
         shm_opened: num(shm.and_then(|s| s.get("connections_opened"))),
         shm_bytes: num(shm.and_then(|s| s.get("bytes"))),
@@ -66,7 +72,13 @@ pub fn evidence(before: &[Option<Counters>], after: &[Option<Counters>]) -> Lane
             (Some(b), Some(a)) => {
                 e.shm_connections += a.shm_opened.saturating_sub(b.shm_opened);
                 e.shm_bytes += a.shm_bytes.saturating_sub(b.shm_bytes);
-                e.tcp_fallbacks += a.fallbacks.saturating_sub(b.fallbacks);
+                for (reason, n) in &a.fallbacks {
+                    let d = n.saturating_sub(b.fallbacks.get(reason).copied().unwrap_or(0));
+                    if d > 0 {
+                        e.tcp_fallbacks += d;
+                        *e.fallback_reasons.entry(reason.clone()).or_default() += d;
+                    }
+                }
             }
             _ => e.counters_read = false,
         }
@@ -84,14 +96,8 @@ mod tests {
         let v = json!({"daemon": {}, "lanes": {"shm": {"connections_opened": 4, "bytes": 1000}},
                        "fallbacks": {"no-listener": 2, "not-local-pod": 1}});
         let c = parse(&v).unwrap();
-        assert_eq!(
-            c,
-            Counters {
-                shm_opened: 4,
-                shm_bytes: 1000,
-                fallbacks: 3
-            }
-        );
+        assert_eq!((c.shm_opened, c.shm_bytes), (4, 1000));
+        assert_eq!(c.fallbacks.values().sum::<u64>(), 3);
         assert_eq!(parse(&json!({"stats": v})).unwrap(), c);
         assert!(parse(&json!({"other": 1})).is_none());
     }
@@ -101,14 +107,17 @@ mod tests {
         let c = Some(Counters {
             shm_opened: 1,
             shm_bytes: 5,
-            fallbacks: 0,
+            fallbacks: BTreeMap::from([("no-listener".to_string(), 2)]),
         });
-        let e = evidence(&[c, None], &[c, None]);
+        let e = evidence(&[c.clone(), None], &[c.clone(), None]);
         assert!(!e.counters_read);
         let later = Some(Counters {
             shm_opened: 3,
             shm_bytes: 50,
-            fallbacks: 1,
+            fallbacks: BTreeMap::from([
+                ("no-listener".to_string(), 2),
+                ("not-local-pod".to_string(), 1),
+            ]),
         });
         let e = evidence(&[c], &[later]);
         assert!(e.counters_read);
@@ -116,5 +125,6 @@ mod tests {
             (e.shm_connections, e.shm_bytes, e.tcp_fallbacks),
             (2, 45, 1)
         );
+        assert_eq!(e.fallback_reasons.get("not-local-pod"), Some(&1));
     }
 }

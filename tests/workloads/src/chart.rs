@@ -22,6 +22,20 @@ fn esc(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// The lanes the counters showed for a series' multi-worker runs.
+fn measured_lanes(runs: &[&RunRecord], series: &str) -> String {
+    let set: BTreeSet<&str> = runs
+        .iter()
+        .filter(|r| r.series() == series && r.workers > 1)
+        .map(|r| r.lane_measured.as_str())
+        .collect();
+    if set.is_empty() {
+        "-".into()
+    } else {
+        set.into_iter().collect::<Vec<_>>().join(", ")
+    }
+}
+
 /// Renders the report's scaling curves.
 pub fn scaling_svg(report: &Report) -> String {
     let ok: Vec<&RunRecord> = report
@@ -56,7 +70,7 @@ pub fn scaling_svg(report: &Report) -> String {
         s,
         r#"<text x="{}" y="24" font-size="16" text-anchor="middle">{}</text>"#,
         width / 2.0,
-        esc("Speed-up vs one worker (dashed: linear scaling)")
+        esc("Speed-up vs one worker (dashed: linear scaling); series: workload / lane asked / cluster")
     );
     for (i, model) in models.iter().enumerate() {
         let ox = (i % COLUMNS) as f64 * PANEL_W;
@@ -150,7 +164,10 @@ pub fn scaling_svg(report: &Report) -> String {
             MARGIN + 30.0,
             MARGIN + 38.0,
             y + 4.0,
-            esc(&format!("workload / lane / cluster: {name}"))
+            esc(&format!(
+                "{name}   (lane measured: {})",
+                measured_lanes(&ok, name)
+            ))
         );
     }
     s.push_str("</svg>\n");
@@ -167,6 +184,7 @@ mod tests {
             workload: "allreduce".into(),
             model: "vgg16<&>".into(),
             cluster: "1x4".into(),
+            lane_requested: lane.into(),
             lane_measured: lane.into(),
             workers: w,
             speedup: Some(speedup),

@@ -20,6 +20,9 @@ pub struct LaneEvidence {
     pub shm_bytes: u64,
     /// Connections the preload library left on TCP during the run.
     pub tcp_fallbacks: u64,
+    /// The daemons' reasons for those, with counts.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub fallback_reasons: std::collections::BTreeMap<String, u64>,
 }
 
 /// One measured run.
@@ -77,11 +80,14 @@ pub struct RunRecord {
 }
 
 impl RunRecord {
-    /// The series a run belongs to (its scaling curve).
+    /// The series a run belongs to (its scaling curve): the same workload,
+    /// lane asked for and cluster at different worker counts. Each run's
+    /// measured lane is reported with it (a 1-worker all-reduce has no
+    /// connection, so it is never "measured shm").
     pub fn series(&self) -> String {
         format!(
             "{} / {} / {}",
-            self.workload, self.lane_measured, self.cluster
+            self.workload, self.lane_requested, self.cluster
         )
     }
 
@@ -188,12 +194,13 @@ impl Report {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:<10} {:<10} {:<16} {:<16} {:<8} {:>3} {:>8} {:>9} {:>6} {:>9} {:>9} {:>8}",
+            "{:<9} {:<10} {:<9} {:<30} {:<4} {:<8} {:>2} {:>7} {:>8} {:>5} {:>9} {:>9} {:>9}",
             "workload",
             "model",
             "cluster",
-            "placement",
-            "lane",
+            "placement (workers>server)",
+            "ask",
+            "measured",
             "W",
             "steps/s",
             "images/s",
@@ -206,8 +213,14 @@ impl Report {
             if let Some(e) = &r.error {
                 let _ = writeln!(
                     out,
-                    "{:<10} {:<10} {:<16} {:<16} {:<8} {:>3}  FAILED: {e}",
-                    r.workload, r.model, r.cluster, r.placement, r.lane_measured, r.workers
+                    "{:<9} {:<10} {:<9} {:<30} {:<4} {:<8} {:>2}  FAILED: {e}",
+                    r.workload,
+                    r.model,
+                    r.cluster,
+                    r.placement,
+                    r.lane_requested,
+                    r.lane_measured,
+                    r.workers
                 );
                 continue;
             }
@@ -221,11 +234,12 @@ impl Report {
                 .unwrap_or_else(|| "-".into());
             let _ = writeln!(
                 out,
-                "{:<10} {:<10} {:<16} {:<16} {:<8} {:>3} {:>8.2} {:>9.1} {:>6} {:>8.1}ms {:>7.1}ms {:>8}",
+                "{:<9} {:<10} {:<9} {:<30} {:<4} {:<8} {:>2} {:>7.2} {:>8.1} {:>5} {:>7.1}ms {:>7.1}ms {:>9}",
                 r.workload,
                 r.model,
                 r.cluster,
                 r.placement,
+                r.lane_requested,
                 r.lane_measured,
                 r.workers,
                 r.steps_per_s,

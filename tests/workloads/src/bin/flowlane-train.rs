@@ -105,9 +105,17 @@ struct Steps {
     /// Seconds to keep retrying connections to peers not up yet.
     #[arg(long, default_value_t = 60)]
     connect_timeout: u64,
+    /// Milliseconds to wait after starting to listen, before connecting to
+    /// peers (so that every peer of the job listens before anyone connects).
+    #[arg(long, default_value_t = 0)]
+    start_delay_ms: u64,
 }
 
 impl Steps {
+    fn start_delay(&self) {
+        std::thread::sleep(Duration::from_millis(self.start_delay_ms));
+    }
+
     fn compute(&self) -> Duration {
         Duration::from_secs_f64(self.compute_ms.max(0.0) / 1e3)
     }
@@ -154,6 +162,7 @@ fn main() -> Result<()> {
             params,
             steps,
         } => {
+            steps.start_delay();
             let cfg = ps::WorkerConfig {
                 rank,
                 workers,
@@ -184,6 +193,7 @@ fn main() -> Result<()> {
                 }
                 (_, None) => bail!("--listen is required with more than one worker"),
             };
+            steps.start_delay();
             let cfg = allreduce::RingConfig {
                 rank,
                 workers,
