@@ -161,6 +161,8 @@ pub struct Broker {
     /// Ids of recently closed connections, so a late close report is not
     /// mistaken for one of a connection brokered by an earlier daemon.
     recently_closed: (HashSet<u64>, VecDeque<u64>),
+    /// When `tick` last swept connections and listeners.
+    last_sweep: Option<Instant>,
     next_id: u64,
     counters: Counters,
     limits: Limits,
@@ -188,6 +190,7 @@ impl Broker {
             pending_ids: HashMap::new(),
             active: BTreeMap::new(),
             recently_closed: (HashSet::new(), VecDeque::new()),
+            last_sweep: None,
             next_id: (now_ms << 16).max(1),
             counters: Counters::default(),
             limits,
@@ -756,11 +759,23 @@ impl Broker {
         for key in expired {
             self.drop_pending(key, reason::INTENT_EXPIRED);
         }
+        // The sweep below reads /proc and the rings of every connection:
+        // at most every SWEEP_EVERY, and each process's liveness once.
+        const SWEEP_EVERY: Duration = Duration::from_secs(2);
+        if self
+            .last_sweep
+            .is_some_and(|t| now.saturating_duration_since(t) < SWEEP_EVERY)
+        {
+            return;
+        }
+        self.last_sweep = Some(now);
+        let mut alive: HashMap<ProcessId, bool> = HashMap::new();
+        let mut is_alive = |p: &ProcessId| *alive.entry(*p).or_insert_with(|| p.is_alive());
         let dead: Vec<u64> = self
             .active
             .values()
             .filter(|c| {
-                let gone = |p: Option<ProcessId>| p.is_none_or(|p| !p.is_alive());
+                let mut gone = |p: Option<ProcessId>| p.is_none_or(|p| !is_alive(&p));
                 c.progress().both_closed || (gone(c.client_process) && gone(c.server_process))
             })
             .map(|c| c.id)
@@ -770,7 +785,7 @@ impl Broker {
         }
         let before: usize = self.listeners.values().map(Vec::len).sum();
         for procs in self.listeners.values_mut() {
-            procs.retain(ProcessId::is_alive);
+            procs.retain(&mut is_alive);
         }
         self.listeners.retain(|_, procs| !procs.is_empty());
         let after: usize = self.listeners.values().map(Vec::len).sum();

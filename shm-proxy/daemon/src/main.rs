@@ -101,8 +101,7 @@ fn main() -> anyhow::Result<()> {
         max_region: args.max_region,
         ..Limits::default()
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;

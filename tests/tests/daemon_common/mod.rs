@@ -91,7 +91,11 @@ impl Node {
             .arg(self.state_dir())
             .arg("--socket")
             .arg(&self.socket)
-            .args(["--log-level", "debug"])
+            .args(if self.extra_args.iter().any(|a| a == "--log-level") {
+                &[][..]
+            } else {
+                &["--log-level", "debug"][..]
+            })
             .args(&self.extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -429,10 +433,50 @@ fn agent_command(socket: &Path, line: &str, mapped: &mut Option<Mapped>) -> Stri
             }
             None => "err no channel".to_string(),
         },
+        // Timed loops for the benchmark: a fresh connection per call, as
+        // the preload library does. Answers `bench P50_NS P99_NS TOTAL_NS CHANNELS`.
+        "bench-intent" => {
+            let (count, base, dst, len) = (num(1), num(2) as u16, addr(3), num(4) as usize);
+            bench(count, |i| {
+                let src = SocketAddr::new(IpAddr::from([0, 0, 0, 0]), base + i as u16);
+                client().and_then(|mut c| c.connect_intent(src, dst, len))
+            })
+        }
+        "bench-claim" => {
+            let (count, local, peer_ip, base) = (num(1), addr(2), words[3], num(4) as u16);
+            let peer_ip: IpAddr = peer_ip.parse().expect("peer ip");
+            bench(count, |i| {
+                let peer = SocketAddr::new(peer_ip, base + i as u16);
+                client().and_then(|mut c| c.claim_accepted(local, peer))
+            })
+        }
         "drop" => {
             *mapped = None;
             "ok".to_string()
         }
         other => format!("err unknown command {other:?}"),
     }
+}
+
+/// Runs `op` `count` times; per-call latency percentiles and channel count.
+fn bench(
+    count: u64,
+    mut op: impl FnMut(u64) -> std::io::Result<Option<flowlane_lane::client::Channel>>,
+) -> String {
+    let mut times = Vec::with_capacity(count as usize);
+    let mut channels = 0;
+    let start = std::time::Instant::now();
+    for i in 0..count {
+        let t = std::time::Instant::now();
+        match op(i) {
+            Ok(Some(_)) => channels += 1,
+            Ok(None) => {}
+            Err(e) => return format!("err {e}"),
+        }
+        times.push(t.elapsed().as_nanos() as u64);
+    }
+    let total = start.elapsed().as_nanos();
+    times.sort_unstable();
+    let pct = |p: usize| times.get(times.len() * p / 100).copied().unwrap_or(0);
+    format!("bench {} {} {total} {channels}", pct(50), pct(99))
 }
