@@ -264,6 +264,7 @@ impl Broker {
     /// Serves one request.
     pub fn handle(&mut self, caller: &Caller, req: Request) -> Answer {
         self.counters.request(req.op_name());
+        let req = canonical_request(req);
         match req {
             Request::RegisterListener { addr } => self.register_listener(caller, addr),
             Request::UnregisterListener { addr } => self.unregister_listener(caller, addr),
@@ -896,6 +897,38 @@ impl Broker {
     }
 }
 
+/// A dual-stack (`::`) socket sees IPv4 peers as IPv4-mapped IPv6
+/// addresses (`::ffff:10.0.0.2`); the registry holds plain IPv4. Compare in
+/// one form.
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+fn canonical_request(req: Request) -> Request {
+    match req {
+        Request::RegisterListener { addr } => Request::RegisterListener {
+            addr: canonical(addr),
+        },
+        Request::UnregisterListener { addr } => Request::UnregisterListener {
+            addr: canonical(addr),
+        },
+        Request::ConnectIntent {
+            src,
+            dst,
+            region_len,
+        } => Request::ConnectIntent {
+            src: canonical(src),
+            dst: canonical(dst),
+            region_len,
+        },
+        Request::ClaimAccepted { local, peer } => Request::ClaimAccepted {
+            local: canonical(local),
+            peer: canonical(peer),
+        },
+        other => other,
+    }
+}
+
 /// The registry's entries as (path, inode) pairs: an added, removed or
 /// replaced entry (the registry renames a new file into place) changes it.
 /// Directory mtimes would be cheaper but have coarse (jiffy) resolution, so
@@ -1280,6 +1313,38 @@ mod tests {
         assert_eq!(b.stats().lanes[SHM_LANE].bytes, 5070);
         // SAFETY: unmapping the mapping made above.
         unsafe { libc::munmap(base, len) };
+    }
+
+    #[test]
+    fn dual_stack_sockets_with_ipv4_mapped_addresses_match() {
+        let mut n = node("mapped", Limits::default());
+        let b = &mut n.broker;
+        let r = b.handle(
+            &pod(2),
+            Request::RegisterListener {
+                addr: sa("[::]:93"),
+            },
+        );
+        assert_eq!(r.response, Response::Ok);
+        let a = b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: sa("[::ffff:10.202.9.1]:7000"),
+                dst: sa("[::ffff:10.202.9.2]:93"),
+                region_len: 8192,
+            },
+        );
+        let Response::Channel { id, .. } = a.response else {
+            panic!("{:?}", a.response)
+        };
+        let s = b.handle(
+            &pod(2),
+            Request::ClaimAccepted {
+                local: sa("[::ffff:10.202.9.2]:93"),
+                peer: sa("10.202.9.1:7000"),
+            },
+        );
+        assert_eq!(s.response, Response::Channel { id, len: 8192 });
     }
 
     #[test]
