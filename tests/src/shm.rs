@@ -184,7 +184,7 @@ impl Node {
     /// bridge, address, default route, and the registry entry the plugin
     /// would have written.
     fn add_pod_manually(&mut self, ns: &str, id: String) -> Pod {
-        if sh(&["ip", "link", "show", &self.bridge]).status.success() == false {
+        if !sh(&["ip", "link", "show", &self.bridge]).status.success() {
             sh_ok(&["ip", "link", "add", &self.bridge, "type", "bridge"]);
             sh_ok(&[
                 "ip",

@@ -54,3 +54,157 @@ assert n == total, (n, total)
 assert got.digest() == sent.digest(), "echo differs"
 print("ok", n, got.hexdigest())
 "#;
+
+/// `semantics.py server PORT CASE` / `semantics.py client IP PORT CASE`:
+/// one socket-semantics case per run, both ends checking what a TCP
+/// program expects. Prints "ok CASE" on success (asserts otherwise).
+pub const SEMANTICS: &str = r#"
+import socket, sys, os, time, select, fcntl, termios, struct, errno, signal
+
+def listen(port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(('0.0.0.0', port)); s.listen(64); return s
+
+def echo(c):
+    while True:
+        d = c.recv(65536)
+        if not d: break
+        c.sendall(d)
+    c.close()
+
+def recv_exact(c, n):
+    b = b''
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        assert d, "early EOF"
+        b += d
+    return b
+
+role, case = sys.argv[1], sys.argv[-1]
+if role == 'server':
+    port = int(sys.argv[2]); s = listen(port)
+    if case == 'prefork':
+        kids = []
+        for _ in range(2):
+            pid = os.fork()
+            if pid == 0:
+                for _ in range(2):
+                    c, _ = s.accept(); echo(c)
+                os._exit(0)
+            kids.append(pid)
+        for k in kids:
+            _, st = os.waitpid(k, 0); assert st == 0, st
+    elif case == 'dup2':
+        c, _ = s.accept()
+        os.dup2(c.fileno(), 100); c.close()
+        d = socket.socket(fileno=100)
+        echo(d)
+    elif case == 'flags':
+        c, _ = s.accept()
+        assert c.recv(5, socket.MSG_PEEK) == b'hello'
+        n = struct.unpack('i', fcntl.ioctl(c.fileno(), termios.FIONREAD, b'\0\0\0\0'))[0]
+        assert n >= 5, n
+        assert c.recv(11, socket.MSG_WAITALL) == b'hello world'
+        try:
+            c.recv(10, socket.MSG_DONTWAIT); assert False, "expected EAGAIN"
+        except BlockingIOError:
+            pass
+        assert c.getsockname()[1] == port and c.getpeername()[0] != '0.0.0.0'
+        assert c.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
+        assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+        c.sendall(b'x'); echo(c)
+    elif case == 'waits':
+        c, _ = s.accept(); c.setblocking(False)
+        p = select.poll(); p.register(c, select.POLLIN)
+        assert p.poll(5000), "poll: no POLLIN"
+        assert c.recv(100) == b'a'
+        assert not p.poll(50), "poll: POLLIN without data"
+        r, w, _ = select.select([c], [c], [], 5)
+        assert not r and w == [c], (r, w)
+        c.sendall(b'1')
+        r, _, _ = select.select([c], [], [], 5); assert r == [c], "select: no read"
+        assert c.recv(100) == b'b'
+        e = select.epoll(); e.register(c.fileno(), select.EPOLLIN | select.EPOLLET)
+        c.sendall(b'2')
+        ev = e.poll(5); assert ev and ev[0][1] & select.EPOLLIN, ev
+        assert c.recv(1) == b'c'            # leave 'c' bytes behind on purpose
+        assert not e.poll(0.1), "EPOLLET re-reported without new data"
+        c.sendall(b'3')
+        ev = e.poll(5); assert ev, "EPOLLET: new data not reported"
+        while True:
+            try:
+                if not c.recv(100): break
+            except BlockingIOError:
+                r, _, _ = select.select([c], [], [], 5)
+        e.close(); c.close()
+    elif case == 'kill':
+        c, _ = s.accept()
+        c.recv(1)
+        blob = b'z' * 65536
+        while True:
+            c.sendall(blob)
+    else:
+        c, _ = s.accept(); echo(c)
+    print('ok', case)
+else:
+    ip, port = sys.argv[2], int(sys.argv[3])
+    if case == 'prefork':
+        for i in range(4):
+            c = socket.create_connection((ip, port)); m = b'pre%d' % i * 1000
+            c.sendall(m); c.shutdown(socket.SHUT_WR)
+            b = b''
+            while True:
+                d = c.recv(65536)
+                if not d: break
+                b += d
+            assert b == m; c.close()
+    elif case == 'dup2':
+        c = socket.create_connection((ip, port))
+        c.sendall(b'dup'); assert recv_exact(c, 3) == b'dup'
+        c.shutdown(socket.SHUT_WR); assert c.recv(10) == b''
+    elif case == 'flags':
+        c = socket.create_connection((ip, port))
+        c.sendall(b'hello'); time.sleep(0.2); c.sendall(b' world')
+        assert recv_exact(c, 1) == b'x'
+        c.sendall(b'more'); assert recv_exact(c, 4) == b'more'
+        c.shutdown(socket.SHUT_WR); assert c.recv(10) == b''
+    elif case == 'waits':
+        c = socket.create_connection((ip, port))
+        time.sleep(0.1); c.sendall(b'a')
+        assert recv_exact(c, 1) == b'1'; c.sendall(b'b')
+        assert recv_exact(c, 1) == b'2'; c.sendall(b'cc')
+        time.sleep(0.1); assert recv_exact(c, 1) == b'3'; c.sendall(b'd')
+        c.shutdown(socket.SHUT_WR); assert c.recv(10) == b''
+    elif case == 'nonblocking':
+        c = socket.socket(); c.setblocking(False)
+        r = c.connect_ex((ip, port)); assert r in (0, errno.EINPROGRESS), r
+        _, w, _ = select.select([], [c], [], 10); assert w == [c], "connect never writable"
+        assert c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        msg = b'n' * 300000; sent = 0; got = b''
+        while sent < len(msg) or len(got) < len(msg):
+            r, w, _ = select.select([c], [c] if sent < len(msg) else [], [], 10)
+            assert r or w, "stalled"
+            if w:
+                try: sent += c.send(msg[sent:sent + 100000])
+                except BlockingIOError: pass
+            if r:
+                try: got += c.recv(65536)
+                except BlockingIOError: pass
+        assert got == msg
+        c.shutdown(socket.SHUT_WR)
+        c.setblocking(True); assert c.recv(10) == b''
+    elif case == 'kill':
+        c = socket.create_connection((ip, port)); c.sendall(b'g')
+        recv_exact(c, 1 << 20)
+        print('streaming', flush=True)
+        t0 = None
+        try:
+            while True:
+                d = c.recv(65536)
+                if not d: break
+        except ConnectionResetError:
+            pass
+        print('eof-after-kill', flush=True)
+    print('ok', case)
+"#;

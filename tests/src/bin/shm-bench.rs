@@ -1,0 +1,478 @@
+//! shm-bench: the shared-memory lane benchmark, and the traffic programs
+//! the shm e2e tests run in pods. Plain `std` sockets: under
+//! `LD_PRELOAD=libflowlane_preload.so` its TCP goes through the library
+//! like any unmodified program's.
+//!
+//! Programs (run in pods):
+//!   shm-bench serve PORT | serve-unix PATH     accept loop, one thread per connection
+//!   shm-bench stream ADDR SIZE BYTES           one-way stream, prints GB/s and CPU s/GB
+//!   shm-bench pingpong ADDR SIZE ITERS         prints one-way latency p50/p99 (RTT/2)
+//!   shm-bench connrate ADDR N                  connect + 1-byte echo + close, prints conn/s
+//!   shm-bench integrity ADDR BYTES SEED        random sizes, both directions, checksummed
+//! ADDR is ip:port, or unix:PATH for AF_UNIX.
+//!
+//! The benchmark (root): `shm-bench bench [--quick]` builds a node (two pods
+//! wired by the real plugin, flowlaned), runs every figure over the shm
+//! lane, plain TCP over veth and AF_UNIX in the same run, plus iperf3 and
+//! sockperf with and without the library, and prints a table with ratios.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+trait Conn: Read + Write + Send {
+    fn shutdown_write(&self);
+}
+impl Conn for TcpStream {
+    fn shutdown_write(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Write);
+    }
+}
+impl Conn for UnixStream {
+    fn shutdown_write(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Write);
+    }
+}
+
+fn dial(addr: &str) -> Box<dyn Conn> {
+    match addr.strip_prefix("unix:") {
+        Some(p) => Box::new(UnixStream::connect(p).expect("connect unix")),
+        None => {
+            let s = TcpStream::connect(addr).expect("connect tcp");
+            s.set_nodelay(true).unwrap();
+            Box::new(s)
+        }
+    }
+}
+
+/// CPU seconds (user + system) of the calling thread.
+fn thread_cpu() -> f64 {
+    // SAFETY: rusage is plain old data and getrusage fills it.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer to a local rusage.
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// FNV-1a over 8-byte words (and the tail): cheap, order-sensitive.
+#[derive(Clone, Copy)]
+struct Sum(u64, u64);
+impl Sum {
+    fn new() -> Sum {
+        Sum(0xcbf2_9ce4_8422_2325, 0)
+    }
+    fn update(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 = (self.0 ^ x as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        self.1 += b.len() as u64;
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn handle(mut c: Box<dyn Conn>) {
+    let mut mode = [0u8; 1];
+    if c.read_exact(&mut mode).is_err() {
+        return;
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    match mode[0] {
+        // Sink: count bytes until EOF, reply with the count and our CPU time.
+        b'S' => {
+            let cpu0 = thread_cpu();
+            let mut n = 0u64;
+            loop {
+                match c.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => n += k as u64,
+                }
+            }
+            let cpu = thread_cpu() - cpu0;
+            let _ = c.write_all(&n.to_le_bytes());
+            let _ = c.write_all(&cpu.to_le_bytes());
+        }
+        // Echo until EOF (ping-pong, integrity, connection rate).
+        b'E' => loop {
+            match c.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(k) => {
+                    if c.write_all(&buf[..k]).is_err() {
+                        break;
+                    }
+                }
+            }
+        },
+        _ => {}
+    }
+}
+
+fn serve_tcp(port: u16) {
+    let l = TcpListener::bind(("0.0.0.0", port)).expect("bind");
+    for c in l.incoming().flatten() {
+        let _ = c.set_nodelay(true);
+        std::thread::spawn(move || handle(Box::new(c)));
+    }
+}
+
+fn serve_unix(path: &str) {
+    let _ = std::fs::remove_file(path);
+    let l = UnixListener::bind(path).expect("bind unix");
+    for c in l.incoming().flatten() {
+        std::thread::spawn(move || handle(Box::new(c)));
+    }
+}
+
+/// One-way stream of `total` bytes in `size`-byte writes. Prints
+/// `stream <GB/s> <client cpu s> <server cpu s>`.
+fn stream(addr: &str, size: usize, total: u64) {
+    let mut c = dial(addr);
+    c.write_all(b"S").unwrap();
+    let buf = vec![7u8; size];
+    let cpu0 = thread_cpu();
+    let t0 = Instant::now();
+    let mut sent = 0u64;
+    while sent < total {
+        c.write_all(&buf).unwrap();
+        sent += size as u64;
+    }
+    c.shutdown_write();
+    let mut reply = [0u8; 16];
+    c.read_exact(&mut reply).unwrap();
+    let secs = t0.elapsed().as_secs_f64();
+    let got = u64::from_le_bytes(reply[..8].try_into().unwrap());
+    let srv_cpu = f64::from_le_bytes(reply[8..].try_into().unwrap());
+    assert_eq!(got, sent, "server counted a different byte total");
+    println!(
+        "stream {:.3} {:.3} {:.3}",
+        sent as f64 / secs / 1e9,
+        thread_cpu() - cpu0,
+        srv_cpu
+    );
+}
+
+/// Ping-pong of `size`-byte messages. Prints `pingpong <p50 us> <p99 us>` (one way).
+fn pingpong(addr: &str, size: usize, iters: usize) {
+    let mut c = dial(addr);
+    c.write_all(b"E").unwrap();
+    let out = vec![1u8; size];
+    let mut inb = vec![0u8; size];
+    let mut lat = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let t0 = Instant::now();
+        c.write_all(&out).unwrap();
+        c.read_exact(&mut inb).unwrap();
+        if i >= iters / 10 {
+            lat.push(t0.elapsed().as_nanos() as f64 / 2000.0);
+        }
+    }
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "pingpong {:.2} {:.2}",
+        lat[lat.len() / 2],
+        lat[lat.len() * 99 / 100]
+    );
+}
+
+/// `n` connections one after another, each echoing one byte. Prints `connrate <conn/s>`.
+fn connrate(addr: &str, n: usize) {
+    let t0 = Instant::now();
+    for _ in 0..n {
+        let mut c = dial(addr);
+        c.write_all(b"Ex").unwrap();
+        let mut b = [0u8; 1];
+        c.read_exact(&mut b).unwrap();
+    }
+    println!("connrate {:.0}", n as f64 / t0.elapsed().as_secs_f64());
+}
+
+/// `total` bytes each way at once, random write/read sizes, checksummed
+/// against the echo. Prints `integrity ok <bytes>`.
+fn integrity(addr: &str, total: u64, seed: u64) {
+    assert!(!addr.starts_with("unix:"), "integrity runs over TCP");
+    let mut r = TcpStream::connect(addr).expect("connect tcp");
+    // try_clone is fcntl(F_DUPFD_CLOEXEC): the writer thread uses an alias fd.
+    let mut w = r.try_clone().expect("dup");
+    w.write_all(b"E").unwrap();
+    let writer = std::thread::spawn(move || {
+        let mut rng = Rng(seed | 1);
+        let mut sum = Sum::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut sent = 0u64;
+        while sent < total {
+            let len = ((rng.next() % (1 << 20)) as usize + 1).min((total - sent) as usize);
+            for (i, b) in buf[..len].iter_mut().enumerate() {
+                *b = (sent + i as u64).wrapping_mul(seed | 1).to_le_bytes()[3];
+            }
+            w.write_all(&buf[..len]).unwrap();
+            sum.update(&buf[..len]);
+            sent += len as u64;
+        }
+        let _ = w.shutdown(std::net::Shutdown::Write);
+        sum
+    });
+    let mut rng = Rng(seed.wrapping_mul(3) | 1);
+    let mut sum = Sum::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let want = (rng.next() % (1 << 20)) as usize + 1;
+        match r.read(&mut buf[..want]) {
+            Ok(0) => break,
+            Ok(k) => sum.update(&buf[..k]),
+            Err(e) => panic!("read: {e}"),
+        }
+    }
+    let sent = writer.join().unwrap();
+    assert_eq!(sent.1, total);
+    assert_eq!(sum.1, total, "echo length");
+    assert_eq!(sum.0, sent.0, "echo checksum");
+    println!("integrity ok {total}");
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let a = |i: usize| args.get(i).map(String::as_str).unwrap_or_else(|| usage());
+    match a(1) {
+        "serve" => serve_tcp(a(2).parse().unwrap()),
+        "serve-unix" => serve_unix(a(2)),
+        "stream" => stream(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
+        "pingpong" => pingpong(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
+        "connrate" => connrate(a(2), a(3).parse().unwrap()),
+        "integrity" => integrity(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
+        "bench" => bench::run(args.iter().any(|x| x == "--quick")),
+        _ => usage(),
+    }
+}
+
+fn usage() -> ! {
+    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | bench [--quick]");
+    std::process::exit(2)
+}
+
+mod bench {
+    use super::Duration;
+    use flowlane_e2e::shm::{run_ok, wait_listening, Bg, Node};
+
+    const T: Duration = Duration::from_secs(300);
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Lane {
+        Shm,
+        Tcp,
+        Unix,
+    }
+
+    fn prog(node: &Node, lane: Lane, server: bool, args: &[&str]) -> std::process::Command {
+        let me = std::env::current_exe().unwrap();
+        let me = me.to_str().unwrap();
+        let pod = if server && lane != Lane::Unix {
+            &node.pods[1]
+        } else {
+            &node.pods[0]
+        };
+        let mut argv = vec![me];
+        argv.extend_from_slice(args);
+        node.cmd(pod, lane == Lane::Shm, &argv)
+    }
+
+    fn client(node: &Node, lane: Lane, args: &[&str]) -> Vec<f64> {
+        let out = run_ok(
+            prog(node, lane, false, args),
+            T,
+            &format!("shm-bench {args:?}"),
+        );
+        out.split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect()
+    }
+
+    pub fn run(quick: bool) {
+        let node = Node::new("bench", 2);
+        let sock = node.dir.join("bench.sock");
+        let sock = sock.to_str().unwrap().to_string();
+        let _tcp = Bg::spawn(prog(&node, Lane::Tcp, true, &["serve", "7100"]));
+        let _shm = Bg::spawn(prog(&node, Lane::Shm, true, &["serve", "7101"]));
+        let _unix = Bg::spawn(prog(&node, Lane::Unix, true, &["serve-unix", &sock]));
+        wait_listening(&node.pods[1], 7100);
+        wait_listening(&node.pods[1], 7101);
+        let ip = node.pods[1].ip;
+        let addr = |lane| match lane {
+            Lane::Tcp => format!("{ip}:7100"),
+            Lane::Shm => format!("{ip}:7101"),
+            Lane::Unix => format!("unix:{sock}"),
+        };
+        let lanes = [Lane::Shm, Lane::Tcp, Lane::Unix];
+        let scale = if quick { 1 } else { 4 };
+        println!("flowlane shared-memory lane benchmark (same run; ratios are shm vs plain TCP over veth)");
+        println!(
+            "pod wiring: {}; ring size: FLOWLANE_RING_SIZE default 1 MiB per direction",
+            node.wiring
+        );
+        println!();
+        println!(
+            "{:<34} {:>12} {:>12} {:>12} {:>9}",
+            "figure", "shm", "tcp(veth)", "af_unix", "shm/tcp"
+        );
+        let row = |name: &str, v: [f64; 3], better_low: bool| {
+            let ratio = if better_low { v[1] / v[0] } else { v[0] / v[1] };
+            println!(
+                "{name:<34} {:>12.2} {:>12.2} {:>12.2} {:>8.1}x",
+                v[0], v[1], v[2], ratio
+            );
+        };
+        let mut cpu = [0.0f64; 3];
+        for size in [64usize, 1024, 65536, 1 << 20] {
+            let total: u64 = match size {
+                64 => 64 << 20,
+                1024 => 512 << 20,
+                _ => 2 << 30,
+            } * scale
+                / 4;
+            let mut v = [0.0; 3];
+            for (i, lane) in lanes.iter().enumerate() {
+                let r = client(
+                    &node,
+                    *lane,
+                    &[
+                        "stream",
+                        &addr(*lane),
+                        &size.to_string(),
+                        &total.to_string(),
+                    ],
+                );
+                v[i] = r[0];
+                if size == 65536 {
+                    cpu[i] = (r[1] + r[2]) / (total as f64 / 1e9);
+                }
+            }
+            row(&format!("stream GB/s, {size} B messages"), v, false);
+        }
+        row("CPU s per GB (64 KiB stream)", cpu, true);
+        for size in [64usize, 4096] {
+            let iters = (20_000 * scale as usize).to_string();
+            let mut p50 = [0.0; 3];
+            let mut p99 = [0.0; 3];
+            for (i, lane) in lanes.iter().enumerate() {
+                let r = client(
+                    &node,
+                    *lane,
+                    &["pingpong", &addr(*lane), &size.to_string(), &iters],
+                );
+                p50[i] = r[0];
+                p99[i] = r[1];
+            }
+            row(&format!("ping-pong one-way p50 us, {size} B"), p50, true);
+            row(&format!("ping-pong one-way p99 us, {size} B"), p99, true);
+        }
+        let mut rate = [0.0; 3];
+        for (i, lane) in lanes.iter().enumerate() {
+            rate[i] = client(
+                &node,
+                *lane,
+                &["connrate", &addr(*lane), &(500 * scale).to_string()],
+            )[0];
+        }
+        row("connections per second", rate, false);
+        let st = node.stats();
+        if let Some(l) = st.lanes.get("shm") {
+            println!(
+                "\ndaemon: shm connections opened {}, closed {}, bytes {}",
+                l.connections_opened, l.connections_closed, l.bytes
+            );
+        }
+        third_party(&node);
+    }
+
+    /// iperf3 and sockperf with and without the library.
+    fn third_party(node: &Node) {
+        let (c, s) = (&node.pods[0], &node.pods[1]);
+        let ip = s.ip.to_string();
+        println!();
+        println!(
+            "{:<34} {:>12} {:>12} {:>9}",
+            "third-party program", "with lib", "without", "ratio"
+        );
+        let mut iperf = [0.0; 2];
+        for (i, pre) in [true, false].into_iter().enumerate() {
+            let port = if pre { "5301" } else { "5302" };
+            let _srv = Bg::spawn(node.cmd(s, pre, &["iperf3", "-s", "-p", port]));
+            wait_listening(s, port.parse().unwrap());
+            let out = run_ok(
+                node.cmd(
+                    c,
+                    pre,
+                    &["iperf3", "-c", &ip, "-p", port, "-t", "4", "--json"],
+                ),
+                T,
+                "iperf3",
+            );
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            iperf[i] = v["end"]["sum_received"]["bits_per_second"]
+                .as_f64()
+                .unwrap_or(0.0)
+                / 1e9;
+        }
+        println!(
+            "{:<34} {:>12.1} {:>12.1} {:>8.1}x",
+            "iperf3 Gbit/s (1 stream)",
+            iperf[0],
+            iperf[1],
+            iperf[0] / iperf[1]
+        );
+        let mut lat = [0.0; 2];
+        for (i, pre) in [true, false].into_iter().enumerate() {
+            let port = if pre { "11111" } else { "11112" };
+            let _srv = Bg::spawn(node.cmd(
+                s,
+                pre,
+                &["sockperf", "server", "--tcp", "-i", &ip, "-p", port],
+            ));
+            wait_listening(s, port.parse().unwrap());
+            let out = run_ok(
+                node.cmd(
+                    c,
+                    pre,
+                    &[
+                        "sockperf",
+                        "ping-pong",
+                        "--tcp",
+                        "-i",
+                        &ip,
+                        "-p",
+                        port,
+                        "-t",
+                        "3",
+                        "-m",
+                        "64",
+                    ],
+                ),
+                T,
+                "sockperf",
+            );
+            lat[i] = out
+                .lines()
+                .find(|l| l.contains("50.000 ="))
+                .and_then(|l| l.split('=').nth(1))
+                .and_then(|x| x.trim().parse().ok())
+                .unwrap_or(f64::NAN);
+        }
+        println!(
+            "{:<34} {:>12.2} {:>12.2} {:>8.1}x",
+            "sockperf ping-pong p50 us (64 B)",
+            lat[0],
+            lat[1],
+            lat[1] / lat[0]
+        );
+    }
+}

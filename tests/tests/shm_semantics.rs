@@ -1,0 +1,175 @@
+//! The transparency contract over the shared-memory lane, one case per
+//! test: a Python program on each end (unmodified sockets code) checks what
+//! a TCP program expects, and the daemon's counters prove the lane was used.
+
+use flowlane_e2e::shm::{fd_and_memfd_count, run_ok, wait_listening, Bg, Node};
+use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PYTHON, SEMANTICS};
+use std::io::BufRead;
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(120);
+
+/// Runs SEMANTICS `case` with the server in pod 1 and the client in pod 0,
+/// both with the library; returns the shm connections the daemon counted.
+fn case(tag: &str, case: &str, port: u16) -> u64 {
+    let node = Node::new(tag, 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let p = port.to_string();
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", SEMANTICS, "server", &p, case]));
+    wait_listening(s, port);
+    let ip = s.ip.to_string();
+    let out = run_ok(
+        node.cmd(c, true, &[PYTHON, "-c", SEMANTICS, "client", &ip, &p, case]),
+        T,
+        case,
+    );
+    assert!(out.contains(&format!("ok {case}")), "{out}");
+    let (st, out, err) = srv.finish(T);
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "server {case}: {out} {err}"
+    );
+    node.shm_opened()
+}
+
+#[test]
+fn msg_flags_fionread_and_socket_names() {
+    assert_eq!(case("flags", "flags", 7201), 1);
+}
+
+#[test]
+fn poll_select_and_edge_triggered_epoll() {
+    assert_eq!(case("waits", "waits", 7202), 1);
+}
+
+#[test]
+fn prefork_server_accepts_in_children() {
+    assert_eq!(case("pfork", "prefork", 7203), 4);
+}
+
+#[test]
+fn dup2_keeps_the_connection_until_the_last_fd() {
+    assert_eq!(case("dup2", "dup2", 7204), 1);
+}
+
+#[test]
+fn non_blocking_connect_and_io() {
+    assert_eq!(case("nbcon", "nonblocking", 7205), 1);
+}
+
+/// The server is SIGKILLed mid-stream: the client sees EOF or ECONNRESET
+/// promptly (printed), never a hang.
+#[test]
+fn peer_killed_mid_stream_ends_the_reader() {
+    let node = Node::new("kill", 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let srv = Bg::spawn(node.cmd(
+        s,
+        true,
+        &[PYTHON, "-c", SEMANTICS, "server", "7206", "kill"],
+    ));
+    wait_listening(s, 7206);
+    let ip = s.ip.to_string();
+    let mut cli = Bg::spawn(node.cmd(
+        c,
+        true,
+        &[PYTHON, "-c", SEMANTICS, "client", &ip, "7206", "kill"],
+    ));
+    let mut lines = std::io::BufReader::new(cli.0.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "streaming");
+    let t0 = Instant::now();
+    // SAFETY: killing our own child (ip netns exec / env exec in place).
+    unsafe { libc::kill(srv.pid() as i32, libc::SIGKILL) };
+    assert_eq!(
+        lines.next().map(|l| l.unwrap()),
+        Some("eof-after-kill".into()),
+        "client did not see the end"
+    );
+    let took = t0.elapsed();
+    eprintln!("reader saw the end {took:?} after SIGKILL");
+    assert!(took < Duration::from_secs(10), "far too slow: {took:?}");
+    drop(cli);
+    assert_eq!(node.shm_opened(), 1);
+}
+
+/// Mixed pairs: library on one side only → TCP, identical bytes, and the
+/// daemon counted no shm connection. Also: no daemon at all → TCP.
+#[test]
+fn mixed_pairs_and_no_daemon_stay_on_tcp() {
+    let mut node = Node::new("mixed", 2);
+    let ip = node.pods[1].ip.to_string();
+    for (i, (cli_lib, srv_lib)) in [(true, false), (false, true)].into_iter().enumerate() {
+        let port = (7210 + i).to_string();
+        let srv = Bg::spawn(node.cmd(&node.pods[1], srv_lib, &[PYTHON, "-c", ECHO_SERVER, &port]));
+        wait_listening(&node.pods[1], 7210 + i as u16);
+        let out = run_ok(
+            node.cmd(
+                &node.pods[0],
+                cli_lib,
+                &[PYTHON, "-c", ECHO_CLIENT, &ip, &port, "3000000", "5"],
+            ),
+            T,
+            "mixed echo",
+        );
+        assert!(out.starts_with("ok 3000000"), "{out}");
+        assert!(srv.finish(T).0.is_some_and(|s| s.success()));
+    }
+    assert_eq!(node.shm_opened(), 0, "a mixed pair must stay on TCP");
+    node.stop_daemon();
+    let srv = Bg::spawn(node.cmd(&node.pods[1], true, &[PYTHON, "-c", ECHO_SERVER, "7212"]));
+    wait_listening(&node.pods[1], 7212);
+    let out = run_ok(
+        node.cmd(
+            &node.pods[0],
+            true,
+            &[PYTHON, "-c", ECHO_CLIENT, &ip, "7212", "3000000", "6"],
+        ),
+        T,
+        "no daemon",
+    );
+    assert!(out.starts_with("ok 3000000"), "{out}");
+    assert!(srv.finish(T).0.is_some_and(|s| s.success()));
+}
+
+/// A long-lived server handles many connections: afterwards its fd count
+/// and its memfd mappings are back where they started.
+#[test]
+fn no_fd_or_mapping_leaks_after_close() {
+    let node = Node::new("leak", 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", ECHO_SERVER, "7220", "21"]));
+    wait_listening(s, 7220);
+    let ip = s.ip.to_string();
+    let run = |seed: &str| {
+        let out = run_ok(
+            node.cmd(
+                c,
+                true,
+                &[PYTHON, "-c", ECHO_CLIENT, &ip, "7220", "100000", seed],
+            ),
+            T,
+            "leak echo",
+        );
+        assert!(out.starts_with("ok"), "{out}");
+    };
+    run("1");
+    std::thread::sleep(Duration::from_millis(200));
+    let before = fd_and_memfd_count(srv.pid());
+    for i in 0..19 {
+        run(&(i + 2).to_string());
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let after = fd_and_memfd_count(srv.pid());
+    assert_eq!(
+        before, after,
+        "(fds, memfd maps) before vs after 19 connections"
+    );
+    run("99");
+    assert!(srv.finish(T).0.is_some_and(|s| s.success()));
+    assert_eq!(node.shm_opened(), 21);
+    let st = node.stats();
+    assert_eq!(
+        st.lanes["shm"].connections_active, 0,
+        "daemon still tracks connections"
+    );
+}
