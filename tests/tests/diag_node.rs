@@ -365,8 +365,20 @@ fn diag_detects_a_broken_conflist() {
 }
 
 #[test]
-fn diag_detects_a_stopped_daemon() {
+fn diag_detects_a_hung_or_stopped_daemon() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+
     let mut node = Node::new(3, 1);
+    // Hung (SIGSTOP): the kernel still accepts on its socket, nothing answers.
+    let pid = Pid::from_raw(node.daemon.as_ref().unwrap().pid() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let (code, report) = node.diag();
+    kill(pid, Signal::SIGCONT).unwrap();
+    assert!(has_error(&report, "daemon.unresponsive"), "{report:#}");
+    assert_ne!(code, 0);
+    assert_eq!(node.diag().0, 0, "answers again after SIGCONT");
+
     node.stop_daemon();
     let (code, report) = node.diag();
     assert!(has_error(&report, "daemon.down"), "{report:#}");

@@ -55,9 +55,27 @@ pub fn check(socket: &Path, state_dir: &Path) -> (Section, DaemonState) {
                         st.pid = i32::try_from(stats.daemon.pid).ok();
                         st.stats = Some(stats);
                     }
-                    Err(e) => s.ok(
-                        "daemon.up",
-                        format!("flowlaned answers, but not to stats ({e})"),
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+                        ) =>
+                    {
+                        s.error(
+                            "daemon.unresponsive",
+                            format!(
+                                "flowlaned accepts connections but does not answer ({e}): pods' \
+                                 connects wait for its timeout, then stay on TCP"
+                            ),
+                            "restart flowlaned (live channels keep flowing; it rebuilds its state \
+                             from the pod registry) and look at its log for the cause",
+                        )
+                    }
+                    Err(e) => s.warn(
+                        "daemon.stats_unavailable",
+                        format!("flowlaned is up, but did not give its stats ({e})"),
+                        "run diag on the node as root (the daemon answers stats only from the \
+                         node), and use the same release for daemon and plugin",
                     ),
                 }
             }
