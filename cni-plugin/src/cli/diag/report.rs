@@ -185,3 +185,60 @@ impl Report {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(name: &'static str, f: impl FnOnce(&mut Section)) -> Section {
+        let mut s = Section::new(name, format!("Title of {name}"));
+        f(&mut s);
+        s
+    }
+
+    #[test]
+    fn warnings_alone_keep_exit_code_zero_errors_do_not() {
+        let ok = Report::new(vec![section("a", |s| {
+            s.ok("a.fine", "fine");
+            s.info("a.note", "note");
+            s.warn("a.degraded", "degraded", "do this");
+        })]);
+        assert!(ok.healthy);
+        assert_eq!((ok.errors, ok.warnings, ok.exit_code()), (0, 1, 0));
+        assert_eq!(ok.problems.len(), 1);
+        assert!(ok
+            .to_text()
+            .ends_with("0 error(s), 1 warning(s): this node is working, with warnings\n"));
+
+        let broken = Report::new(vec![
+            section("a", |s| s.warn("a.degraded", "degraded", "do this")),
+            section("b", |s| s.error("b.broken", "broken", "fix that")),
+        ]);
+        assert!(!broken.healthy);
+        assert_eq!(broken.exit_code(), 1);
+        let ids: Vec<(&str, &str)> = broken.problems.iter().map(|p| (p.section, p.id)).collect();
+        assert_eq!(
+            ids,
+            vec![("a", "a.degraded"), ("b", "b.broken")],
+            "section order"
+        );
+        let json: serde_json::Value = serde_json::from_str(&broken.to_json()).unwrap();
+        assert_eq!(json["problems"][1]["severity"], "error");
+        assert_eq!(json["problems"][1]["fix"], "fix that");
+        assert_eq!(json["healthy"], false);
+    }
+
+    #[test]
+    fn text_form_puts_fixes_and_continuation_lines_under_their_finding() {
+        let r = Report::new(vec![section("x", |s| {
+            s.error("x.e", "first line\nsecond line", "the fix");
+        })]);
+        let text = r.to_text();
+        assert!(
+            text.contains(
+                "Title of x\n  ERROR first line\n        second line\n        -> the fix\n"
+            ),
+            "{text}"
+        );
+    }
+}
