@@ -265,3 +265,57 @@ fn pods_added_later_are_found_lazily_and_by_the_plugins_poke() {
         "its pending channel went with it"
     );
 }
+
+#[test]
+fn concurrent_clients_and_servers_all_get_their_own_channels() {
+    let node = Node::start("con", &["--log-level", "info"]);
+    let a = node.add_pod("a", "10.202.11.2");
+    let b = node.add_pod("b", "10.202.11.3");
+    let mut listener = b.agent();
+    assert_eq!(listener.cmd("listen 0.0.0.0:80"), "ok");
+    const PER_AGENT: u64 = 500;
+    // Four client processes announce at once, on disjoint source ports…
+    let clients: Vec<_> = (0..4u64)
+        .map(|i| {
+            let mut agent = a.agent();
+            std::thread::spawn(move || {
+                let base = 50000 + i * PER_AGENT;
+                agent.cmd(&format!(
+                    "bench-intent {PER_AGENT} {base} 10.202.11.3:80 65536"
+                ))
+            })
+        })
+        .collect();
+    for c in clients {
+        let answer = c.join().unwrap();
+        assert!(
+            answer.starts_with("bench ") && answer.ends_with(&format!(" {PER_AGENT}")),
+            "{answer}"
+        );
+    }
+    assert_eq!(node.stats().lanes["shm"].channels_pending, 4 * PER_AGENT);
+    // …then four server processes claim at once, each its own share.
+    let servers: Vec<_> = (0..4u64)
+        .map(|i| {
+            let mut agent = b.agent();
+            std::thread::spawn(move || {
+                let base = 50000 + i * PER_AGENT;
+                agent.cmd(&format!(
+                    "bench-claim {PER_AGENT} 10.202.11.3:80 10.202.11.2 {base}"
+                ))
+            })
+        })
+        .collect();
+    for s in servers {
+        let answer = s.join().unwrap();
+        assert!(answer.ends_with(&format!(" {PER_AGENT}")), "{answer}");
+    }
+    let st = node.stats();
+    assert_eq!(st.lanes["shm"].channels_pending, 0);
+    assert_eq!(st.lanes["shm"].connections_opened, 4 * PER_AGENT);
+    // The agents exited: every connection is closed within a sweep or two.
+    let closed = flowlane_e2e::wait::until(Duration::from_secs(30), || {
+        node.stats().lanes["shm"].connections_active == 0
+    });
+    assert!(closed, "connections of exited processes are closed");
+}
