@@ -163,6 +163,9 @@ pub struct Broker {
     recently_closed: (HashSet<u64>, VecDeque<u64>),
     /// When `tick` last swept connections and listeners.
     last_sweep: Option<Instant>,
+    /// The first channel id this daemon issued (earlier ones are a
+    /// predecessor's).
+    first_id: u64,
     next_id: u64,
     counters: Counters,
     limits: Limits,
@@ -191,6 +194,7 @@ impl Broker {
             active: BTreeMap::new(),
             recently_closed: (HashSet::new(), VecDeque::new()),
             last_sweep: None,
+            first_id: (now_ms << 16).max(1),
             next_id: (now_ms << 16).max(1),
             counters: Counters::default(),
             limits,
@@ -693,9 +697,12 @@ impl Broker {
             return Response::Ok.into();
         }
         let Some(conn) = self.active.get_mut(&channel_id) else {
-            // Brokered by an earlier daemon (ids are unique across
-            // restarts): the bytes still count for the lane.
-            self.counters.shm.bytes = self.counters.shm.bytes.saturating_add(sent);
+            // Brokered by an earlier daemon (ids are unique across restarts
+            // and grow with time): the bytes still count for the lane. Ids
+            // this daemon never issued are ignored.
+            if channel_id < self.first_id {
+                self.counters.shm.bytes = self.counters.shm.bytes.saturating_add(sent);
+            }
             return Response::Ok.into();
         };
         if pod != conn.client_pod && pod != conn.server_pod {
@@ -1104,6 +1111,16 @@ mod tests {
         assert_eq!(st.lanes[SHM_LANE].connections_closed, 1);
         assert_eq!(st.lanes[SHM_LANE].connections_active, 0);
         assert_eq!(st.lanes[SHM_LANE].bytes, 107);
+        // Reports for ids this daemon never issued do not inflate counters.
+        b.handle(
+            &pod(1),
+            Request::ReportClosed {
+                channel_id: u64::MAX,
+                sent: 1 << 40,
+                received: 0,
+            },
+        );
+        assert_eq!(b.stats().lanes[SHM_LANE].bytes, 107);
     }
 
     #[test]
