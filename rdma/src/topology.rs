@@ -3,7 +3,8 @@
 //!
 //! Two sources fill it: a static JSON file for the local cluster
 //! ([`StaticNodeFile`]), and in Kubernetes `Node.spec.podCIDRs` plus what
-//! each `flowlaned` publishes on its Node (a later kube-rs implementation).
+//! each `flowlaned` publishes on its Node ([`node_object`] turns API
+//! objects into entries; the kube-rs watch around it comes later).
 //!
 //! ## Why the trait is synchronous
 //!
@@ -30,6 +31,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::discovery::LinkLayer;
 use crate::gid::SelectedGid;
+
+pub mod node_object;
 
 /// One node of the cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,0 +1,173 @@
+//! Reading the node table from Kubernetes `Node` objects (as the API server
+//! returns them), kept free of any client library so that the later kube-rs
+//! implementation of [`super::NodeDirectory`] is only the watch loop around
+//! it, and so that this part is tested against API responses
+//! (`tests/fixtures/kubernetes/nodelist.json`: a `GET /api/v1/nodes` answer
+//! written after the v1 Node schema; the kube-rs session replaces it with
+//! responses recorded from a real API server).
+//!
+//! - name: `metadata.name`
+//! - pod CIDRs: `spec.podCIDRs` (dual stack), else the older `spec.podCIDR`
+//! - underlay: the first `InternalIP` of `status.addresses` (of the family
+//!   of the first pod CIDR when there is one), else the first `ExternalIP`
+//! - RDMA lane: the annotation [`RDMA_ANNOTATION`], which each node's
+//!   `flowlaned` publishes (the JSON of [`super::RdmaLane`]).
+
+use std::net::IpAddr;
+
+use ipnetwork::IpNetwork;
+use serde_json::Value;
+
+use super::{ClusterView, NodeEntry, RdmaLane, TopologyError};
+
+/// Annotation on the Node holding its daemon's published RDMA lane.
+pub const RDMA_ANNOTATION: &str = "flowlane.io/rdma-lane";
+
+/// One `Node` object -> its entry. Nodes without a pod CIDR yet (not
+/// allocated by the controller manager) or without an address are skipped
+/// with `Ok(None)`: they cannot own pods yet.
+pub fn node_entry(node: &Value) -> Result<Option<NodeEntry>, TopologyError> {
+    let name = node["metadata"]["name"]
+        .as_str()
+        .ok_or_else(|| TopologyError::Invalid("a Node without metadata.name".into()))?
+        .to_string();
+    let bad = |what: String| TopologyError::Invalid(format!("node {name}: {what}"));
+    let mut cidrs: Vec<&str> = node["spec"]["podCIDRs"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if cidrs.is_empty() {
+        cidrs.extend(node["spec"]["podCIDR"].as_str());
+    }
+    let pod_cidrs = cidrs
+        .iter()
+        .map(|c| {
+            c.parse::<IpNetwork>()
+                .map_err(|e| bad(format!("pod CIDR {c:?}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if pod_cidrs.is_empty() {
+        return Ok(None);
+    }
+    let want_v4 = pod_cidrs[0].is_ipv4();
+    let addrs: Vec<(&str, IpAddr)> = node["status"]["addresses"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| Some((x["type"].as_str()?, x["address"].as_str()?.parse().ok()?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let pick = |kind: &str| {
+        addrs
+            .iter()
+            .filter(|(t, _)| *t == kind)
+            .map(|(_, ip)| *ip)
+            .find(|ip| ip.is_ipv4() == want_v4)
+            .or_else(|| addrs.iter().find(|(t, _)| *t == kind).map(|(_, ip)| *ip))
+    };
+    let Some(underlay) = pick("InternalIP").or_else(|| pick("ExternalIP")) else {
+        return Ok(None);
+    };
+    let rdma = match node["metadata"]["annotations"][RDMA_ANNOTATION].as_str() {
+        None => None,
+        Some(text) => Some(
+            serde_json::from_str::<RdmaLane>(text)
+                .map_err(|e| bad(format!("annotation {RDMA_ANNOTATION}: {e}")))?,
+        ),
+    };
+    Ok(Some(NodeEntry {
+        name,
+        pod_cidrs,
+        underlay,
+        rdma,
+    }))
+}
+
+/// A `NodeList` (`GET /api/v1/nodes`) -> the node table.
+pub fn cluster_view(list: &Value) -> Result<ClusterView, TopologyError> {
+    let items = list["items"]
+        .as_array()
+        .ok_or_else(|| TopologyError::Invalid("a NodeList without items".into()))?;
+    let mut nodes = Vec::new();
+    for item in items {
+        nodes.extend(node_entry(item)?);
+    }
+    ClusterView::new(nodes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::LinkLayer;
+
+    /// The `GET /api/v1/nodes` answer of a four-node cluster.
+    fn node_list() -> Value {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/kubernetes/nodelist.json"
+        );
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_node_list_becomes_the_node_table() {
+        let view = cluster_view(&node_list()).unwrap();
+        let names: Vec<&str> = view.nodes().iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(
+            names,
+            vec!["gpu-a1", "gpu-a2", "cpu-b1"],
+            "gpu-new has no pod CIDR yet"
+        );
+
+        let a1 = view.node("gpu-a1").unwrap();
+        assert_eq!(a1.pod_cidrs.len(), 2, "dual stack from spec.podCIDRs");
+        assert_eq!(a1.underlay, "172.16.0.11".parse::<IpAddr>().unwrap());
+        let lane = a1.rdma.as_ref().unwrap();
+        assert_eq!((lane.device.as_str(), lane.gid_index), ("mlx5_0", 3));
+        assert_eq!(lane.link_layer, LinkLayer::Ethernet);
+
+        let b1 = view.node("cpu-b1").unwrap();
+        assert_eq!(
+            b1.pod_cidrs[0].to_string(),
+            "10.244.7.0/24",
+            "legacy spec.podCIDR"
+        );
+        assert_eq!(
+            b1.underlay,
+            "203.0.113.7".parse::<IpAddr>().unwrap(),
+            "ExternalIP when no InternalIP"
+        );
+        assert!(b1.rdma.is_none());
+
+        assert_eq!(
+            view.owner_of("10.244.2.17".parse().unwrap()).unwrap().name,
+            "gpu-a2"
+        );
+        assert_eq!(
+            view.owner_of("fd00:10:244:1::5".parse().unwrap())
+                .unwrap()
+                .name,
+            "gpu-a1"
+        );
+        assert!(view.rdma_between("gpu-a1", "gpu-a2"));
+        assert!(!view.rdma_between("gpu-a1", "cpu-b1"));
+    }
+
+    #[test]
+    fn a_malformed_annotation_is_an_error_naming_the_node() {
+        let mut list = node_list();
+        list["items"][1]["metadata"]["annotations"][RDMA_ANNOTATION] = "{not json".into();
+        let err = cluster_view(&list).unwrap_err().to_string();
+        assert!(
+            err.contains("gpu-a2") && err.contains(RDMA_ANNOTATION),
+            "{err}"
+        );
+        let mut list = node_list();
+        list["items"][0]["spec"]["podCIDRs"][0] = "10.244.1.0/33".into();
+        assert!(cluster_view(&list)
+            .unwrap_err()
+            .to_string()
+            .contains("gpu-a1"));
+    }
+}
