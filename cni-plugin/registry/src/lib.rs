@@ -2,7 +2,7 @@
 //!
 //! The CNI plugin writes an entry on ADD and removes it on DEL/GC; `flowlaned`
 //! reads the directory to learn which pods (network namespaces, IPs) live on
-//! this node. Every write is atomic (temporary file, fsync, rename), so a
+//! this node. Every write is atomic (temporary file, rename), so a
 //! reader never sees half an entry, and concurrent ADDs never contend: each
 //! attachment has its own file.
 //!
@@ -129,13 +129,16 @@ impl Registry {
             std::process::id()
         ));
         let body = serde_json::to_vec_pretty(a).expect("attachment serialises");
+        // No fsync: the rename alone makes the entry atomic for readers, and
+        // durability across a power loss is worthless here (the network
+        // namespaces and veths an entry describes do not survive a reboot;
+        // GC removes such entries). Two fsyncs cost milliseconds on every
+        // pod start, on the CNI ADD hot path.
         let write = || -> std::io::Result<()> {
             let mut f = fs::File::create(&tmp)?;
             f.write_all(&body)?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)?;
-            // Make the rename itself durable.
-            fs::File::open(dir)?.sync_all()
+            drop(f);
+            fs::rename(&tmp, &path)
         };
         if let Err(e) = write() {
             let _ = fs::remove_file(&tmp);
@@ -219,7 +222,10 @@ impl Registry {
 
     /// The attachment that owns `ip`, if any.
     pub fn find_by_ip(&self, ip: IpAddr) -> Result<Option<Attachment>, RegistryError> {
-        Ok(self.list()?.into_iter().find(|a| a.addresses().contains(&ip)))
+        Ok(self
+            .list()?
+            .into_iter()
+            .find(|a| a.addresses().contains(&ip)))
     }
 
     /// Attachments whose network namespace has inode `inode`.
@@ -234,12 +240,14 @@ impl Registry {
 
 fn read_entry(path: &Path) -> Result<Option<Attachment>, RegistryError> {
     match fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|source| RegistryError::Corrupt {
-                path: path.to_path_buf(),
-                source,
-            }),
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|source| RegistryError::Corrupt {
+                    path: path.to_path_buf(),
+                    source,
+                })
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(io_err(path)(e)),
     }
@@ -299,7 +307,10 @@ mod tests {
             Some(b.clone())
         );
         assert!(reg.remove("net1", "c1", "eth0").unwrap());
-        assert!(!reg.remove("net1", "c1", "eth0").unwrap(), "second remove is a no-op");
+        assert!(
+            !reg.remove("net1", "c1", "eth0").unwrap(),
+            "second remove is a no-op"
+        );
         assert_eq!(reg.list().unwrap(), vec![b]);
         fs::remove_dir_all(&dir).unwrap();
     }

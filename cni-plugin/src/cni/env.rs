@@ -232,7 +232,9 @@ mod tests {
         assert!(from_lookup(Command::Gc, lookup(&[])).is_err());
         assert!(from_lookup(Command::Status, lookup(&[])).is_err());
         assert_eq!(
-            from_lookup(Command::Gc, lookup(&[("CNI_PATH", "/a::/b")])).unwrap().path,
+            from_lookup(Command::Gc, lookup(&[("CNI_PATH", "/a::/b")]))
+                .unwrap()
+                .path,
             ["/a", "/b"]
         );
         assert!(from_lookup(Command::Version, lookup(&[])).is_ok());

@@ -87,6 +87,8 @@ impl Netns {
 }
 
 /// Namespace files live on nsfs (`/proc/PID/ns/net` or a bind mount of it).
+// f_type's integer type differs between architectures, hence the cast.
+#[allow(clippy::unnecessary_cast)]
 fn is_nsfs(file: &File) -> bool {
     const NSFS_MAGIC: i64 = 0x6e73_6673;
     let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();

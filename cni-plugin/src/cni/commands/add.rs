@@ -67,6 +67,7 @@ fn wire(
     undo: &mut Rollback,
 ) -> CniResult<AddResult> {
     let bridge = ensure_bridge(host, conf)?;
+    tracing::debug!("bridge ready");
 
     let host_name = names::host_veth(&env.container_id, &env.ifname);
     let host_mac = link::random_mac();
@@ -103,6 +104,7 @@ fn wire(
         });
     }
     undo.veth = Some(host_name.clone());
+    tracing::debug!(veth = %host_name, "veth pair created");
     if conf.hairpin_mode {
         let v = link::by_name(host, &host_name)
             .map_err(|e| CniError::netlink("looking up the host veth", e))?
@@ -148,7 +150,9 @@ fn wire(
         result.dns = dns.clone();
     }
 
+    tracing::debug!("ipam done");
     configure_pod(ns, &env.ifname, &result, POD)?;
+    tracing::debug!("pod configured");
 
     if conf.is_gateway {
         let mut v4 = false;
@@ -175,7 +179,9 @@ fn wire(
         masq::add(conf, &env.container_id, &env.ifname, &nets)?;
     }
 
+    tracing::debug!("host side done");
     podreg::record(conf, env, ns.inode(), &result, POD)?;
+    tracing::debug!("registry written");
 
     Ok(merge_prev(conf, result))
 }
