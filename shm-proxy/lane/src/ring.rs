@@ -98,6 +98,77 @@ struct Flags {
     producer_closed: AtomicU32,
     /// Consumer will read no more (close): writes fail with EPIPE.
     consumer_closed: AtomicU32,
+    /// Futex words: bumped by the producer / consumer when it wakes a
+    /// consumer / producer that sleeps on the futex (`WAIT_FUTEX`).
+    data_seq: AtomicU32,
+    room_seq: AtomicU32,
+}
+
+/// Bits of `reader_waiting` / `writer_waiting`: how the sleeper waits.
+/// A thread asleep in poll/epoll on the TCP socket needs a doorbell byte; a
+/// thread blocked inside the library's read/write sleeps on a futex in the
+/// region (no doorbell, so no thread of the process can steal its wake-up).
+pub const WAIT_BELL: u32 = 1;
+pub const WAIT_FUTEX: u32 = 2;
+
+fn announce(word: &AtomicU32, bit: u32) {
+    word.fetch_or(bit, Ordering::Relaxed);
+    fence(Ordering::SeqCst);
+}
+
+fn withdraw(word: &AtomicU32, bit: u32) {
+    word.fetch_and(!bit, Ordering::Relaxed);
+}
+
+/// The waker's side: after publishing, consume the sleepers' requests;
+/// wakes futex sleepers here, returns true if a doorbell is needed.
+fn take(word: &AtomicU32, seq: &AtomicU32) -> bool {
+    fence(Ordering::SeqCst);
+    if word.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    let v = word.swap(0, Ordering::AcqRel);
+    if v & WAIT_FUTEX != 0 {
+        seq.fetch_add(1, Ordering::Release);
+        futex_wake(seq);
+    }
+    v & WAIT_BELL != 0
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a valid, aligned u32 in a shared mapping (not
+    // FUTEX_PRIVATE: the waiter may be in another process).
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            0,
+            0,
+            0,
+        )
+    };
+}
+
+/// Sleeps on `word` while it still holds `expected`, at most `timeout_ms`.
+fn futex_wait(word: &AtomicU32, expected: u32, timeout_ms: u32) {
+    let ts = libc::timespec {
+        tv_sec: (timeout_ms / 1000) as libc::time_t,
+        tv_nsec: ((timeout_ms % 1000) as libc::c_long) * 1_000_000,
+    };
+    // SAFETY: FUTEX_WAIT on a valid aligned u32 with a relative timeout.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            0,
+            0,
+        )
+    };
 }
 
 const _: () = assert!(std::mem::size_of::<RingCtl>() == 384);
@@ -312,40 +383,33 @@ impl Probe {
 
     /// Announce a sleeping reader (see [`Consumer::prepare_wait`]).
     pub fn prepare_read_wait(&self) {
-        self.rx
-            .ctl()
-            .flags
-            .0
-            .reader_waiting
-            .store(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
+        announce(&self.rx.ctl().flags.0.reader_waiting, WAIT_BELL);
     }
 
     /// Announce a sleeping writer (see [`Producer::prepare_wait`]).
     pub fn prepare_write_wait(&self) {
-        self.tx
-            .ctl()
-            .flags
-            .0
-            .writer_waiting
-            .store(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
+        announce(&self.tx.ctl().flags.0.writer_waiting, WAIT_BELL);
+    }
+
+    /// Closes the sending direction (shutdown/close) without the producer
+    /// lock; true if the peer needs a doorbell.
+    pub fn close_tx(&self) -> bool {
+        let f = &self.tx.ctl().flags.0;
+        f.producer_closed.store(1, Ordering::Release);
+        take(&f.reader_waiting, &f.data_seq)
+    }
+
+    /// Closes the receiving direction (close); true if the peer needs a doorbell.
+    pub fn close_rx(&self) -> bool {
+        let f = &self.rx.ctl().flags.0;
+        f.consumer_closed.store(1, Ordering::Release);
+        take(&f.writer_waiting, &f.room_seq)
     }
 
     /// Withdraw both announcements.
     pub fn cancel_waits(&self) {
-        self.rx
-            .ctl()
-            .flags
-            .0
-            .reader_waiting
-            .store(0, Ordering::Relaxed);
-        self.tx
-            .ctl()
-            .flags
-            .0
-            .writer_waiting
-            .store(0, Ordering::Relaxed);
+        withdraw(&self.rx.ctl().flags.0.reader_waiting, WAIT_BELL);
+        withdraw(&self.tx.ctl().flags.0.writer_waiting, WAIT_BELL);
     }
 }
 
@@ -448,41 +512,39 @@ impl Producer {
     /// a doorbell (consumes the request).
     pub fn take_reader_wakeup(&self) -> bool {
         let f = &self.ring.ctl().flags.0;
-        fence(Ordering::SeqCst);
-        f.reader_waiting.load(Ordering::Relaxed) != 0
-            && f.reader_waiting.swap(0, Ordering::AcqRel) != 0
+        take(&f.reader_waiting, &f.data_seq)
     }
 
     /// Before sleeping for room: announce it. The caller must re-check
     /// `free()` afterwards and only sleep if still full.
     pub fn prepare_wait(&self) {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .writer_waiting
-            .store(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
+        announce(&self.ring.ctl().flags.0.writer_waiting, WAIT_BELL);
+    }
+
+    /// Blocks (futex) until the consumer frees room, up to `timeout_ms`.
+    /// Returns at once if there is room or the consumer is gone.
+    pub fn wait_room(&mut self, timeout_ms: u32) {
+        let ring = self.ring;
+        let f = &ring.ctl().flags.0;
+        let seq = f.room_seq.load(Ordering::Acquire);
+        announce(&f.writer_waiting, WAIT_FUTEX);
+        if self.free() == 0 && !self.peer_gone() {
+            futex_wait(&f.room_seq, seq, timeout_ms);
+        }
+        withdraw(&f.writer_waiting, WAIT_FUTEX);
     }
 
     /// Withdraws a `prepare_wait` (woken or not going to sleep).
     pub fn cancel_wait(&self) {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .writer_waiting
-            .store(0, Ordering::Relaxed);
+        withdraw(&self.ring.ctl().flags.0.writer_waiting, WAIT_BELL);
     }
 
     /// The producer will write no more; the consumer sees end-of-stream.
-    pub fn close(&self) {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .producer_closed
-            .store(1, Ordering::Release);
+    /// Wakes a futex-sleeping consumer; true if a doorbell is needed too.
+    pub fn close(&self) -> bool {
+        let f = &self.ring.ctl().flags.0;
+        f.producer_closed.store(1, Ordering::Release);
+        take(&f.reader_waiting, &f.data_seq)
     }
 
     /// The producer already closed (shutdown(SHUT_WR)).
@@ -611,41 +673,39 @@ impl Consumer {
     /// and must get a doorbell (consumes the request).
     pub fn take_writer_wakeup(&self) -> bool {
         let f = &self.ring.ctl().flags.0;
-        fence(Ordering::SeqCst);
-        f.writer_waiting.load(Ordering::Relaxed) != 0
-            && f.writer_waiting.swap(0, Ordering::AcqRel) != 0
+        take(&f.writer_waiting, &f.room_seq)
     }
 
     /// Before sleeping for data: announce it. The caller must re-check
     /// `state()` afterwards and only sleep if still empty.
     pub fn prepare_wait(&self) {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .reader_waiting
-            .store(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
+        announce(&self.ring.ctl().flags.0.reader_waiting, WAIT_BELL);
+    }
+
+    /// Blocks (futex) until the producer publishes data or closes, up to
+    /// `timeout_ms`. Returns at once if the ring is not empty.
+    pub fn wait_data(&mut self, timeout_ms: u32) {
+        let ring = self.ring;
+        let f = &ring.ctl().flags.0;
+        let seq = f.data_seq.load(Ordering::Acquire);
+        announce(&f.reader_waiting, WAIT_FUTEX);
+        if self.state() == ReadState::Empty {
+            futex_wait(&f.data_seq, seq, timeout_ms);
+        }
+        withdraw(&f.reader_waiting, WAIT_FUTEX);
     }
 
     /// Withdraws a `prepare_wait`.
     pub fn cancel_wait(&self) {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .reader_waiting
-            .store(0, Ordering::Relaxed);
+        withdraw(&self.ring.ctl().flags.0.reader_waiting, WAIT_BELL);
     }
 
     /// The consumer will read no more (its process closed the connection).
-    pub fn close(&self) {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .consumer_closed
-            .store(1, Ordering::Release);
+    /// Wakes a futex-sleeping producer; true if a doorbell is needed too.
+    pub fn close(&self) -> bool {
+        let f = &self.ring.ctl().flags.0;
+        f.consumer_closed.store(1, Ordering::Release);
+        take(&f.writer_waiting, &f.room_seq)
     }
 
     /// The producer closed its side (used when the TCP connection reset, to

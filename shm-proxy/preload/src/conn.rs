@@ -9,7 +9,7 @@
 //! doorbell, a FIN or an RST arrives (see `flowlane_lane::ring` for why no
 //! wake-up is lost).
 
-use crate::{config, real};
+use crate::real;
 use flowlane_lane::ring::{self, Attach, Consumer, Probe, Producer, ReadState, Side};
 use libc::c_int;
 use std::io::IoSlice;
@@ -23,6 +23,11 @@ use std::time::{Duration, Instant};
 /// wait on the same connection, the other re-checks the ring after at most
 /// this long. Idle cost: a few wake-ups per second of a blocked thread.
 pub const MAX_SLEEP_MS: c_int = 250;
+
+/// A blocked read/write sleeps on the region's futex in slices this long;
+/// between slices it checks the TCP socket for the peer's death (FIN/RST),
+/// which no futex wake announces.
+const FUTEX_SLICE_MS: u32 = 100;
 
 /// How long a client waits for the server to attach to the region before
 /// both ends stay on TCP (the server is not accepting, accepted without a
@@ -81,6 +86,7 @@ pub struct Conn {
     /// back for a delayed ACK (40 ms per wake-up).
     pub app_nodelay: std::sync::atomic::AtomicI32,
     pub app_cork: std::sync::atomic::AtomicI32,
+    spinner: crate::spin::Spinner,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -141,6 +147,7 @@ impl Conn {
             fork_gen: crate::state::FORK_GEN.load(Ordering::Relaxed),
             app_nodelay: std::sync::atomic::AtomicI32::new(0),
             app_cork: std::sync::atomic::AtomicI32::new(0),
+            spinner: crate::spin::Spinner::new(),
         })
     }
 
@@ -239,37 +246,24 @@ impl Conn {
         set_errno(saved);
     }
 
-    /// Sleeps until the TCP socket is readable (doorbell, FIN, RST) or
-    /// `ms` passed, then drains it.
-    fn sleep(&self, fd: c_int, ms: c_int) {
+    /// After a futex wait that brought nothing: did the TCP connection end
+    /// (FIN or RST)? Checked without consuming doorbells unless it did.
+    fn check_tcp(&self, fd: c_int) {
         let mut p = libc::pollfd {
             fd,
-            events: libc::POLLIN,
+            events: libc::POLLRDHUP,
             revents: 0,
         };
-        // SAFETY: one valid pollfd.
-        unsafe { real::poll(&mut p, 1, ms) };
-        self.drain(fd);
+        // SAFETY: one valid pollfd, no wait.
+        let r = unsafe { real::poll(&mut p, 1, 0) };
+        if r > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            self.drain(fd);
+        }
     }
 
     /// Spins up to the configured budget until `ready()`; true if it became ready.
-    fn spin(&self, mut ready: impl FnMut() -> bool) -> bool {
-        let budget = config::get().spin_us;
-        if budget == 0 {
-            return false;
-        }
-        let end = Instant::now() + Duration::from_micros(budget);
-        loop {
-            for _ in 0..64 {
-                if ready() {
-                    return true;
-                }
-                std::hint::spin_loop();
-            }
-            if Instant::now() >= end {
-                return false;
-            }
-        }
+    fn spin(&self, ready: impl FnMut() -> bool) -> bool {
+        self.spinner.spin(ready)
     }
 
     fn peer_closed(&self) -> bool {
@@ -441,11 +435,10 @@ impl Conn {
                     if self.spin(|| probe.rx_state() != ReadState::Empty) {
                         continue;
                     }
-                    rx.prepare_wait();
-                    if rx.state() == ReadState::Empty && !self.peer_closed() {
-                        self.sleep(fd, MAX_SLEEP_MS);
+                    rx.wait_data(FUTEX_SLICE_MS);
+                    if rx.state() == ReadState::Empty {
+                        self.check_tcp(fd);
                     }
-                    rx.cancel_wait();
                 }
             }
         }
@@ -516,11 +509,10 @@ impl Conn {
             if self.spin(|| probe.tx_free() > 0 || probe.tx_peer_gone()) {
                 continue;
             }
-            tx.prepare_wait();
-            if tx.free() == 0 && !tx.peer_gone() && !self.peer_closed() {
-                self.sleep(fd, MAX_SLEEP_MS);
+            tx.wait_room(FUTEX_SLICE_MS);
+            if tx.free() == 0 {
+                self.check_tcp(fd);
             }
-            tx.cancel_wait();
         }
     }
 
@@ -595,11 +587,10 @@ impl Conn {
             if self.spin(|| probe.tx_free() > 0) {
                 continue;
             }
-            tx.prepare_wait();
-            if tx.free() == 0 && !self.peer_closed() {
-                self.sleep(fd, MAX_SLEEP_MS);
+            tx.wait_room(FUTEX_SLICE_MS);
+            if tx.free() == 0 {
+                self.check_tcp(fd);
             }
-            tx.cancel_wait();
         }
         if let (Some(o), Some(p)) = (offset, pos) {
             *o = p;
@@ -659,11 +650,9 @@ impl Conn {
     pub fn shutdown(&self, fd: c_int, how: c_int) {
         if how == libc::SHUT_WR || how == libc::SHUT_RDWR {
             self.shut_wr.store(true, Ordering::Relaxed);
-            let tx = lock(&self.tx);
-            tx.close();
+            self.probe.close_tx();
             // Always ring: a reader of the peer may sleep in a wait that did
             // not set the flag (e.g. it only polls for POLLRDHUP).
-            drop(tx);
             self.ring_bell(fd);
         }
         if how == libc::SHUT_RD || how == libc::SHUT_RDWR {
@@ -679,11 +668,9 @@ impl Conn {
         if self.fork_gen != crate::state::FORK_GEN.load(Ordering::Relaxed) {
             return; // other processes may still use the socket: the kernel decides
         }
-        {
-            let tx = lock(&self.tx);
-            tx.close();
-            let rx = lock(&self.rx);
-            rx.close();
+        // Lock-free: another thread may still be blocked in read or write.
+        if self.probe.close_tx() | self.probe.close_rx() {
+            self.ring_bell(fd);
         }
         self.drain(fd);
     }

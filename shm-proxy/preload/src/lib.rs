@@ -15,6 +15,7 @@ mod exports;
 mod log;
 mod real;
 mod setup;
+mod spin;
 mod state;
 mod wait;
 

@@ -8,7 +8,6 @@
 //! and announces sleepers in the rings' waiting flags so a peer that moves
 //! rings the doorbell (flag, fence, re-check: no lost wake-up).
 
-use crate::config;
 use crate::conn::{set_errno, Conn, Settle, MAX_SLEEP_MS};
 use crate::real;
 use crate::setup;
@@ -54,8 +53,7 @@ fn expired(deadline: Option<Instant>) -> bool {
 }
 
 fn spin_deadline() -> Option<Instant> {
-    let us = config::get().spin_us;
-    (us > 0).then(|| Instant::now() + Duration::from_micros(us))
+    crate::spin::WAITS.deadline()
 }
 
 /// Application events of a connected connection for the requested `events`.
@@ -289,11 +287,13 @@ pub unsafe fn poll(
                         return -1;
                     }
                     if set.count() > 0 {
+                        crate::spin::WAITS.record(true);
                         set.eval_rings();
                         return set.count();
                     }
                 }
             }
+            crate::spin::WAITS.record(set.count() > 0);
             spin_until = None;
             continue;
         }
@@ -654,6 +654,7 @@ pub unsafe fn epoll_wait(
             while Instant::now() < end {
                 let k = collect(epfd, out);
                 if k > 0 {
+                    crate::spin::WAITS.record(true);
                     // Reported now (edge-trigger state already advanced).
                     let n = kernel_wait(epfd, &mut out[k..], 0, None).max(0) as usize;
                     return (k + n) as c_int;
@@ -662,11 +663,13 @@ pub unsafe fn epoll_wait(
                 if i % 32 == 0 {
                     let n = kernel_wait(epfd, out, 0, None);
                     if n != 0 {
+                        crate::spin::WAITS.record(true);
                         return n;
                     }
                 }
                 std::hint::spin_loop();
             }
+            crate::spin::WAITS.record(false);
             spin_until = None;
             continue;
         }

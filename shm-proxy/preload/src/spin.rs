@@ -1,0 +1,76 @@
+//! Adaptive spinning before a kernel sleep.
+//!
+//! Spinning only pays when the peer runs on another core at the same time.
+//! On a busy machine the peer may need the very core the spinner holds, and
+//! every spin then adds its full budget to the latency. So each waiter
+//! keeps a score: a spin that saw the event raises it, a spin that ran out
+//! lowers it, and at score zero only every 16th wait tries spinning again.
+
+use crate::config;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Per-waiter spin statistics (one per connection, one per process for
+/// poll/epoll sets).
+pub struct Spinner {
+    score: AtomicU32,
+    waits: AtomicU32,
+}
+
+const MAX_SCORE: u32 = 8;
+
+impl Spinner {
+    pub const fn new() -> Spinner {
+        Spinner {
+            score: AtomicU32::new(MAX_SCORE / 2),
+            waits: AtomicU32::new(0),
+        }
+    }
+
+    /// Whether this wait should spin at all.
+    pub fn should_spin(&self) -> bool {
+        config::get().spin_us > 0
+            && (self.score.load(Ordering::Relaxed) > 0
+                || self.waits.fetch_add(1, Ordering::Relaxed) % 16 == 0)
+    }
+
+    /// Records a spin's outcome.
+    pub fn record(&self, success: bool) {
+        let s = self.score.load(Ordering::Relaxed);
+        let n = if success {
+            (s + 1).min(MAX_SCORE)
+        } else {
+            s / 2
+        };
+        self.score.store(n, Ordering::Relaxed);
+    }
+
+    /// The spin deadline for a wait starting now, if it should spin.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.should_spin()
+            .then(|| Instant::now() + Duration::from_micros(config::get().spin_us))
+    }
+
+    /// Spins until `ready()` or the budget is spent; true if ready.
+    pub fn spin(&self, mut ready: impl FnMut() -> bool) -> bool {
+        let Some(end) = self.deadline() else {
+            return false;
+        };
+        loop {
+            for _ in 0..64 {
+                if ready() {
+                    self.record(true);
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if Instant::now() >= end {
+                self.record(false);
+                return false;
+            }
+        }
+    }
+}
+
+/// The spinner of poll/select/epoll waits in this process.
+pub static WAITS: Spinner = Spinner::new();
