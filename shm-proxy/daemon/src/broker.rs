@@ -24,6 +24,7 @@ use crate::listener_store::{ListenerRecord, ListenerStore};
 use crate::memfd;
 use crate::pods::{PodId, PodTable};
 use crate::ring_watch::{Progress, RingWatch};
+use crate::sockets;
 
 /// The only lane this broker hands out today.
 pub const SHM_LANE: &str = "shm";
@@ -795,7 +796,13 @@ impl Broker {
         for procs in self.listeners.values_mut() {
             procs.retain(&mut is_alive);
         }
-        self.listeners.retain(|_, procs| !procs.is_empty());
+        self.listeners.retain(|(_, addr), procs| {
+            // The pod's namespace must still have the listening socket
+            // (checked through a process of it; unreadable = keep).
+            procs
+                .first()
+                .is_some_and(|p| sockets::netns_listens_on(p.pid, addr.port()).unwrap_or(true))
+        });
         let after: usize = self.listeners.values().map(Vec::len).sum();
         if before != after {
             self.save_listeners();
@@ -1368,6 +1375,12 @@ mod tests {
     fn a_claiming_process_keeps_the_listener_after_the_listening_one_exits() {
         let mut n = node("prefork", Limits::default());
         let b = &mut n.broker;
+        // Registrations are checked against real listening sockets of the
+        // pod's namespace (here: the test's own).
+        let socket = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = socket.local_addr().unwrap().port();
+        let listen_addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
+        let server_addr = SocketAddr::new("10.202.9.2".parse().unwrap(), port);
         let mut parent = std::process::Command::new("sleep")
             .arg("60")
             .spawn()
@@ -1376,19 +1389,14 @@ mod tests {
             netns: Some(2),
             process: Some(ProcessId::of(parent.id()).unwrap()),
         };
-        let r = b.handle(
-            &as_parent,
-            Request::RegisterListener {
-                addr: sa("0.0.0.0:90"),
-            },
-        );
+        let r = b.handle(&as_parent, Request::RegisterListener { addr: listen_addr });
         assert_eq!(r.response, Response::Ok);
-        let intent = |b: &mut Broker, port: u16| {
+        let intent = |b: &mut Broker, src_port: u16| {
             b.handle(
                 &pod(1),
                 Request::ConnectIntent {
-                    src: sa(&format!("10.202.9.1:{port}")),
-                    dst: sa("10.202.9.2:90"),
+                    src: sa(&format!("10.202.9.1:{src_port}")),
+                    dst: server_addr,
                     region_len: 8192,
                 },
             )
@@ -1399,7 +1407,7 @@ mod tests {
         let r = b.handle(
             &pod(2),
             Request::ClaimAccepted {
-                local: sa("10.202.9.2:90"),
+                local: server_addr,
                 peer: sa("10.202.9.1:5000"),
             },
         );
@@ -1409,6 +1417,12 @@ mod tests {
         b.tick(Instant::now());
         assert_eq!(b.stats().listeners.len(), 1);
         assert!(matches!(intent(b, 5001), Response::Channel { .. }));
+        // The listening socket closes without an unregister: the next sweep
+        // drops the registration.
+        drop(socket);
+        b.tick(Instant::now() + Duration::from_secs(10));
+        assert!(b.stats().listeners.is_empty());
+        assert!(matches!(intent(b, 5002), Response::NoChannel { .. }));
     }
 
     #[test]

@@ -15,6 +15,7 @@ mod metrics;
 mod pods;
 mod ring_watch;
 mod server;
+mod sockets;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -354,16 +354,22 @@ fn map(ch: flowlane_lane::client::Channel) -> Result<Mapped, String> {
 
 fn agent_loop(socket: &Path) {
     let mut mapped: Option<Mapped> = None;
+    let mut sockets = std::collections::HashMap::new();
     let stdin = std::io::stdin();
     for line in stdin.lock().lines().map_while(Result::ok) {
-        let answer = agent_command(socket, &line, &mut mapped);
+        let answer = agent_command(socket, &line, &mut mapped, &mut sockets);
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "@@ {answer}");
         let _ = out.flush();
     }
 }
 
-fn agent_command(socket: &Path, line: &str, mapped: &mut Option<Mapped>) -> String {
+fn agent_command(
+    socket: &Path,
+    line: &str,
+    mapped: &mut Option<Mapped>,
+    sockets: &mut std::collections::HashMap<SocketAddr, std::net::TcpListener>,
+) -> String {
     let words: Vec<&str> = line.split_whitespace().collect();
     let client = || DaemonClient::connect(socket, CALL_TIMEOUT);
     let addr = |i: usize| -> SocketAddr { words[i].parse().expect("address argument") };
@@ -387,8 +393,28 @@ fn agent_command(socket: &Path, line: &str, mapped: &mut Option<Mapped>) -> Stri
         Err(e) => format!("err {:?} {e}", e.kind()),
     };
     match words.first().copied().unwrap_or("") {
-        "listen" => unit(client().and_then(|mut c| c.register_listener(addr(1)))),
-        "unlisten" => unit(client().and_then(|mut c| c.unregister_listener(addr(1)))),
+        "listen" => {
+            // Like the preload library: a real listening socket first (the
+            // daemon drops registrations whose socket is gone). Any address
+            // of the port will do; the daemon checks the registered one.
+            let a = addr(1);
+            let any = SocketAddr::new(
+                if a.is_ipv4() {
+                    IpAddr::from([0u8; 4])
+                } else {
+                    IpAddr::from([0u16; 8])
+                },
+                a.port(),
+            );
+            if let Ok(l) = std::net::TcpListener::bind(any) {
+                sockets.insert(a, l);
+            }
+            unit(client().and_then(|mut c| c.register_listener(a)))
+        }
+        "unlisten" => {
+            sockets.remove(&addr(1));
+            unit(client().and_then(|mut c| c.unregister_listener(addr(1))))
+        }
         "intent" => {
             channel(client().and_then(|mut c| c.connect_intent(addr(1), addr(2), num(3) as usize)))
         }

@@ -1,0 +1,73 @@
+//! Whether a pod still has a listening TCP socket on a port, read from
+//! `/proc/PID/net/tcp{,6}` of one of its processes (those files show the
+//! sockets of the process's network namespace). A listener registration
+//! whose socket is gone (closed without the library seeing it, e.g. by a
+//! raw syscall) is dropped, so its port cannot be mistaken for a flowlane
+//! listener if another program binds it later.
+
+use std::io;
+
+/// TCP state LISTEN in `/proc/net/tcp`.
+const LISTEN: &str = "0A";
+
+/// True when the network namespace of `pid` has a TCP socket listening on
+/// `port` (any address, either family).
+pub fn netns_listens_on(pid: u32, port: u16) -> io::Result<bool> {
+    let mut found_any_file = false;
+    for file in ["tcp", "tcp6"] {
+        match std::fs::read_to_string(format!("/proc/{pid}/net/{file}")) {
+            Ok(table) => {
+                found_any_file = true;
+                if table_listens_on(&table, port) {
+                    return Ok(true);
+                }
+            }
+            // No IPv6 in this kernel: the IPv4 table decides.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if found_any_file {
+        Ok(false)
+    } else {
+        Err(io::ErrorKind::NotFound.into())
+    }
+}
+
+fn table_listens_on(table: &str, port: u16) -> bool {
+    table.lines().skip(1).any(|line| {
+        let mut f = line.split_whitespace();
+        let local = f.nth(1);
+        let state = f.nth(1);
+        let local_port = local
+            .and_then(|l| l.rsplit_once(':'))
+            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+        state == Some(LISTEN) && local_port == Some(port)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_proc_table() {
+        let t = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0\n   1: 0200CA0A:A410 0300CA0A:0050 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0 20 4 30 10 -1\n";
+        assert!(table_listens_on(t, 8080));
+        assert!(
+            !table_listens_on(t, 42000),
+            "an established socket is no listener"
+        );
+        assert!(!table_listens_on(t, 80));
+        assert!(!table_listens_on("garbage\nmore garbage", 80));
+    }
+
+    #[test]
+    fn sees_a_real_listener_come_and_go() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert!(netns_listens_on(std::process::id(), port).unwrap());
+        drop(l);
+        assert!(!netns_listens_on(std::process::id(), port).unwrap());
+    }
+}
