@@ -111,11 +111,13 @@ pub fn main(args: &[String]) -> i32 {
         }
     };
     let report = run(&opts);
-    if opts.json {
-        println!("{}", report.to_json());
+    let text = if opts.json {
+        report.to_json() + "\n"
     } else {
-        print!("{}", report.to_text());
-    }
+        report.to_text()
+    };
+    // A reader that goes away (`| head`) is not an error of the node.
+    let _ = std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes());
     report.exit_code()
 }
 
