@@ -208,3 +208,42 @@ else:
         print('eof-after-kill', flush=True)
     print('ok', case)
 "#;
+
+/// `asyncio_echo.py server PORT` / `asyncio_echo.py client IP PORT CONNS`:
+/// asyncio streams; the client holds CONNS connections open at once, each
+/// sends 2000 bytes and checks the echo. Prints "ok CONNS".
+pub const ASYNCIO_ECHO: &str = r#"
+import asyncio, sys
+async def handle(r, w):
+    while True:
+        d = await r.read(65536)
+        if not d: break
+        w.write(d); await w.drain()
+    w.close()
+async def server(port):
+    s = await asyncio.start_server(handle, '0.0.0.0', port, backlog=2048)
+    async with s: await s.serve_forever()
+async def one(ip, port, i, opened, go):
+    r, w = await asyncio.open_connection(ip, port)
+    opened.append(1)
+    await go.wait()
+    msg = (b'%06d' % i) * 333 + b'xx'
+    w.write(msg); await w.drain()
+    got = await r.readexactly(len(msg))
+    assert got == msg
+    w.write_eof()
+    assert await r.read() == b''
+    w.close()
+async def client(ip, port, n):
+    opened = []; go = asyncio.Event()
+    tasks = [asyncio.create_task(one(ip, port, i, opened, go)) for i in range(n)]
+    while len(opened) < n:
+        await asyncio.sleep(0.05)
+        for t in tasks:
+            if t.done() and t.exception(): raise t.exception()
+    go.set()   # all n connections are open at the same time now
+    await asyncio.gather(*tasks)
+    print('ok', n)
+if sys.argv[1] == 'server': asyncio.run(server(int(sys.argv[2])))
+else: asyncio.run(client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+"#;
