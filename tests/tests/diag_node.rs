@@ -33,6 +33,8 @@ struct Node {
     dir: TempDir,
     /// Third octet of the node's pod subnet 10.204.<octet>.0/24.
     octet: u8,
+    /// Also an IPv6 range.
+    dual: bool,
     network: String,
     daemon: Option<ChildGuard>,
     pods: Vec<(Netns, String)>,
@@ -44,6 +46,15 @@ impl Node {
     /// A node with the flowlane conflist installed, the plugin in its bin
     /// dir, flowlaned running, and `pods` pods wired by the plugin.
     fn new(k: u8, pods: usize) -> Node {
+        Node::build(k, pods, false)
+    }
+
+    /// Like [`Node::new`], with an IPv6 range fd00:204:<octet>::/64 too.
+    fn dual_stack(k: u8, pods: usize) -> Node {
+        Node::build(k, pods, true)
+    }
+
+    fn build(k: u8, pods: usize, dual: bool) -> Node {
         assert!(
             (1..=7).contains(&k),
             "k picks one of seven subnets per process (8 is a peer's)"
@@ -60,6 +71,7 @@ impl Node {
             _bridge: LinkGuard::new(&network),
             dir,
             octet,
+            dual,
             network,
             daemon: None,
             pods: Vec::new(),
@@ -93,6 +105,14 @@ impl Node {
         self.conf_dir().join("10-flowlane.conflist")
     }
 
+    fn ranges(&self) -> Value {
+        let mut r = vec![json!([{ "subnet": format!("10.204.{}.0/24", self.octet) }])];
+        if self.dual {
+            r.push(json!([{ "subnet": format!("fd00:204:{:x}::/64", self.octet) }]));
+        }
+        Value::Array(r)
+    }
+
     /// The flowlane plugin's entry of the conflist.
     fn plugin_conf(&self) -> Value {
         json!({
@@ -104,7 +124,7 @@ impl Node {
             "daemonSocket": self.socket(),
             "ipam": {
                 "type": "flowlane",
-                "ranges": [[{ "subnet": format!("10.204.{}.0/24", self.octet) }]],
+                "ranges": self.ranges(),
                 "dataDir": self.dir.join("ipam"),
             },
         })
@@ -264,7 +284,7 @@ fn assert_fix_given(report: &Value) {
 
 #[test]
 fn diag_reports_a_healthy_node_as_healthy() {
-    let node = Node::new(1, 2);
+    let node = Node::dual_stack(1, 2);
     let (code, report) = node.diag();
     assert_eq!(
         problems(&report),
@@ -301,6 +321,31 @@ fn diag_reports_a_healthy_node_as_healthy() {
         .unwrap()
         .to_string();
     assert!(usage.contains("2 of 253"), "{usage}");
+    // Dual stack: both gateways on the bridge, both subnets routed to it.
+    let bridge = report["sections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "bridge")
+        .unwrap()["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["summary"].as_str().unwrap().to_string())
+        .collect::<Vec<_>>();
+    let v6 = format!("fd00:204:{:x}::/64", node.octet);
+    assert!(
+        bridge
+            .iter()
+            .any(|f| f.contains("gateway") && f.contains(&v6)),
+        "{bridge:#?}"
+    );
+    assert!(
+        bridge
+            .iter()
+            .any(|f| f.starts_with(&format!("{v6} routes to"))),
+        "{bridge:#?}"
+    );
 
     // With an RDMA NIC (the Soft-RoCE fixture tree), the lane's GID is
     // chosen; the daemon's 8 MiB memlock is then only a warning, and
