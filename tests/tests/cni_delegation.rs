@@ -98,3 +98,32 @@ fn host_local_found_only_through_cni_path() {
         .expect_ok();
     net.assert_clean(&[&pod.id]);
 }
+
+#[test]
+fn status_with_a_pre_1_1_ipam_plugin_reports_ready() {
+    // host-local speaks at most 1.0.0 and has no STATUS: the spec (and
+    // libcni) treat a plugin without STATUS as available, so flowlane must
+    // not report the network unavailable because of it.
+    if net_plugin() != flowlane_e2e::binaries::PluginUnderTest::Flowlane {
+        return;
+    }
+    let net = TestNet::new("hls", &["10.201.53.0/24"]);
+    let conf = delegating(&net, "1.1.0");
+    // Repeated: host-local answers VERSION without reading its stdin, so a
+    // delegating plugin that treats the resulting EPIPE as a failure fails
+    // only when the scheduler lets host-local exit first (seen under load).
+    for _ in 0..40 {
+        net.invoke("STATUS").config(&conf).run().expect_ok();
+    }
+    // And the delegated network keeps working after STATUS.
+    let pod = Pod::new("hls");
+    let raw = net.pod_call("ADD", &pod, &conf).run().expect_json();
+    let mut del = conf.clone();
+    del["prevResult"] = raw;
+    net.pod_call("DEL", &pod, &del).run().expect_ok();
+    net.assert_clean(&[&pod.id]);
+}
+
+fn net_plugin() -> flowlane_e2e::binaries::PluginUnderTest {
+    flowlane_e2e::binaries::PluginUnderTest::from_env()
+}

@@ -463,6 +463,14 @@ fn logs_never_reach_stdout() {
             out.stdout
         );
     }
+    // A log file that cannot be opened never breaks the plugin, nor stdout.
+    let conf = with(&net, |c| {
+        c["logFile"] = json!("/proc/flt-no-such-dir/plugin.log")
+    });
+    let res = net.pod_call("ADD", &pod, &conf).run().expect_json();
+    let mut d = conf.clone();
+    d["prevResult"] = res;
+    net.pod_call("DEL", &pod, &d).run().expect_ok();
     net.assert_clean(&[&pod.id]);
 }
 
