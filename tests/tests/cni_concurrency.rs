@@ -12,26 +12,77 @@ use flowlane_e2e::result::expect_valid;
 
 const PODS: usize = 64;
 
+/// One 64-pod storm at a time: two at once would only measure the machine.
+static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn sixty_four_concurrent_adds_then_dels_leak_nothing() {
+    storm("par", "10.201.40.0/24", "fd00:201:40::/64", None);
+}
+
+#[test]
+#[ignore = "plugin bug (h1): the 1.1.0 VERSION probe of a delegated IPAM plugin fails with EPIPE (code 5) when host-local exits before reading stdin; ~1 in 64 ADDs under load"]
+fn sixty_four_concurrent_adds_through_delegated_host_local() {
+    storm(
+        "parhl",
+        "10.201.41.0/24",
+        "fd00:201:41::/64",
+        Some("host-local"),
+    );
+}
+
+fn storm(tag: &str, v4: &str, v6: &str, ipam_type: Option<&str>) {
+    let _heavy = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let v = match PluginUnderTest::from_env() {
         PluginUnderTest::Flowlane => "1.1.0",
         PluginUnderTest::Reference => "1.0.0",
     };
-    let net = Arc::new(TestNet::new("par", &["10.201.40.0/24", "fd00:201:40::/64"]));
-    let pods: Vec<Arc<Pod>> = (0..PODS).map(|_| Arc::new(Pod::new("par"))).collect();
+    let net = Arc::new(TestNet::new(tag, &[v4, v6]));
+    let mut conf = net.conf(v);
+    if let Some(t) = ipam_type {
+        conf["ipam"]["type"] = serde_json::json!(t);
+    }
+    let conf = Arc::new(conf);
+    let pods: Vec<Arc<Pod>> = (0..PODS).map(|_| Arc::new(Pod::new(tag))).collect();
 
     let adds: Vec<_> = pods
         .iter()
         .map(|p| {
-            let (net, p) = (net.clone(), p.clone());
-            std::thread::spawn(move || net.pod_call("ADD", &p, &net.conf(v)).run())
+            let (net, p, conf) = (net.clone(), p.clone(), conf.clone());
+            std::thread::spawn(move || net.pod_call("ADD", &p, &conf).run())
         })
         .collect();
     let results: Vec<_> = adds
         .into_iter()
         .map(|h| h.join().expect("ADD thread"))
         .collect();
+    let failed: Vec<String> = results
+        .iter()
+        .filter(|o| !o.success())
+        .map(|o| o.stdout.trim().to_string())
+        .collect();
+    if !failed.is_empty() {
+        // A failed ADD must leave nothing: DEL everything, check, then report.
+        for (p, o) in pods.iter().zip(&results) {
+            if !o.success() {
+                let links: Vec<String> = p.netns.links().into_iter().map(|l| l.ifname).collect();
+                assert_eq!(
+                    links,
+                    vec!["lo"],
+                    "failed ADD left links in {}",
+                    p.netns.name()
+                );
+            }
+            let _ = net.pod_call("DEL", p, &conf).run();
+        }
+        let ids: Vec<&str> = pods.iter().map(|p| p.id.as_str()).collect();
+        net.assert_clean(&ids);
+        panic!(
+            "{} of {PODS} concurrent ADDs failed, e.g. {}",
+            failed.len(),
+            failed[0]
+        );
+    }
     let results: Vec<_> = results.iter().map(|o| o.expect_json()).collect();
 
     let mut v4 = BTreeSet::<IpAddr>::new();
@@ -63,7 +114,9 @@ fn sixty_four_concurrent_adds_then_dels_leak_nothing() {
         .zip(results)
         .map(|(p, r)| {
             let (net, p) = (net.clone(), p.clone());
-            std::thread::spawn(move || net.del(&p, v, Some(&r)))
+            let mut del = (*conf).clone();
+            del["prevResult"] = r;
+            std::thread::spawn(move || net.pod_call("DEL", &p, &del).run())
         })
         .collect();
     for h in dels {
