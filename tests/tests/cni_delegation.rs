@@ -127,3 +127,36 @@ fn status_with_a_pre_1_1_ipam_plugin_reports_ready() {
 fn net_plugin() -> flowlane_e2e::binaries::PluginUnderTest {
     flowlane_e2e::binaries::PluginUnderTest::from_env()
 }
+
+#[test]
+fn gc_with_a_delegated_pre_1_1_ipam_cleans_the_registry() {
+    // host-local has no GC: flowlane's GC must still succeed and drop the
+    // stale pod-registry entries (the leases are host-local's business).
+    if net_plugin() != flowlane_e2e::binaries::PluginUnderTest::Flowlane {
+        return;
+    }
+    let net = TestNet::new("hlgc", &["10.201.54.0/24"]);
+    let conf = delegating(&net, "1.1.0");
+    let pods: Vec<Pod> = (0..2).map(|_| Pod::new("hlgc")).collect();
+    let results: Vec<serde_json::Value> = pods
+        .iter()
+        .map(|p| net.pod_call("ADD", p, &conf).run().expect_json())
+        .collect();
+    assert_eq!(net.registry_entries().len(), 2);
+    let mut gc = conf.clone();
+    gc["cni.dev/valid-attachments"] = json!([{"containerID": pods[0].id, "ifname": "eth0"}]);
+    net.invoke("GC").config(&gc).run().expect_ok();
+    let left: Vec<String> = net
+        .registry_entries()
+        .into_iter()
+        .map(|e| e.container_id)
+        .collect();
+    assert_eq!(left, vec![pods[0].id.clone()]);
+    for (p, r) in pods.iter().zip(results) {
+        let mut del = conf.clone();
+        del["prevResult"] = r;
+        net.pod_call("DEL", p, &del).run().expect_ok();
+    }
+    let ids: Vec<&str> = pods.iter().map(|p| p.id.as_str()).collect();
+    net.assert_clean(&ids);
+}
