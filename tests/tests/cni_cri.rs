@@ -194,6 +194,12 @@ fn containerd_cri_pods_talk_through_flowlane_and_leave_nothing() {
             .unwrap();
         assert!(left.is_empty(), "registry entries leaked: {left:?}");
     }
+    // libcni's result cache (containerd's copy of each ADD result) is gone too.
+    let cached: Vec<_> = flowlane_e2e::fsutil::files_below(Path::new("/var/lib/cni"))
+        .into_iter()
+        .filter(|p| p.display().to_string().contains(&net))
+        .collect();
+    assert!(cached.is_empty(), "libcni cache entries left: {cached:?}");
     for p in &netns_paths {
         assert!(!Path::new(p).exists(), "netns {p} leaked");
     }
