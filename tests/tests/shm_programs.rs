@@ -373,7 +373,7 @@ fn daemon_restart_mid_stream() {
         "live stream: {out} {err}"
     );
     assert!(
-        node.shm_opened() >= before + 1,
+        node.shm_opened() > before,
         "after the restart new connections must use shm again; log:\n{}",
         node.daemon_log()
     );
