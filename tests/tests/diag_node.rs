@@ -463,6 +463,15 @@ fn diag_detects_a_leaked_lease() {
         .contains(&node.ip(200)));
     assert_ne!(code, 0);
     assert_fix_given(&report);
+
+    // The opposite fault: the pod's own lease removed (someone cleaned the
+    // data dir): its address could be given to the next pod.
+    let own = node.lease_dir().join(node.ip(2));
+    assert!(own.exists(), "pod0 got {}", node.ip(2));
+    std::fs::remove_file(&own).unwrap();
+    let (code, report) = node.diag();
+    assert!(has_error(&report, "ipam.lease_missing"), "{report:#}");
+    assert_ne!(code, 0);
 }
 
 #[test]

@@ -4,7 +4,9 @@
 //!
 //! A lease is leaked when no registered pod holds it, or when the pod that
 //! holds it has lost its network namespace: the address stays taken until
-//! someone runs CNI DEL, and a full pool stops new pods from starting.
+//! someone runs CNI DEL, and a full pool stops new pods from starting. A
+//! live pod's address without a lease is the opposite fault: the address
+//! can be handed out twice.
 
 use std::net::IpAddr;
 use std::path::Path;
@@ -94,6 +96,32 @@ pub fn check(net: Option<&FlowlaneNet>, pods: &[PodState]) -> Section {
             );
         } else {
             s.info("ipam.usage", line);
+        }
+    }
+    // The other way round: a live pod's address without its lease is free
+    // in the allocator's eyes, and the next pod can get it too.
+    for p in pods
+        .iter()
+        .filter(|p| p.attachment.network == net.network && p.netns_state == NetnsState::Present)
+    {
+        for ip in p.attachment.addresses() {
+            let in_pool = net.ranges.iter().any(|r| r.subnet.contains(ip));
+            if in_pool && !leases.iter().any(|l| l.ip == ip) {
+                s.error(
+                    "ipam.lease_missing",
+                    format!(
+                        "{ip} of container {} has no lease in {}: the allocator can hand it to another pod",
+                        short(&p.attachment.container_id),
+                        dir.display()
+                    ),
+                    format!(
+                        "recreate the lease (printf '%s\\r\\n%s' {} {} > {}) or restart the pod so it gets a fresh address",
+                        p.attachment.container_id,
+                        p.attachment.ifname,
+                        dir.join(ip.to_string()).display()
+                    ),
+                );
+            }
         }
     }
     for l in leases.iter().filter(|l| l.state != "live") {
