@@ -37,6 +37,7 @@ pub mod code {
 #[derive(Debug, Clone)]
 pub struct Invocation {
     plugin: PathBuf,
+    node: Option<String>,
     env: BTreeMap<String, String>,
     stdin: Vec<u8>,
     timeout: Duration,
@@ -49,6 +50,7 @@ impl Invocation {
         env.insert("CNI_COMMAND".to_string(), command.to_string());
         Invocation {
             plugin: plugin.as_ref().to_path_buf(),
+            node: None,
             env,
             stdin: Vec::new(),
             timeout: Duration::from_secs(120),
@@ -97,10 +99,25 @@ impl Invocation {
         self
     }
 
+    /// Runs the plugin inside the network namespace `node` (named, as
+    /// `ip netns` knows it) instead of the test's: a "node" of a cluster
+    /// simulated on one machine, whose bridge and host-side veths live there.
+    pub fn in_netns(mut self, node: &str) -> Self {
+        self.node = Some(node.to_string());
+        self
+    }
+
     /// Runs the plugin with exactly these variables (plus `PATH`), as
     /// libcni does (it passes the runtime's environment, which has no CNI_*).
     pub fn run(&self) -> PluginOutput {
-        let mut cmd = Command::new(&self.plugin);
+        let mut cmd = match &self.node {
+            Some(node) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", node]).arg(&self.plugin);
+                c
+            }
+            None => Command::new(&self.plugin),
+        };
         cmd.env_clear().env(
             "PATH",
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

@@ -736,3 +736,44 @@ fn repeated_add_without_del_never_leaks_a_second_lease() {
     net.del(&pod, v, Some(&first)).expect_ok();
     net.assert_clean(&[&pod.id]);
 }
+
+#[test]
+fn plugin_runs_inside_a_node_namespace() {
+    // The one-machine cluster runs each node's plugin inside the node's netns:
+    // the bridge and the host-side veths live there, not on the machine.
+    let v = version_latest();
+    let net = TestNet::new("node", &["10.201.33.0/24"]);
+    let node = flowlane_e2e::netns::Netns::new("nodex");
+    let a = Pod::new("nodea");
+    let b = Pod::new("nodeb");
+    let add = |p: &Pod| {
+        net.pod_call("ADD", p, &net.conf(v))
+            .in_netns(node.name())
+            .run()
+            .expect_json()
+    };
+    let (ra, rb) = (add(&a), add(&b));
+    assert!(
+        flowlane_e2e::host::link(&net.name).is_none(),
+        "bridge leaked onto the host"
+    );
+    let br = node.link(&net.name).expect("bridge inside the node");
+    assert!(br.cidrs().contains(&"10.201.33.1/24".to_string()), "{br:?}");
+    let b4 = expect_valid(v, &rb).ipv4().unwrap().address;
+    let rep =
+        traffic::tcp_echo(&b.netns, b4, 7605, &a.netns, 256 << 10).expect("tcp within the node");
+    assert_eq!(rep.echoed_hash, rep.sent_hash);
+    for (p, r) in [(&a, ra), (&b, rb)] {
+        net.pod_call("DEL", p, &net.conf_with_prev(v, &r))
+            .in_netns(node.name())
+            .run()
+            .expect_ok();
+    }
+    let ports = node.ip(&["-j", "link", "show", "master", &net.name]).stdout;
+    assert!(
+        flowlane_e2e::host::parse_links(&ports).is_empty(),
+        "veths left in the node: {ports}"
+    );
+    assert!(net.leases().is_empty());
+    assert!(net.registry_entries().is_empty() || net.plugin == PluginUnderTest::Reference);
+}
