@@ -224,7 +224,7 @@ fn notes(cfg: &DemoConfig, scaled: &[ModelProfile]) -> Vec<String> {
                 .join(", ")
         ),
         "Compute is emulated by sleeping (the talk's compute ran on GPUs, leaving host CPUs to the network); compute times are K80-class, batch 32 per worker, from published tf_cnn_benchmarks figures (GoogLeNet estimated from FLOPs).".into(),
-        format!("Each run: {} warm-up step(s), then {} measured steps; throughput is set by the slowest worker; images/s = steps/s x batch x workers; efficiency = speed-up / workers against the 1-worker run of the same series.", cfg.warmup, cfg.steps),
+        format!("Each run: {} warm-up step(s), then {} measured steps; a run's step time is its slowest worker's median step (robust against hiccups of a shared machine), split into the workers' median compute and communication; images/s = steps/s x batch x workers; efficiency = speed-up / workers against the 1-worker run of the same series.", cfg.warmup, cfg.steps),
         "Lane 'asked' = tcp (no preload library) or shm (LD_PRELOAD=libflowlane_preload.so). Lane 'measured' comes from the node daemons' counters before and after each run: shm = every connection got a shared-memory channel, shm+tcp = some did (e.g. cross-node ones stay on TCP), tcp = none did.".into(),
         "RDMA lane: not measured (this machine has no RDMA NIC); it joins the report when the RDMA transport lands.".into(),
     ];
@@ -255,14 +255,23 @@ fn plan<'a>(cfg: &DemoConfig, models: &'a [ModelProfile], st: &'a ClusterState) 
                 match workload {
                     Workload::AllReduce => {
                         for w in [1usize, 2, 4].into_iter().filter(|&w| w <= spread.len()) {
+                            // Two workers: spread (cross-node on two nodes).
+                            // All pods: in node order, so the ring crosses
+                            // between nodes as few times as possible (as
+                            // NCCL and Gloo order their rings).
+                            let ring: Vec<&PodState> = if w == pods.len() {
+                                pods.iter().collect()
+                            } else {
+                                spread[..w].to_vec()
+                            };
                             jobs.push(Job {
                                 workload,
                                 model,
                                 lane,
-                                workers: spread[..w].to_vec(),
+                                placement: placement(&ring, None),
+                                workers: ring,
                                 server: None,
                                 cluster: cluster.clone(),
-                                placement: placement(&spread[..w], None),
                             });
                         }
                         if nodes > 1 && st.spec.pods_per_node > 1 {

@@ -22,6 +22,35 @@ fn esc(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// A series' colour (one per workload and cluster, so the two lanes of the
+/// same job share it) and dash pattern (solid: preload library asked,
+/// dashed: plain TCP asked).
+fn style(series: &[String], k: usize, runs: &[&RunRecord]) -> (&'static str, &'static str) {
+    let of = |name: &str| runs.iter().find(|r| r.series() == name).copied();
+    let Some(me) = of(&series[k]) else {
+        return (COLORS[k % COLORS.len()], "none");
+    };
+    let mut jobs: Vec<(String, String)> = Vec::new();
+    for name in series {
+        if let Some(r) = of(name) {
+            let job = (r.workload.clone(), r.cluster.clone());
+            if !jobs.contains(&job) {
+                jobs.push(job);
+            }
+        }
+    }
+    let idx = jobs
+        .iter()
+        .position(|j| j.0 == me.workload && j.1 == me.cluster)
+        .unwrap_or(k);
+    let dash = if me.lane_requested == "tcp" {
+        "7,4"
+    } else {
+        "none"
+    };
+    (COLORS[idx % COLORS.len()], dash)
+}
+
 /// The lanes the counters showed for a series' multi-worker runs.
 fn measured_lanes(runs: &[&RunRecord], series: &str) -> String {
     let set: BTreeSet<&str> = runs
@@ -70,7 +99,7 @@ pub fn scaling_svg(report: &Report) -> String {
         s,
         r#"<text x="{}" y="24" font-size="16" text-anchor="middle">{}</text>"#,
         width / 2.0,
-        esc("Speed-up vs one worker (dashed: linear scaling); series: workload / lane asked / cluster")
+        esc("Speed-up vs one worker. Grey: linear. Solid: preload library (shm asked), dashed: plain TCP")
     );
     for (i, model) in models.iter().enumerate() {
         let ox = (i % COLUMNS) as f64 * PANEL_W;
@@ -115,14 +144,14 @@ pub fn scaling_svg(report: &Report) -> String {
         );
         let _ = writeln!(
             s,
-            r##"<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#999" stroke-dasharray="5,4"/>"##,
+            r##"<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#bbb" stroke-width="1" stroke-dasharray="2,3"/>"##,
             px(1.0),
             py(1.0),
             px(max_w),
             py(max_w)
         );
         for (k, name) in series.iter().enumerate() {
-            let color = COLORS[k % COLORS.len()];
+            let (color, dash) = style(&series, k, &ok);
             let mut pts: Vec<(f64, f64)> = ok
                 .iter()
                 .filter(|r| &r.model == model && &r.series() == name)
@@ -138,7 +167,7 @@ pub fn scaling_svg(report: &Report) -> String {
                 .collect();
             let _ = writeln!(
                 s,
-                r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#,
+                r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2" stroke-dasharray="{dash}"/>"#,
                 path.join(" ")
             );
             for (w, v) in &pts {
@@ -156,16 +185,16 @@ pub fn scaling_svg(report: &Report) -> String {
     }
     let ly = 40.0 + rows as f64 * PANEL_H;
     for (k, name) in series.iter().enumerate() {
-        let color = COLORS[k % COLORS.len()];
+        let (color, dash) = style(&series, k, &ok);
         let y = ly + 22.0 * k as f64;
         let _ = writeln!(
             s,
-            r#"<line x1="{MARGIN}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            r#"<line x1="{MARGIN}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="3" stroke-dasharray="{dash}"/><text x="{}" y="{}">{}</text>"#,
             MARGIN + 30.0,
             MARGIN + 38.0,
             y + 4.0,
             esc(&format!(
-                "{name}   (lane measured: {})",
+                "{name} (workload / lane asked / cluster; lane measured: {})",
                 measured_lanes(&ok, name)
             ))
         );

@@ -97,34 +97,14 @@ impl RunRecord {
             return;
         }
         let n = results.len() as f64;
-        let per_step = |f: fn(&WorkerResult) -> f64| {
-            results
-                .iter()
-                .map(|r| {
-                    if r.steps > 0 {
-                        f(r) / r.steps as f64
-                    } else {
-                        0.0
-                    }
-                })
-                .sum::<f64>()
-                / n
-        };
+        let medians: Vec<(f64, f64, f64)> = results.iter().map(WorkerResult::median_step).collect();
         self.steps = results.iter().map(|r| r.steps).min().unwrap_or(0);
         self.tensor_bytes = results[0].tensor_bytes;
-        self.compute_s = per_step(|r| r.compute_s);
-        self.comm_s = per_step(|r| r.comm_s);
-        // The job goes as fast as its slowest worker.
-        let slowest = results
-            .iter()
-            .map(|r| {
-                if r.steps > 0 {
-                    r.wall_s / r.steps as f64
-                } else {
-                    0.0
-                }
-            })
-            .fold(0.0, f64::max);
+        self.compute_s = medians.iter().map(|m| m.1).sum::<f64>() / n;
+        self.comm_s = medians.iter().map(|m| m.2).sum::<f64>() / n;
+        // The job goes as fast as its slowest worker; each worker's step is
+        // its median step (robust against a hiccup of a shared machine).
+        let slowest = medians.iter().map(|m| m.0).fold(0.0, f64::max);
         self.step_s = slowest;
         self.steps_per_s = if slowest > 0.0 { 1.0 / slowest } else { 0.0 };
         self.images_per_s = self.steps_per_s * self.batch as f64 * self.workers as f64;

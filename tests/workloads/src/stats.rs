@@ -21,6 +21,10 @@ pub struct WorkerResult {
     pub compute_s: f64,
     /// Of which communicating, seconds.
     pub comm_s: f64,
+    /// Every measured step's `[compute, comm]` seconds (for medians: a
+    /// shared machine has hiccups that a mean would smear over a run).
+    #[serde(default)]
+    pub step_detail: Vec<[f64; 2]>,
     /// Application bytes this worker sent and received in measured steps.
     pub bytes_sent: u64,
     pub bytes_received: u64,
@@ -46,6 +50,7 @@ pub struct StepClock {
     pub comm: Duration,
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    pub detail: Vec<[f64; 2]>,
 }
 
 impl StepClock {
@@ -63,6 +68,8 @@ impl StepClock {
             return;
         }
         self.steps += 1;
+        self.detail
+            .push([compute.as_secs_f64(), comm.as_secs_f64()]);
         self.compute += compute;
         self.comm += comm;
         self.bytes_sent += sent;
@@ -80,6 +87,7 @@ impl StepClock {
             comm_s: self.comm.as_secs_f64(),
             bytes_sent: self.bytes_sent,
             bytes_received: self.bytes_received,
+            step_detail: self.detail,
             ..Default::default()
         }
     }
@@ -95,5 +103,60 @@ pub fn compute_until(start: std::time::Instant, budget: Duration) {
     let spent = start.elapsed();
     if spent < budget {
         std::thread::sleep(budget - spent);
+    }
+}
+
+/// The median of `v` (0 for an empty slice).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+impl WorkerResult {
+    /// Median step, compute and communication time of this worker's
+    /// measured steps; falls back to the means without per-step detail.
+    pub fn median_step(&self) -> (f64, f64, f64) {
+        if self.step_detail.is_empty() {
+            let n = self.steps.max(1) as f64;
+            return (self.wall_s / n, self.compute_s / n, self.comm_s / n);
+        }
+        let total = median(self.step_detail.iter().map(|d| d[0] + d[1]).collect());
+        let compute = median(self.step_detail.iter().map(|d| d[0]).collect());
+        let comm = median(self.step_detail.iter().map(|d| d[1]).collect());
+        (total, compute, comm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_ignore_one_hiccup() {
+        assert_eq!(median(vec![]), 0.0);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        let mut clock = StepClock::new(1);
+        let ms = std::time::Duration::from_millis;
+        clock.step(ms(500), ms(500), 1, 1); // warm-up, ignored
+        for comm in [10, 10, 400] {
+            clock.step(ms(20), ms(comm), 1, 1);
+        }
+        let r = clock.into_result("x", 0, 1);
+        assert_eq!(r.steps, 3);
+        let (step, compute, comm) = r.median_step();
+        assert!(
+            (step - 0.030).abs() < 1e-9
+                && (compute - 0.020).abs() < 1e-9
+                && (comm - 0.010).abs() < 1e-9
+        );
     }
 }
