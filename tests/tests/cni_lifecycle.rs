@@ -777,3 +777,59 @@ fn plugin_runs_inside_a_node_namespace() {
     assert!(net.leases().is_empty());
     assert!(net.registry_entries().is_empty() || net.plugin == PluginUnderTest::Reference);
 }
+
+#[test]
+#[ignore = "plugin bug (h1): 1.1.0 route attributes (mtu, advmss, priority, table) are dropped from the result and not applied to the pod's routes"]
+fn cni_1_1_route_attributes_are_honoured() {
+    // CNI 1.1.0 routes carry mtu, advmss, priority, table and scope: the
+    // result reports them and the pod's routes have them.
+    if PluginUnderTest::from_env() == PluginUnderTest::Reference {
+        return; // Debian's plugins speak at most 1.0.0
+    }
+    let v = "1.1.0";
+    let net = TestNet::new("rt11", &["10.201.34.0/24"]);
+    let mut conf = net.conf(v);
+    conf["ipam"]["routes"] = serde_json::json!([
+        {"dst": "192.0.2.0/24", "mtu": 1300, "advmss": 1200, "priority": 55},
+        {"dst": "198.51.100.0/24", "table": 100}
+    ]);
+    let pod = Pod::new("rt11");
+    let raw = net.pod_call("ADD", &pod, &conf).run().expect_json();
+    expect_valid(v, &raw);
+    let routes = raw["routes"].as_array().cloned().unwrap_or_default();
+    let r1 = routes
+        .iter()
+        .find(|r| r["dst"] == "192.0.2.0/24")
+        .unwrap_or_else(|| panic!("route missing from result: {raw:#}"));
+    assert_eq!(r1["mtu"], 1300, "{raw:#}");
+    assert_eq!(r1["advmss"], 1200, "{raw:#}");
+    assert_eq!(r1["priority"], 55, "{raw:#}");
+    let r2 = routes
+        .iter()
+        .find(|r| r["dst"] == "198.51.100.0/24")
+        .unwrap();
+    assert_eq!(r2["table"], 100, "{raw:#}");
+    let main = pod
+        .netns
+        .ip(&["-j", "-d", "route", "show", "192.0.2.0/24"])
+        .expect_ok("ip route")
+        .stdout;
+    let main: serde_json::Value = serde_json::from_str(main.trim()).unwrap();
+    let m = &main[0];
+    assert_eq!(m["metric"], 55, "{main:#}");
+    assert_eq!(m["metrics"][0]["mtu"], 1300, "{main:#}");
+    assert_eq!(m["metrics"][0]["advmss"], 1200, "{main:#}");
+    let t100 = pod
+        .netns
+        .ip(&["-j", "route", "show", "table", "100"])
+        .expect_ok("ip route")
+        .stdout;
+    assert!(
+        t100.contains("198.51.100.0/24"),
+        "route in table 100: {t100}"
+    );
+    let mut del = conf.clone();
+    del["prevResult"] = raw;
+    net.pod_call("DEL", &pod, &del).run().expect_ok();
+    net.assert_clean(&[&pod.id]);
+}
