@@ -66,8 +66,10 @@ impl Delegate<'_> {
             CniError::new(code::IPAM_PLUGIN, format!("waiting for {}", path.display()))
                 .with_details(e)
         })?;
+        // A plugin may exit without reading stdin (skel ignores it for
+        // VERSION): a broken pipe is not an error, its exit status decides.
         if let Err(e) = write {
-            if out.status.success() {
+            if out.status.success() && e.kind() != std::io::ErrorKind::BrokenPipe {
                 return Err(CniError::io("writing config to ipam plugin", e));
             }
         }

@@ -61,6 +61,18 @@ impl Store {
         })
     }
 
+    /// The leased addresses (file names only: one getdents, no reads), for
+    /// the allocation fast path.
+    pub fn leased_ips(&self) -> io::Result<Vec<IpAddr>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&self.dir)? {
+            if let Some(ip) = entry?.file_name().to_str().and_then(|n| n.parse().ok()) {
+                out.push(ip);
+            }
+        }
+        Ok(out)
+    }
+
     /// Every lease in the directory.
     pub fn leases(&self) -> io::Result<Vec<Lease>> {
         let mut out = Vec::new();
