@@ -833,3 +833,25 @@ fn cni_1_1_route_attributes_are_honoured() {
     net.pod_call("DEL", &pod, &del).run().expect_ok();
     net.assert_clean(&[&pod.id]);
 }
+
+#[test]
+fn dns_settings_are_passed_into_the_result() {
+    // As the reference bridge does: the network's `dns` appears in the result
+    // (the runtime writes the pod's resolv.conf from it).
+    let v = version_latest();
+    let net = TestNet::new("dns", &["10.201.35.0/24"]);
+    let mut conf = net.conf(v);
+    let dns = serde_json::json!({
+        "nameservers": ["10.201.35.53"], "domain": "flt.example", "search": ["flt.example"], "options": ["ndots:2"]
+    });
+    conf["dns"] = dns.clone();
+    let pod = Pod::new("dns");
+    let raw = net.pod_call("ADD", &pod, &conf).run().expect_json();
+    for k in ["nameservers", "domain", "search", "options"] {
+        assert_eq!(raw["dns"][k], dns[k], "dns.{k} in {raw:#}");
+    }
+    let mut del = conf.clone();
+    del["prevResult"] = raw;
+    net.pod_call("DEL", &pod, &del).run().expect_ok();
+    net.assert_clean(&[&pod.id]);
+}
