@@ -39,24 +39,29 @@ impl RingWatch {
         }
     }
 
-    fn u64_at(&self, off: u64) -> io::Result<u64> {
-        let mut b = [0u8; 8];
-        self.file.read_exact_at(&mut b, off)?;
-        Ok(u64::from_ne_bytes(b))
-    }
-
-    fn u32_at(&self, off: u64) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.file.read_exact_at(&mut b, off)?;
-        Ok(u32::from_ne_bytes(b))
-    }
-
+    /// One `pread` of both control blocks (a sweep reads every live
+    /// connection, so one system call each matters).
     pub fn progress(&self) -> io::Result<Progress> {
+        const START: u64 = CTL_OFFSET[0];
+        const LEN: usize = (CTL_OFFSET[1] - START) as usize + PRODUCER_CLOSED as usize + 4;
+        let mut buf = [0u8; LEN];
+        self.file.read_exact_at(&mut buf, START)?;
+        let at = |off: u64| (off - START) as usize;
+        let u64_at = |off: u64| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&buf[at(off)..at(off) + 8]);
+            u64::from_ne_bytes(b)
+        };
+        let u32_at = |off: u64| {
+            let mut b = [0u8; 4];
+            b.copy_from_slice(&buf[at(off)..at(off) + 4]);
+            u32::from_ne_bytes(b)
+        };
         Ok(Progress {
-            client_to_server: self.u64_at(CTL_OFFSET[0] + TAIL)?,
-            server_to_client: self.u64_at(CTL_OFFSET[1] + TAIL)?,
-            both_closed: self.u32_at(CTL_OFFSET[0] + PRODUCER_CLOSED)? != 0
-                && self.u32_at(CTL_OFFSET[1] + PRODUCER_CLOSED)? != 0,
+            client_to_server: u64_at(CTL_OFFSET[0] + TAIL),
+            server_to_client: u64_at(CTL_OFFSET[1] + TAIL),
+            both_closed: u32_at(CTL_OFFSET[0] + PRODUCER_CLOSED) != 0
+                && u32_at(CTL_OFFSET[1] + PRODUCER_CLOSED) != 0,
         })
     }
 }
