@@ -143,6 +143,15 @@ fn dual_stack_pods_talk_over_v4_and_v6() {
     }
     assert_wired(&a, &ra);
     assert_wired(&b, &rb);
+    // The node forwards for its gateways (the sysctls forwarding needs).
+    assert_eq!(
+        flowlane_e2e::host::sysctl("net.ipv4.ip_forward").as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        flowlane_e2e::host::sysctl("net.ipv6.conf.all.forwarding").as_deref(),
+        Some("1")
+    );
     let (a6, b6) = (ra.ipv6().unwrap().address, rb.ipv6().unwrap().address);
     let b4 = rb.ipv4().unwrap().address;
     assert!(traffic::ping(&a.netns, b4, 10), "ping {b4}");
