@@ -53,6 +53,10 @@ pub const MAX_RING_SIZE: usize = 64 << 20;
 
 const CTL_OFFSET: [usize; 2] = [512, 1024];
 
+/// Large copies publish their progress every this many bytes, so the
+/// other side can start on the first part (pipelining within one call).
+const CHUNK: usize = 64 << 10;
+
 /// Offset of the attach word: 0 = undecided, 1 = the server mapped the
 /// region and uses it, 2 = the client gave up waiting and both stay on TCP.
 /// Whoever moves it first from 0 decides for both (compare-and-swap), so the
@@ -245,10 +249,12 @@ pub unsafe fn endpoints(
         Producer {
             ring: tx,
             head_cache: 0,
+            bell: false,
         },
         Consumer {
             ring: rx,
             tail_cache: 0,
+            bell: false,
         },
     ))
 }
@@ -418,6 +424,8 @@ pub struct Producer {
     ring: RingRef,
     /// Last `head` seen; stale values only under-estimate free room.
     head_cache: u64,
+    /// A chunk publish inside a call found a consumer that wants a doorbell.
+    bell: bool,
 }
 
 /// The reading end of one ring.
@@ -425,6 +433,8 @@ pub struct Consumer {
     ring: RingRef,
     /// Last `tail` seen; stale values only under-estimate available bytes.
     tail_cache: u64,
+    /// A chunk consume inside a call found a producer that wants a doorbell.
+    bell: bool,
 }
 
 impl Producer {
@@ -457,17 +467,28 @@ impl Producer {
             free = self.ring.size - (start - self.head_cache) as usize;
         }
         let mut pos = start;
+        let mut published = start;
         for s in srcs {
-            let room = free - (pos - start) as usize;
-            if room == 0 {
-                break;
+            let mut s = &s[..];
+            while !s.is_empty() {
+                let room = free - (pos - start) as usize;
+                if room == 0 {
+                    break;
+                }
+                let n = s.len().min(room).min(CHUNK);
+                // SAFETY: [pos, pos+n) is free room owned by the producer (n <= room).
+                unsafe { self.copy_in(pos, &s[..n]) };
+                pos += n as u64;
+                s = &s[n..];
+                if (pos - published) as usize >= CHUNK && want - ((pos - start) as usize) > 0 {
+                    ctl.tail.0.store(pos, Ordering::Release);
+                    published = pos;
+                    let f = &self.ring.ctl().flags.0;
+                    self.bell |= take(&f.reader_waiting, &f.data_seq);
+                }
             }
-            let n = s.len().min(room);
-            // SAFETY: [pos, pos+n) is free room owned by the producer (n <= room).
-            unsafe { self.copy_in(pos, &s[..n]) };
-            pos += n as u64;
         }
-        if pos != start {
+        if pos != published {
             ctl.tail.0.store(pos, Ordering::Release);
         }
         (pos - start) as usize
@@ -510,9 +531,9 @@ impl Producer {
 
     /// After publishing data: true if the consumer may be asleep and must get
     /// a doorbell (consumes the request).
-    pub fn take_reader_wakeup(&self) -> bool {
+    pub fn take_reader_wakeup(&mut self) -> bool {
         let f = &self.ring.ctl().flags.0;
-        take(&f.reader_waiting, &f.data_seq)
+        take(&f.reader_waiting, &f.data_seq) | std::mem::take(&mut self.bell)
     }
 
     /// Before sleeping for room: announce it. The caller must re-check
@@ -621,9 +642,22 @@ impl Consumer {
 
     /// Copies up to `dst.len()` bytes out and consumes them.
     pub fn read(&mut self, dst: &mut [u8]) -> usize {
-        let n = self.peek(dst);
-        self.consume(n);
-        n
+        let mut total = 0;
+        let len = dst.len();
+        // Large reads hand room back chunk by chunk (see CHUNK).
+        for part in dst.chunks_mut(CHUNK) {
+            let n = self.peek(part);
+            self.consume(n);
+            total += n;
+            if n < part.len() {
+                break;
+            }
+            if total < len {
+                let f = &self.ring.ctl().flags.0;
+                self.bell |= take(&f.writer_waiting, &f.room_seq);
+            }
+        }
+        total
     }
 
     /// Copies up to `dst.len()` bytes out without consuming them.
@@ -671,9 +705,9 @@ impl Consumer {
 
     /// After consuming: true if the producer may be asleep waiting for room
     /// and must get a doorbell (consumes the request).
-    pub fn take_writer_wakeup(&self) -> bool {
+    pub fn take_writer_wakeup(&mut self) -> bool {
         let f = &self.ring.ctl().flags.0;
-        take(&f.writer_waiting, &f.room_seq)
+        take(&f.writer_waiting, &f.room_seq) | std::mem::take(&mut self.bell)
     }
 
     /// Before sleeping for data: announce it. The caller must re-check
