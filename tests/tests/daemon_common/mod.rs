@@ -37,11 +37,12 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
-/// `fld<tag><n>`: this helper's netns prefix, unique within the process.
+/// `fld<tag>-<pid>-<n>`: this suite's netns prefix, unique on the machine
+/// while this process runs (netns names are not interface names: no
+/// 15-byte limit).
 pub fn unique_name(tag: &str) -> String {
-    assert!(tag.len() <= 6);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("fld{tag}{:x}{n:x}", std::process::id() % 4096)
+    format!("fld{tag}-{}-{n}", std::process::id())
 }
 
 /// A node: state dir + socket + (while running) a `flowlaned` process.
