@@ -247,3 +247,28 @@ async def client(ip, port, n):
 if sys.argv[1] == 'server': asyncio.run(server(int(sys.argv[2])))
 else: asyncio.run(client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
 "#;
+
+/// `grpc_echo.py server PORT` / `grpc_echo.py client IP PORT N`: a grpcio
+/// bidirectional streaming RPC (generic handler, raw bytes) echoing N
+/// random-sized messages; the client checks every one. Prints "ok N BYTES".
+pub const GRPC_ECHO: &str = r#"
+import grpc, sys, hashlib, random
+from concurrent import futures
+def stream(it, ctx):
+    for m in it:
+        yield m
+if sys.argv[1] == 'server':
+    s = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    h = grpc.method_handlers_generic_handler('fl.Echo', {'Stream': grpc.stream_stream_rpc_method_handler(stream)})
+    s.add_generic_rpc_handlers((h,))
+    s.add_insecure_port('0.0.0.0:%s' % sys.argv[2]); s.start(); s.wait_for_termination()
+else:
+    ip, port, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
+    ch = grpc.insecure_channel('%s:%s' % (ip, port))
+    call = ch.stream_stream('/fl.Echo/Stream')
+    rng = random.Random(5)
+    msgs = [rng.randbytes(rng.randint(1, 200000)) for _ in range(n)]
+    got = list(call(iter(msgs), timeout=60))
+    assert len(got) == n and all(a == b for a, b in zip(msgs, got)), "stream differs"
+    print('ok', n, sum(map(len, got)))
+"#;

@@ -14,6 +14,7 @@ const T: Duration = Duration::from_secs(120);
 #[test]
 fn python_echo_uses_shared_memory() {
     let node = Node::new("echo", 2);
+    eprintln!("pods wired by: {}", node.wiring);
     let (client, server) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(server, true, &[PYTHON, "-c", ECHO_SERVER, "7001"]));
     wait_listening(server, 7001);

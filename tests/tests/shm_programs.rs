@@ -378,3 +378,25 @@ fn daemon_restart_mid_stream() {
         node.daemon_log()
     );
 }
+
+/// grpcio: a bidirectional streaming RPC over the lane.
+#[test]
+fn grpcio_streaming_rpc_over_shared_memory() {
+    use flowlane_e2e::shm_scripts::{GRPC_ECHO, PYTHON};
+    let node = Node::new("grpc", 2);
+    let (client, server) = (&node.pods[0], &node.pods[1]);
+    let _srv = Bg::spawn(node.cmd(server, true, &[PYTHON, "-c", GRPC_ECHO, "server", "7700"]));
+    wait_listening(server, 7700);
+    let ip = server.ip.to_string();
+    let out = run_ok(
+        node.cmd(
+            client,
+            true,
+            &[PYTHON, "-c", GRPC_ECHO, "client", &ip, "7700", "300"],
+        ),
+        T,
+        "grpc client",
+    );
+    assert!(out.starts_with("ok 300"), "{out}");
+    assert!(node.shm_opened() >= 1, "grpc did not use the shm lane");
+}

@@ -173,3 +173,47 @@ fn no_fd_or_mapping_leaks_after_close() {
         "daemon still tracks connections"
     );
 }
+
+/// CPU ticks (user + system) a process used so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // Fields after the command: state is [0]; utime [11], stime [12].
+    f.get(11).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
+        + f.get(12).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
+}
+
+/// An idle connection costs no CPU: the server blocks in recv, the client
+/// in poll, both on a shared-memory connection, for 3 s.
+#[test]
+fn idle_connection_uses_no_cpu() {
+    const IDLE_SERVER: &str = "import socket\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('0.0.0.0', 7230)); s.listen()\nc,_=s.accept()\nwhile c.recv(100): pass\n";
+    const IDLE_CLIENT: &str = "import socket, select, sys\nc=socket.create_connection((sys.argv[1], 7230))\nc.sendall(b'hi')\nselect.select([c], [], [], 3.0)\nc.close()\nprint('done')\n";
+    let node = Node::new("idle", 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", IDLE_SERVER]));
+    wait_listening(s, 7230);
+    let ip = s.ip.to_string();
+    let cli = Bg::spawn(node.cmd(c, true, &[PYTHON, "-c", IDLE_CLIENT, &ip]));
+    std::thread::sleep(Duration::from_millis(800));
+    let (s0, c0) = (cpu_ticks(srv.pid()), cpu_ticks(cli.pid()));
+    std::thread::sleep(Duration::from_secs(2));
+    let (s1, c1) = (cpu_ticks(srv.pid()), cpu_ticks(cli.pid()));
+    eprintln!(
+        "idle 2 s: server {} ticks, client {} ticks (100 ticks = 1 CPU s)",
+        s1 - s0,
+        c1 - c0
+    );
+    // Generous bound (10% of a core) for a loaded machine; busy spinning would be ~200.
+    assert!(
+        s1 - s0 <= 20 && c1 - c0 <= 20,
+        "idle connection burns CPU: server {} client {}",
+        s1 - s0,
+        c1 - c0
+    );
+    let (st, out, _) = cli.finish(T);
+    assert!(st.is_some_and(|s| s.success()) && out.contains("done"));
+    assert!(srv.finish(T).0.is_some_and(|s| s.success()));
+    assert_eq!(node.shm_opened(), 1);
+}
