@@ -155,6 +155,19 @@ fn diag_on_a_live_local_cluster() {
         nix::sys::signal::Signal::SIGKILL,
     )
     .expect("kill n1's flowlaned");
+    // kill(2) returns before the process is gone; until then its socket
+    // still accepts. Wait for the kernel to have torn it down.
+    let gone = flowlane_e2e::wait::until(Duration::from_secs(30), || {
+        match std::fs::read_to_string(format!("/proc/{n1_pid}/stat")) {
+            Err(_) => true,
+            // A zombie has closed its sockets.
+            Ok(stat) => stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z')),
+        }
+    });
+    assert!(gone, "n1's flowlaned did not die");
     let lost = status["state"]["pods"]
         .as_array()
         .unwrap()

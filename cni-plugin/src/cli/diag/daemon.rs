@@ -71,6 +71,24 @@ pub fn check(socket: &Path, state_dir: &Path) -> (Section, DaemonState) {
                              from the pod registry) and look at its log for the cause",
                         )
                     }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::UnexpectedEof
+                                | std::io::ErrorKind::ConnectionReset
+                                | std::io::ErrorKind::ConnectionAborted
+                                | std::io::ErrorKind::BrokenPipe
+                        ) =>
+                    {
+                        s.error(
+                            "daemon.down",
+                            format!(
+                                "flowlaned closed the connection without answering ({e}): it is \
+                                 crashing or shutting down; connections stay on plain TCP"
+                            ),
+                            START,
+                        )
+                    }
                     Err(e) => s.warn(
                         "daemon.stats_unavailable",
                         format!("flowlaned is up, but did not give its stats ({e})"),
