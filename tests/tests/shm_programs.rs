@@ -277,7 +277,7 @@ fn asyncio_thousand_concurrent_connections() {
 }
 
 /// Integrity at volume: random message sizes, both directions at once,
-/// checksummed, several connections (FLS_INTEGRITY_GIB total, default 4).
+/// checksummed, several connections (FLS_INTEGRITY_GIB total, default 10).
 #[test]
 fn integrity_random_sizes_both_directions() {
     let _g = heavy();
@@ -290,7 +290,7 @@ fn integrity_random_sizes_both_directions() {
     let gib: u64 = std::env::var("FLS_INTEGRITY_GIB")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(4);
+        .unwrap_or(10);
     let conns = 2u64;
     // Each connection carries `per` bytes each way: total = 2 * conns * per.
     let per = (gib << 30) / (2 * conns);
