@@ -105,10 +105,16 @@ impl Node {
         self.conf_dir().join("10-flowlane.conflist")
     }
 
+    /// fd00:204:<octet>::/64, written canonically (as diag prints it).
+    fn v6_subnet(&self) -> String {
+        let net: std::net::Ipv6Addr = format!("fd00:204:{:x}::", self.octet).parse().unwrap();
+        format!("{net}/64")
+    }
+
     fn ranges(&self) -> Value {
         let mut r = vec![json!([{ "subnet": format!("10.204.{}.0/24", self.octet) }])];
         if self.dual {
-            r.push(json!([{ "subnet": format!("fd00:204:{:x}::/64", self.octet) }]));
+            r.push(json!([{ "subnet": self.v6_subnet() }]));
         }
         Value::Array(r)
     }
@@ -333,7 +339,7 @@ fn diag_reports_a_healthy_node_as_healthy() {
         .iter()
         .map(|f| f["summary"].as_str().unwrap().to_string())
         .collect::<Vec<_>>();
-    let v6 = format!("fd00:204:{:x}::/64", node.octet);
+    let v6 = node.v6_subnet();
     assert!(
         bridge
             .iter()
