@@ -101,6 +101,21 @@ fn bad_environment_is_rejected_with_code_4() {
             vec![code::INVALID_ENV],
         ),
         (
+            "CNI_IFNAME with a space",
+            base().ifname("eth 0"),
+            vec![code::INVALID_ENV],
+        ),
+        (
+            "CNI_IFNAME with a colon",
+            base().ifname("eth:0"),
+            vec![code::INVALID_ENV],
+        ),
+        (
+            "container id with a space",
+            base().container_id("bad id"),
+            vec![code::INVALID_ENV],
+        ),
+        (
             "missing CNI_NETNS",
             base().unset("CNI_NETNS"),
             vec![code::INVALID_ENV],
@@ -215,6 +230,18 @@ fn invalid_configuration_values_are_rejected_with_code_7() {
         (
             "type: mtu not a number",
             Box::new(|c| c["mtu"] = json!("jumbo")),
+        ),
+        (
+            "network name with a slash",
+            Box::new(|c| c["name"] = json!("bad/name")),
+        ),
+        (
+            "IPv4 subnet /32 has no address to give",
+            range(json!({"subnet": "10.201.13.5/32"})),
+        ),
+        (
+            "IPv6 subnet /128 has no address to give",
+            range(json!({"subnet": "fd00:201:13::5/128"})),
         ),
         ("mtu negative", Box::new(|c| c["mtu"] = json!(-1))),
         (
