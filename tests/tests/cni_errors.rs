@@ -170,6 +170,14 @@ fn malformed_stdin_is_a_decode_error() {
         let out = net.pod_call("ADD", &pod, &conf).stdin(stdin).run();
         assert_rejected(label, &out, &[code::DECODE_FAILURE], &net, &pod);
     }
+    // DEL, CHECK and STATUS decode their stdin just the same.
+    for cmd in ["DEL", "CHECK", "STATUS", "GC"] {
+        let out = net
+            .pod_call(cmd, &pod, &conf)
+            .stdin(&b"flowlane please"[..])
+            .run();
+        assert_rejected(cmd, &out, &[code::DECODE_FAILURE], &net, &pod);
+    }
 }
 
 #[test]
