@@ -45,6 +45,55 @@ pub struct DaemonClient {
     fd: RawFd,
     timeout: Duration,
     broken: bool,
+    path_hash: u64,
+}
+
+/// How long a daemon that timed out is skipped by [`DaemonClient::connect`].
+pub const BACKOFF: Duration = Duration::from_secs(1);
+
+/// Process-wide memory of the last daemon that timed out: plain atomics
+/// (no lock: this runs inside arbitrary applications, across fork).
+mod backoff {
+    use std::path::Path;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    static PATH: AtomicU64 = AtomicU64::new(0);
+    static UNTIL_MS: AtomicU64 = AtomicU64::new(0);
+
+    /// FNV-1a of the socket path (0 is reserved for "none").
+    pub fn hash(path: &Path) -> u64 {
+        use std::os::unix::ffi::OsStrExt;
+        let h = path
+            .as_os_str()
+            .as_bytes()
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+            });
+        h.max(1)
+    }
+
+    fn now_ms() -> u64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes into a valid timespec.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        (ts.tv_sec as u64).saturating_mul(1000) + ts.tv_nsec as u64 / 1_000_000
+    }
+
+    pub fn active(path: u64) -> bool {
+        PATH.load(Ordering::Relaxed) == path && now_ms() < UNTIL_MS.load(Ordering::Relaxed)
+    }
+
+    pub fn start(path: u64) {
+        UNTIL_MS.store(
+            now_ms() + super::BACKOFF.as_millis() as u64,
+            Ordering::Relaxed,
+        );
+        PATH.store(path, Ordering::Relaxed);
+    }
 }
 
 /// Most fds one response may carry; extra ones are closed.
@@ -52,8 +101,19 @@ const MAX_FDS: usize = 4;
 
 impl DaemonClient {
     /// Connects to the daemon's Unix socket; fails fast when no daemon listens.
+    ///
+    /// After a daemon at this path failed to answer in time, connects to it
+    /// fail at once (`TimedOut`) for [`BACKOFF`]: a wedged daemon must not
+    /// add a full timeout to every connection of every application.
     pub fn connect(socket: &Path, timeout: Duration) -> io::Result<Self> {
         let addr = unix_addr(socket)?;
+        let path_hash = backoff::hash(socket);
+        if backoff::active(path_hash) {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "flowlaned timed out moments ago; not asking it for a moment",
+            ));
+        }
         // Zero means "forever" to SO_*TIMEO: never allow that.
         let timeout = timeout.max(Duration::from_millis(1));
         let fd = sys::socket_unix_stream()?;
@@ -61,10 +121,15 @@ impl DaemonClient {
             fd,
             timeout,
             broken: false,
+            path_hash,
         };
         // Dropping `client` on error closes the fd.
         sys::set_timeouts(fd, timeout)?;
-        sys::connect(fd, &addr)?;
+        sys::connect(fd, &addr).inspect_err(|e| {
+            if e.kind() == io::ErrorKind::TimedOut {
+                backoff::start(path_hash);
+            }
+        })?;
         Ok(client)
     }
 
@@ -164,8 +229,11 @@ impl DaemonClient {
             ));
         }
         let result = self.call_inner(req);
-        if result.is_err() {
+        if let Err(e) = &result {
             self.broken = true;
+            if e.kind() == io::ErrorKind::TimedOut {
+                backoff::start(self.path_hash);
+            }
         }
         result
     }
@@ -514,6 +582,14 @@ mod tests {
                 .kind(),
             io::ErrorKind::NotConnected
         );
+        // The wedged daemon is skipped for a moment: no second wait.
+        let err = DaemonClient::connect(&p, Duration::from_secs(5))
+            .err()
+            .unwrap();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(err.to_string().contains("moments ago"), "{err}");
+        std::thread::sleep(BACKOFF);
+        assert!(DaemonClient::connect(&p, Duration::from_secs(5)).is_ok());
         let _ = std::fs::remove_file(&p);
     }
 
