@@ -217,3 +217,72 @@ fn idle_connection_uses_no_cpu() {
     assert!(srv.finish(T).0.is_some_and(|s| s.success()));
     assert_eq!(node.shm_opened(), 1);
 }
+
+/// FLOWLANE_DISABLE=1 keeps everything on TCP; FLOWLANE_RING_SIZE sets the
+/// ring (seen in the FLOWLANE_LOG line) and the bytes still arrive intact.
+#[test]
+fn disable_and_ring_size_settings() {
+    let node = Node::new("envs", 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let ip = s.ip.to_string();
+    let srv = Bg::spawn(node.cmd(
+        s,
+        true,
+        &["FLOWLANE_DISABLE=1", PYTHON, "-c", ECHO_SERVER, "7240"],
+    ));
+    wait_listening(s, 7240);
+    let out = run_ok(
+        node.cmd(
+            c,
+            true,
+            &[
+                "FLOWLANE_DISABLE=1",
+                PYTHON,
+                "-c",
+                ECHO_CLIENT,
+                &ip,
+                "7240",
+                "1000000",
+                "3",
+            ],
+        ),
+        T,
+        "disabled echo",
+    );
+    assert!(out.starts_with("ok 1000000"), "{out}");
+    assert!(srv.finish(T).0.is_some_and(|s| s.success()));
+    assert_eq!(node.shm_opened(), 0, "FLOWLANE_DISABLE=1 must stay on TCP");
+
+    let srv = Bg::spawn(node.cmd(
+        s,
+        true,
+        &["FLOWLANE_RING_SIZE=64K", PYTHON, "-c", ECHO_SERVER, "7241"],
+    ));
+    wait_listening(s, 7241);
+    let (st, out, err) = Bg::spawn(node.cmd(
+        c,
+        true,
+        &[
+            "FLOWLANE_RING_SIZE=64K",
+            "FLOWLANE_LOG=info",
+            PYTHON,
+            "-c",
+            ECHO_CLIENT,
+            &ip,
+            "7241",
+            "20000000",
+            "4",
+        ],
+    ))
+    .finish(T);
+    assert!(
+        st.is_some_and(|s| s.success()) && out.starts_with("ok 20000000"),
+        "{out} {err}"
+    );
+    assert!(
+        err.contains("65536 bytes per direction"),
+        "ring size not applied: {err}"
+    );
+    assert!(srv.finish(T).0.is_some_and(|s| s.success()));
+    assert_eq!(node.shm_opened(), 1);
+}
