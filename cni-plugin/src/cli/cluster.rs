@@ -13,12 +13,15 @@ usage: flowlane cluster up     [--name NAME] [--nodes N] [--pods M] [--pod-netwo
                                [--plugin flowlane|bridge] [--run-root DIR]
        flowlane cluster down   [--name NAME] [--run-root DIR]
        flowlane cluster status [--name NAME] [--run-root DIR] [--json]
+       flowlane cluster exec   [--name NAME] [--run-root DIR] [--preload] POD -- PROGRAM [ARGS...]
 
 Defaults: --name local --nodes 2 --pods 2 --pod-network 10.210.0.0 (node i
 gets A.B.i.0/24) --plugin flowlane --run-root /run/flowlane-cluster.
 Nodes are network namespaces flc<NAME>-n<i> with their own bridge and
 flowlaned; pods are flc<NAME>-n<i>p<j>. `down` removes everything, also
-after an interrupted `up`.
+after an interrupted `up`. `exec` runs a program in pod POD (e.g. n0p1),
+with --preload injecting libflowlane_preload.so and the node's daemon
+socket, as the deploy layer does for pods.
 ";
 
 struct Opts {
@@ -67,6 +70,9 @@ pub fn main(args: &[String]) -> i32 {
     if matches!(cmd.as_str(), "-h" | "--help" | "help") {
         print!("{USAGE}");
         return 0;
+    }
+    if cmd == "exec" {
+        return exec(&args[1..]);
     }
     let opts = match parse(&args[1..]) {
         Ok(o) => o,
@@ -175,4 +181,75 @@ fn status(opts: &Opts) -> i32 {
         println!("  problem: {p}");
     }
     i32::from(!(rep.up && rep.problems.is_empty()))
+}
+
+/// `exec [--name N] [--run-root DIR] [--preload] POD -- PROGRAM ARGS...`
+fn exec(args: &[String]) -> i32 {
+    let (opts_part, program) = match args.iter().position(|a| a == "--") {
+        Some(i) => (&args[..i], &args[i + 1..]),
+        None => {
+            eprintln!("flowlane cluster exec: missing `-- PROGRAM`\n\n{USAGE}");
+            return 2;
+        }
+    };
+    let mut preload = false;
+    let mut rest = Vec::new();
+    for a in opts_part {
+        if a == "--preload" {
+            preload = true;
+        } else {
+            rest.push(a.clone());
+        }
+    }
+    let Some(pod_name) = rest.pop() else {
+        eprintln!("flowlane cluster exec: which pod?\n\n{USAGE}");
+        return 2;
+    };
+    if program.is_empty() {
+        eprintln!("flowlane cluster exec: no program after --");
+        return 2;
+    }
+    let opts = match parse(&rest) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("flowlane cluster exec: {e}\n\n{USAGE}");
+            return 2;
+        }
+    };
+    let state = match flowlane_cluster::ClusterState::load(&opts.spec.run_root, &opts.spec.name) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("flowlane cluster exec: {e}");
+            return 1;
+        }
+    };
+    let Some(pod) = flowlane_cluster::exec::find_pod(&state, &pod_name) else {
+        eprintln!(
+            "flowlane cluster exec: no pod {pod_name:?} in cluster {} (pods: {})",
+            opts.spec.name,
+            state
+                .pods
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        return 1;
+    };
+    let bins = match Binaries::beside_current_exe() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("flowlane cluster exec: cannot locate binaries: {e}");
+            return 1;
+        }
+    };
+    let mut cmd = flowlane_cluster::exec::in_pod(&bins, &state, pod, preload);
+    cmd.args(program);
+    match cmd.status() {
+        Ok(s) => s.code().unwrap_or(1),
+        Err(e) => {
+            eprintln!("flowlane cluster exec: {e}");
+            1
+        }
+    }
 }

@@ -32,7 +32,10 @@ options:
 ";
 
 fn list<T>(v: &str, f: impl Fn(&str) -> Result<T, String>) -> Result<Vec<T>, String> {
-    v.split(',').filter(|s| !s.is_empty()).map(|s| f(s.trim())).collect()
+    v.split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| f(s.trim()))
+        .collect()
 }
 
 fn parse(args: &[String]) -> Result<DemoConfig, String> {
@@ -49,7 +52,8 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
             "--scale" => {
                 cfg.scale = match v.split_once('/') {
                     Some((n, d)) => {
-                        n.parse::<f64>().map_err(|_| num(a))? / d.parse::<f64>().map_err(|_| num(a))?
+                        n.parse::<f64>().map_err(|_| num(a))?
+                            / d.parse::<f64>().map_err(|_| num(a))?
                     }
                     None => v.parse().map_err(|_| num(a))?,
                 }
@@ -58,7 +62,8 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
             "--warmup" => cfg.warmup = v.parse().map_err(|_| num(a))?,
             "--models" => {
                 cfg.models = list(v, |m| {
-                    flowlane_workloads::models::by_name(m).ok_or_else(|| format!("unknown model {m:?}"))
+                    flowlane_workloads::models::by_name(m)
+                        .ok_or_else(|| format!("unknown model {m:?}"))
                 })?
             }
             "--workloads" => cfg.workloads = list(v, Workload::parse)?,
@@ -126,7 +131,10 @@ pub fn main(args: &[String]) -> i32 {
     let files = match demo::write_report(&rep, &cfg.out) {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("flowlane demo: writing the report into {}: {e}", cfg.out.display());
+            eprintln!(
+                "flowlane demo: writing the report into {}: {e}",
+                cfg.out.display()
+            );
             return 1;
         }
     };
@@ -136,7 +144,11 @@ pub fn main(args: &[String]) -> i32 {
         "{} runs in {:.0} s{}",
         rep.runs.len(),
         start.elapsed().as_secs_f64(),
-        if failed > 0 { format!(", {failed} FAILED") } else { String::new() }
+        if failed > 0 {
+            format!(", {failed} FAILED")
+        } else {
+            String::new()
+        }
     );
     for f in &files {
         let abs = std::fs::canonicalize(f).unwrap_or_else(|_| f.clone());

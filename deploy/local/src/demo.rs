@@ -364,19 +364,9 @@ fn describe(k: usize, total: usize, r: &RunRecord) -> String {
     }
 }
 
-/// A process of a run, in its pod.
+/// A process of a run, in its pod (with the preload library for the shm lane).
 fn pod_command(bins: &Binaries, st: &ClusterState, pod: &PodState, lane: Lane) -> Command {
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &pod.netns, "env"]);
-    if lane == Lane::Shm {
-        // The deploy layer's injection: the library plus the node daemon's
-        // socket (reachable: a pod here shares the host's mount namespace).
-        cmd.arg(format!("LD_PRELOAD={}", bins.preload().display()));
-        cmd.arg(format!(
-            "FLOWLANE_SOCKET={}",
-            st.node(pod.node).daemon_socket.display()
-        ));
-    }
+    let mut cmd = crate::exec::in_pod(bins, st, pod, lane == Lane::Shm);
     cmd.arg(bins.train());
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -15,6 +15,7 @@
 pub mod cni;
 pub mod demo;
 pub mod down;
+pub mod exec;
 pub mod journal;
 pub mod lanes;
 pub mod procs;
