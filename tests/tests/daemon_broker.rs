@@ -319,3 +319,29 @@ fn concurrent_clients_and_servers_all_get_their_own_channels() {
     });
     assert!(closed, "connections of exited processes are closed");
 }
+
+#[test]
+fn one_pod_cannot_take_every_daemon_connection() {
+    let node = Node::start("cap", &["--log-level", "info"]);
+    let a = node.add_pod("a", "10.202.12.2");
+    let b = node.add_pod("b", "10.202.12.3");
+    let fds_before = node.daemon_fds();
+    let mut hog = a.agent();
+    assert_eq!(hog.cmd("hold 1024"), "held 1024");
+    let accepted = flowlane_e2e::wait::until(Duration::from_secs(30), || {
+        node.daemon_fds() >= fds_before + 1024
+    });
+    assert!(accepted, "the daemon accepted the idle connections");
+    // The pod's next connection is closed at once (its connects stay on TCP)…
+    let mut pa = a.agent();
+    let refused = pa.cmd("fallback");
+    assert!(refused.starts_with("err"), "{refused}");
+    // …while other pods are still served.
+    let mut pb = b.agent();
+    assert_eq!(pb.cmd("listen 0.0.0.0:80"), "ok");
+    assert_eq!(pb.cmd("fallback"), "ok");
+    // Released connections give the pod its budget back.
+    assert_eq!(hog.cmd("release"), "ok");
+    let back = flowlane_e2e::wait::until(Duration::from_secs(30), || pa.cmd("fallback") == "ok");
+    assert!(back, "the pod is served again");
+}

@@ -25,9 +25,53 @@ use crate::identity::{netns_inode_of_pid, ProcessId};
 /// How long the rest of a frame may take once its first byte arrived.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a connection may sit idle between requests.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Most client connections served at once; more are closed right away
 /// (those clients fall back to TCP).
 pub const MAX_CONNECTIONS: usize = 8192;
+
+/// Most connections one network namespace may hold at once, so that one
+/// pod cannot take every slot from the others.
+pub const MAX_CONNECTIONS_PER_NETNS: usize = 1024;
+
+/// Open connections per network namespace.
+#[derive(Clone, Default)]
+struct PerNetns(Arc<Mutex<std::collections::HashMap<u64, usize>>>);
+
+/// A connection's share of its namespace's budget, returned on drop.
+struct NetnsSlot {
+    table: PerNetns,
+    netns: u64,
+}
+
+impl PerNetns {
+    fn acquire(&self, netns: u64) -> Option<NetnsSlot> {
+        let mut t = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = t.entry(netns).or_default();
+        if *n >= MAX_CONNECTIONS_PER_NETNS {
+            return None;
+        }
+        *n += 1;
+        Some(NetnsSlot {
+            table: self.clone(),
+            netns,
+        })
+    }
+}
+
+impl Drop for NetnsSlot {
+    fn drop(&mut self) {
+        let mut t = self.table.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = t.get_mut(&self.netns) {
+            *n -= 1;
+            if *n == 0 {
+                t.remove(&self.netns);
+            }
+        }
+    }
+}
 
 /// The broker shared by all connection tasks. A std mutex: every critical
 /// section is short and never awaits.
@@ -80,6 +124,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let per_netns = PerNetns::default();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -90,10 +135,16 @@ pub async fn serve(
                         tracing::warn!("too many clients; closing a new connection");
                         continue;
                     };
+                    let caller = identify(&stream);
+                    // Unidentified callers share one budget (netns 0).
+                    let Some(netns_slot) = per_netns.acquire(caller.netns.unwrap_or(0)) else {
+                        tracing::warn!(netns = ?caller.netns, "too many clients from one namespace; closing a new connection");
+                        continue;
+                    };
                     let shared = shared.clone();
                     tokio::spawn(async move {
-                        serve_client(stream, shared).await;
-                        drop(permit);
+                        serve_client(stream, caller, shared).await;
+                        drop((permit, netns_slot));
                     });
                 }
                 Err(e) => {
@@ -142,8 +193,7 @@ fn identify(stream: &UnixStream) -> Caller {
     Caller { netns, process }
 }
 
-async fn serve_client(mut stream: UnixStream, shared: Shared) {
-    let caller = identify(&stream);
+async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared) {
     tracing::trace!(?caller, "client connected");
     loop {
         let body = match read_frame(&mut stream).await {
@@ -186,11 +236,12 @@ enum FrameError {
 /// One request body; `None` on a clean EOF between frames.
 async fn read_frame(stream: &mut UnixStream) -> Result<Option<Vec<u8>>, FrameError> {
     let mut header = [0u8; proto::HEADER_LEN];
-    // Idle clients may wait as long as they like for their next request…
-    let n = stream
-        .read(&mut header[..1])
-        .await
-        .map_err(FrameError::Io)?;
+    // Idle clients may wait a while for their next request (clients open a
+    // connection per operation; an idle one only holds a slot)…
+    let n = match tokio::time::timeout(IDLE_TIMEOUT, stream.read(&mut header[..1])).await {
+        Ok(r) => r.map_err(FrameError::Io)?,
+        Err(_) => return Ok(None),
+    };
     if n == 0 {
         return Ok(None);
     }

@@ -354,23 +354,30 @@ fn map(ch: flowlane_lane::client::Channel) -> Result<Mapped, String> {
 }
 
 fn agent_loop(socket: &Path) {
-    let mut mapped: Option<Mapped> = None;
-    let mut sockets = std::collections::HashMap::new();
+    let mut state = AgentState::default();
     let stdin = std::io::stdin();
     for line in stdin.lock().lines().map_while(Result::ok) {
-        let answer = agent_command(socket, &line, &mut mapped, &mut sockets);
+        let answer = agent_command(socket, &line, &mut state);
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "@@ {answer}");
         let _ = out.flush();
     }
 }
 
-fn agent_command(
-    socket: &Path,
-    line: &str,
-    mapped: &mut Option<Mapped>,
-    sockets: &mut std::collections::HashMap<SocketAddr, std::net::TcpListener>,
-) -> String {
+/// What an agent keeps between commands.
+#[derive(Default)]
+struct AgentState {
+    mapped: Option<Mapped>,
+    sockets: std::collections::HashMap<SocketAddr, std::net::TcpListener>,
+    held: Vec<std::os::unix::net::UnixStream>,
+}
+
+fn agent_command(socket: &Path, line: &str, st: &mut AgentState) -> String {
+    let AgentState {
+        mapped,
+        sockets,
+        held,
+    } = st;
     let words: Vec<&str> = line.split_whitespace().collect();
     let client = || DaemonClient::connect(socket, CALL_TIMEOUT);
     let addr = |i: usize| -> SocketAddr { words[i].parse().expect("address argument") };
@@ -477,6 +484,21 @@ fn agent_command(
                 client().and_then(|mut c| c.claim_accepted(local, peer))
             })
         }
+        // Opens N idle connections to the daemon and keeps them.
+        "hold" => {
+            raise_fd_limit();
+            for _ in 0..num(1) {
+                match std::os::unix::net::UnixStream::connect(socket) {
+                    Ok(s) => held.push(s),
+                    Err(e) => return format!("err {e}"),
+                }
+            }
+            format!("held {}", held.len())
+        }
+        "release" => {
+            held.clear();
+            "ok".to_string()
+        }
         "drop" => {
             *mapped = None;
             "ok".to_string()
@@ -506,4 +528,18 @@ fn bench(
     times.sort_unstable();
     let pct = |p: usize| times.get(times.len() * p / 100).copied().unwrap_or(0);
     format!("bench {} {} {total} {channels}", pct(50), pct(99))
+}
+
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
 }
