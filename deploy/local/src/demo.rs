@@ -3,7 +3,8 @@
 //!
 //! Default plan (a few minutes on a 2-core machine):
 //! 1. 1 node x 4 pods: for every model, ring all-reduce with 1, 2 and 4
-//!    workers and synchronous parameter servers (1 server, 1 to 3 workers),
+//!    workers and synchronous parameter servers (1 server and 1 to 3
+//!    workers; 2 servers and 1 to 2 workers),
 //!    each over plain TCP and with the preload library (shared memory);
 //! 2. 2 nodes x 2 pods: the same jobs spread over both nodes, and
 //!    all-reduce between a same-node pair and a cross-node pair.
@@ -124,8 +125,8 @@ struct Job<'a> {
     model: &'a ModelProfile,
     lane: Lane,
     workers: Vec<&'a PodState>,
-    /// The parameter server's pod (PS workloads).
-    server: Option<&'a PodState>,
+    /// The parameter servers' pods (PS workloads), one shard each.
+    servers: Vec<&'a PodState>,
     cluster: String,
     placement: String,
 }
@@ -268,9 +269,9 @@ fn plan<'a>(cfg: &DemoConfig, models: &'a [ModelProfile], st: &'a ClusterState) 
                                 workload,
                                 model,
                                 lane,
-                                placement: placement(&ring, None),
+                                placement: placement(&ring, &[]),
                                 workers: ring,
-                                server: None,
+                                servers: Vec::new(),
                                 cluster: cluster.clone(),
                             });
                         }
@@ -282,31 +283,41 @@ fn plan<'a>(cfg: &DemoConfig, models: &'a [ModelProfile], st: &'a ClusterState) 
                                 workload,
                                 model,
                                 lane,
-                                placement: placement(&same, None),
+                                placement: placement(&same, &[]),
                                 workers: same,
-                                server: None,
+                                servers: Vec::new(),
                                 cluster: format!("{cluster} pairs"),
                             });
                         }
                     }
                     Workload::PsSync | Workload::PsAsync => {
-                        // The server in the last pod, workers in the others.
-                        let server = spread[spread.len() - 1];
-                        let others: Vec<&PodState> = spread
-                            .iter()
-                            .copied()
-                            .filter(|p| p.name != server.name)
-                            .collect();
-                        for w in 1..=others.len() {
-                            jobs.push(Job {
-                                workload,
-                                model,
-                                lane,
-                                workers: others[..w].to_vec(),
-                                server: Some(server),
-                                cluster: cluster.clone(),
-                                placement: placement(&others[..w], Some(server)),
-                            });
+                        // One server in the last pod, workers in the others;
+                        // on 4 pods also two servers (the parameters sharded
+                        // across the last two pods) for 1 and 2 workers:
+                        // the PS:worker ratio the talk found hard to guess.
+                        let mut layouts = vec![1usize];
+                        if spread.len() >= 4 {
+                            layouts.push(2);
+                        }
+                        for ps in layouts {
+                            let servers: Vec<&PodState> = spread[spread.len() - ps..].to_vec();
+                            let others: Vec<&PodState> = spread[..spread.len() - ps].to_vec();
+                            let label = if ps == 1 {
+                                cluster.clone()
+                            } else {
+                                format!("{cluster} {ps}PS")
+                            };
+                            for w in 1..=others.len() {
+                                jobs.push(Job {
+                                    workload,
+                                    model,
+                                    lane,
+                                    workers: others[..w].to_vec(),
+                                    placement: placement(&others[..w], &servers),
+                                    servers: servers.clone(),
+                                    cluster: label.clone(),
+                                });
+                            }
                         }
                     }
                 }
@@ -317,11 +328,9 @@ fn plan<'a>(cfg: &DemoConfig, models: &'a [ModelProfile], st: &'a ClusterState) 
 }
 
 /// "same node" / "cross node" / "1 node" description of who talks to whom.
-fn placement(workers: &[&PodState], server: Option<&PodState>) -> String {
+fn placement(workers: &[&PodState], servers: &[&PodState]) -> String {
     let mut all: Vec<u32> = workers.iter().map(|p| p.node).collect();
-    if let Some(s) = server {
-        all.push(s.node);
-    }
+    all.extend(servers.iter().map(|s| s.node));
     let first = all[0];
     let peers = all.len();
     if peers < 2 {
@@ -334,9 +343,11 @@ fn placement(workers: &[&PodState], server: Option<&PodState>) -> String {
     };
     let names: Vec<&str> = workers.iter().map(|p| p.name.as_str()).collect();
     let names = names.join(",");
-    match server {
-        Some(s) => format!("{kind} {names}>{}", s.name),
-        None => format!("{kind} {names}"),
+    if servers.is_empty() {
+        format!("{kind} {names}")
+    } else {
+        let ps: Vec<&str> = servers.iter().map(|p| p.name.as_str()).collect();
+        format!("{kind} {names}>{}", ps.join(","))
     }
 }
 
@@ -389,7 +400,7 @@ fn run_job(
         placement: job.placement.clone(),
         lane_requested: job.lane.name().into(),
         workers: job.workers.len() as u32,
-        servers: u32::from(job.server.is_some()),
+        servers: job.servers.len() as u32,
         batch: job.model.batch,
         ..Default::default()
     };
@@ -456,17 +467,29 @@ fn spawn_and_collect(
                 }
             }
             Workload::PsSync | Workload::PsAsync => {
-                let server = job.server.ok_or("PS job without a server pod")?;
+                if job.servers.is_empty() {
+                    return Err("PS job without a server pod".to_string());
+                }
                 let mode = if job.workload == Workload::PsSync {
                     "sync"
                 } else {
                     "async"
                 };
-                let addr = format!("{}:{port}", server.ip);
-                let mut c = pod_command(bins, st, server, job.lane);
-                c.args(["ps-server", "--listen", &addr, "--params", &params])
-                    .args(["--workers", &w.to_string(), "--mode", mode]);
-                servers.push(spawn(c)?);
+                let shards = job.servers.len();
+                let addrs: Vec<String> = job
+                    .servers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| format!("{}:{}", p.ip, port + i as u16))
+                    .collect();
+                for (i, server) in job.servers.iter().enumerate() {
+                    let mut c = pod_command(bins, st, server, job.lane);
+                    c.args(["ps-server", "--listen", &addrs[i], "--params", &params])
+                        .args(["--shard", &i.to_string(), "--shards", &shards.to_string()])
+                        .args(["--workers", &w.to_string(), "--mode", mode]);
+                    servers.push(spawn(c)?);
+                }
+                let addr = addrs.join(",");
                 for (rank, pod) in job.workers.iter().enumerate() {
                     let mut c = pod_command(bins, st, pod, job.lane);
                     c.args(["ps-worker", "--servers", &addr, "--rank", &rank.to_string()])
