@@ -89,4 +89,24 @@ fn a_second_daemon_does_not_steal_a_live_socket() {
         .permissions()
         .mode();
     assert_eq!(mode & 0o777, 0o666);
+
+    // SIGHUP rereads the registry; SIGINT stops as gracefully as SIGTERM.
+    let _pod = node.add_pod("a", "10.202.7.9");
+    let pid = nix::unistd::Pid::from_raw(node.daemon_pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+    let reread =
+        flowlane_e2e::wait::until(Duration::from_secs(20), || node.stats().daemon.pods == 1);
+    assert!(reread, "SIGHUP rereads the registry");
+    let mut d = node.daemon.take().unwrap();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let mut status = None;
+    flowlane_e2e::wait::until(Duration::from_secs(30), || {
+        status = d.child.try_wait().ok().flatten();
+        status.is_some()
+    });
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit 0 on SIGINT: {status:?}"
+    );
+    assert!(!node.socket.exists(), "socket removed on SIGINT");
 }

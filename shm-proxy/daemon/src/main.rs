@@ -141,11 +141,20 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
     }
     let ticker = {
         let shared = shared.clone();
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("watching SIGHUP")?;
         tokio::spawn(async move {
             let mut iv = tokio::time::interval(Duration::from_millis(500));
             loop {
-                iv.tick().await;
-                shared.lock().tick(std::time::Instant::now());
+                tokio::select! {
+                    _ = iv.tick() => shared.lock().tick(std::time::Instant::now()),
+                    // SIGHUP: reread the pod registry (as the CNI poke does).
+                    _ = hup.recv() => {
+                        let mut b = shared.lock();
+                        b.reload_registry();
+                        tracing::info!(pods = b.pod_count(), "SIGHUP: pod registry reread");
+                    }
+                }
             }
         })
     };
