@@ -18,7 +18,7 @@ shared-memory lane, and writes report.json, report.md and scaling.svg.
 
 options:
   --out DIR              where the report goes (default ./flowlane-report)
-  --scale F              fraction of real model size, tensors and compute (default 1/32)
+  --scale F              fraction of real model size, tensors and compute (default 1/12)
   --steps N              measured steps per run (default 6)
   --warmup N             unmeasured first steps (default 2)
   --models a,b           googlenet,inception3,resnet50,vgg16 (default all)

@@ -103,7 +103,7 @@ impl DemoConfig {
     pub fn default_for(out: PathBuf) -> Self {
         DemoConfig {
             out,
-            scale: 1.0 / 8.0,
+            scale: 1.0 / 12.0,
             steps: 5,
             warmup: 1,
             models: flowlane_workloads::models::talk_models(),
@@ -292,11 +292,11 @@ fn plan<'a>(cfg: &DemoConfig, models: &'a [ModelProfile], st: &'a ClusterState) 
                     }
                     Workload::PsSync | Workload::PsAsync => {
                         // One server in the last pod, workers in the others;
-                        // on 4 pods also two servers (the parameters sharded
+                        // on one node with 4 pods also two servers (the parameters sharded
                         // across the last two pods) for 1 and 2 workers:
                         // the PS:worker ratio the talk found hard to guess.
                         let mut layouts = vec![1usize];
-                        if spread.len() >= 4 {
+                        if spread.len() >= 4 && nodes == 1 {
                             layouts.push(2);
                         }
                         for ps in layouts {
