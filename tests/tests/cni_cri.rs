@@ -18,10 +18,13 @@ use flowlane_e2e::host::{bridge_ports, LinkGuard};
 const PAUSE: &str = "docker.io/library/flt-pause:1";
 const APP: &str = "docker.io/library/flt-app:1";
 const SUBNET: &str = "10.201.200.0/24";
+const SUBNET6: &str = "fd00:201:200::/64";
 
 struct Pod {
     id: String,
     ip: String,
+    /// The second address CRI reports (dual stack).
+    ip6: String,
     config: Value,
 }
 
@@ -40,7 +43,20 @@ fn run_pod(ctrd: &Containerd, name: &str, logs: &Path) -> Pod {
         ip.starts_with("10.201.200."),
         "pod {name} got {ip:?} from CNI: {status}"
     );
-    Pod { id, ip, config }
+    let ip6 = status["status"]["network"]["additional_ips"][0]["ip"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        ip6.starts_with("fd00:201:200:"),
+        "pod {name} v6 {ip6:?}: {status}"
+    );
+    Pod {
+        id,
+        ip,
+        ip6,
+        config,
+    }
 }
 
 fn start_container(ctrd: &Containerd, pod: &Pod, name: &str, command: &[&str]) -> String {
@@ -89,7 +105,7 @@ fn containerd_cri_pods_talk_through_flowlane_and_leave_nothing() {
         "plugins": [{
             "type": plugin.type_name(), "bridge": net, "isGateway": true, "ipMasq": false,
             "stateDir": state.display().to_string(),
-            "ipam": {"type": plugin.builtin_ipam(), "ranges": [[{"subnet": SUBNET}]],
+            "ipam": {"type": plugin.builtin_ipam(), "ranges": [[{"subnet": SUBNET}], [{"subnet": SUBNET6}]],
                      "dataDir": ipam.display().to_string()},
         }],
     });
@@ -137,7 +153,10 @@ fn containerd_cri_pods_talk_through_flowlane_and_leave_nothing() {
                 .unwrap_or_else(|| panic!("no registry entry for {name}: {entries:?}"));
             assert_eq!(e.pod_namespace.as_deref(), Some("flt-cri"));
             assert_eq!(e.pod_uid.as_deref(), Some(format!("uid-{name}").as_str()));
-            assert_eq!(e.ips, vec![format!("{}/24", pod.ip)]);
+            assert_eq!(
+                e.ips,
+                vec![format!("{}/24", pod.ip), format!("{}/64", pod.ip6)]
+            );
             assert!(e.netns.starts_with("/var/run/netns/cni-"), "{}", e.netns);
             let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&e.netns).unwrap());
             assert_eq!(e.netns_inode, ino, "registry inode of {}", e.netns);
@@ -159,6 +178,14 @@ fn containerd_cri_pods_talk_through_flowlane_and_leave_nothing() {
     })
     .expect("cli pod fetches from web pod over HTTP");
     assert_eq!(got, "flowlane-cri-ok\n");
+    let url6 = format!("http://[{}]:8080/index.html", web.ip6);
+    // Retried: the IPv6 addresses may still be in duplicate address detection.
+    let got6 = flowlane_e2e::wait::for_some(Duration::from_secs(30), || {
+        let r = exec(&ctrd, &cli_c, &["/bin/wget", "-qO-", &url6]);
+        (r["exit_code"] == 0).then(|| r["stdout"].as_str().unwrap_or_default().to_string())
+    })
+    .expect("cli pod fetches from web pod over IPv6");
+    assert_eq!(got6, "flowlane-cri-ok\n");
     let ping = exec(&ctrd, &web_c, &["/bin/ping", "-c", "1", "-W", "5", &cli.ip]);
     assert_eq!(ping["exit_code"], 0, "web pings cli: {ping}");
 
