@@ -48,6 +48,8 @@ pub fn main() -> i32 {
         }
         Ok(None) => 0,
         Err(e) => {
+            // Errors before the config was read still reach stderr.
+            logging::init(None);
             tracing::error!(command = %cmd, error = %e, "CNI command failed");
             print_json(&e.to_json(&version));
             1

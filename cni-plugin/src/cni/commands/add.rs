@@ -339,7 +339,15 @@ fn ensure_bridge_addr(
         host.request(address::del_addr_msg(br.index, c), 0)
             .map_err(|e| CniError::netlink(format!("removing {c} from {}", br.name), e))?;
     }
-    Ok(())
+    // Deleting a primary IPv4 address takes its secondaries (ours) with it
+    // unless promote_secondaries is set: add the gateway again.
+    let (msg, flags) = address::new_addr_msg(br.index, gw);
+    match host.request(msg, flags) {
+        Err(e) if netlink::errno(&e) != libc::EEXIST => {
+            Err(CniError::netlink(format!("adding {gw} to {}", br.name), e))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A chained ADD (prevResult given) returns the previous result plus ours.

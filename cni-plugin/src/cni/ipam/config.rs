@@ -71,6 +71,17 @@ struct RawRoute {
     dst: String,
     #[serde(default)]
     gw: Option<String>,
+    // CNI 1.1.0 route attributes.
+    #[serde(default)]
+    mtu: Option<u32>,
+    #[serde(default)]
+    advmss: Option<u32>,
+    #[serde(default)]
+    priority: Option<u32>,
+    #[serde(default)]
+    table: Option<u32>,
+    #[serde(default)]
+    scope: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -175,7 +186,19 @@ fn builtin(raw: RawIpam, network: &str) -> CniResult<BuiltinConf> {
                     .map_err(|_| CniError::config(format!("ipam: invalid route gw {g:?}")))?,
             ),
         };
-        routes.push(Route::new(dst, gw));
+        if r.scope.is_some_and(|sc| sc > 255) {
+            return Err(CniError::config(format!(
+                "ipam: route {dst}: scope must be 0..255"
+            )));
+        }
+        routes.push(Route {
+            mtu: r.mtu,
+            advmss: r.advmss,
+            priority: r.priority,
+            table: r.table,
+            scope: r.scope,
+            ..Route::new(dst, gw)
+        });
     }
     let data_dir = raw.data_dir.unwrap_or_else(|| DEFAULT_DATA_DIR.to_string());
     if !data_dir.starts_with('/') {
@@ -268,6 +291,19 @@ mod tests {
         assert_eq!(c.range_sets[1].0[0].start.to_string(), "fd00:5::1");
         assert_eq!(c.routes.len(), 2);
         assert_eq!(c.dir, PathBuf::from("/tmp/x/n1"));
+        let c11 = conf(json!({"type": "flowlane", "subnet": "10.5.0.0/24",
+            "routes": [{"dst": "192.0.2.0/24", "mtu": 1300, "advmss": 1200, "priority": 55, "table": 100, "scope": 253}]}));
+        let r = &c11.routes[0];
+        assert_eq!(
+            (r.mtu, r.advmss, r.priority, r.table, r.scope),
+            (Some(1300), Some(1200), Some(55), Some(100), Some(253))
+        );
+        let bad = IpamConf::parse(
+            json!({"type": "flowlane", "subnet": "10.5.0.0/24",
+            "routes": [{"dst": "192.0.2.0/24", "mtu": "x"}]}),
+            "n1",
+        );
+        assert_eq!(bad.unwrap_err().code, 7);
     }
 
     #[test]
