@@ -138,6 +138,14 @@ if role == 'server':
             except BlockingIOError:
                 r, _, _ = select.select([c], [], [], 5)
         e.close(); c.close()
+    elif case == 'splice':
+        c, _ = s.accept(); r, w = os.pipe()
+        while True:
+            n = os.splice(c.fileno(), w, 65536)
+            if n == 0: break
+            while n:
+                n -= os.splice(r, c.fileno(), n)
+        c.close()
     elif case == 'kill':
         c, _ = s.accept()
         c.recv(1)
@@ -194,6 +202,15 @@ else:
         assert got == msg
         c.shutdown(socket.SHUT_WR)
         c.setblocking(True); assert c.recv(10) == b''
+    elif case == 'splice':
+        c = socket.create_connection((ip, port))
+        msg = os.urandom(600000); c.sendall(msg); c.shutdown(socket.SHUT_WR)  # < ring size: no echo deadlock
+        got = b''
+        while True:
+            d = c.recv(65536)
+            if not d: break
+            got += d
+        assert got == msg, (len(got), len(msg))
     elif case == 'kill':
         c = socket.create_connection((ip, port)); c.sendall(b'g')
         recv_exact(c, 1 << 20)

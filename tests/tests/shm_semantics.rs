@@ -53,6 +53,11 @@ fn dup2_keeps_the_connection_until_the_last_fd() {
 }
 
 #[test]
+fn splice_through_a_pipe_in_both_directions() {
+    assert_eq!(case("splce", "splice", 7207), 1);
+}
+
+#[test]
 fn non_blocking_connect_and_io() {
     assert_eq!(case("nbcon", "nonblocking", 7205), 1);
 }

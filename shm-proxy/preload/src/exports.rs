@@ -425,14 +425,55 @@ pub unsafe extern "C" fn splice(
     len: size_t,
     flags: c_uint,
 ) -> ssize_t {
-    if CONN_FDS.get(fd_in) || CONN_FDS.get(fd_out) {
-        // The bytes of a ring connection are not in the kernel socket;
-        // applications fall back to read/write on EINVAL (documented limit).
-        set_errno(libc::EINVAL);
-        return -1;
+    if !CONN_FDS.get(fd_in) && !CONN_FDS.get(fd_out) {
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
+        return unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) };
     }
-    // SAFETY: forwards the caller's arguments unchanged (same C contract).
-    unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) }
+    // The bytes of a ring connection are not in the kernel socket: emulate.
+    let nonblock = flags & libc::SPLICE_F_NONBLOCK != 0;
+    guard(|| {
+        if let Some(c) = active(fd_out, 0) {
+            // pipe/file -> ring: the sendfile path reads straight into the ring.
+            // SAFETY: off_in is null or points to the caller's offset.
+            let off = if off_in.is_null() {
+                None
+            } else {
+                Some(unsafe { &mut *off_in })
+            };
+            return ret(c.sendfile(fd_out, fd_in, off, len), 0, true);
+        }
+        if let Some(c) = active(fd_in, if nonblock { libc::MSG_DONTWAIT } else { 0 }) {
+            // ring -> pipe/file: peek, write, then consume what was written.
+            let mut buf = vec![0u8; len.min(1 << 16)];
+            let peek = libc::MSG_PEEK | if nonblock { libc::MSG_DONTWAIT } else { 0 };
+            let n = match c.recv(fd_in, &mut [&mut buf[..]], peek) {
+                Ok(n) => n,
+                Err(e) => return ret(Err(e), 0, false),
+            };
+            if n == 0 {
+                return 0;
+            }
+            // SAFETY: writing from our own buffer; off_out is null or the caller's offset.
+            let w = unsafe {
+                if off_out.is_null() {
+                    real::write(fd_out, buf.as_ptr().cast(), n)
+                } else {
+                    let w = real::pwrite(fd_out, buf.as_ptr().cast(), n, *off_out);
+                    if w > 0 {
+                        *off_out += w as libc::loff_t;
+                    }
+                    w
+                }
+            };
+            if w > 0 {
+                let _ = c.recv(fd_in, &mut [&mut buf[..w as usize]], libc::MSG_DONTWAIT);
+            }
+            return w;
+        }
+        // Both fds turned out to be plain TCP (the attach was abandoned).
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
+        unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) }
+    })
 }
 
 // ------------------------------------------------------------ connection life

@@ -83,5 +83,6 @@ real_fns! {
     fn splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out: c_int, off_out: *mut libc::loff_t, len: size_t, flags: c_uint) -> ssize_t;
     fn setsockopt(fd: c_int, level: c_int, name: c_int, val: *const c_void, len: socklen_t) -> c_int;
     fn getsockopt(fd: c_int, level: c_int, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int;
+    fn pwrite(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t;
     fn pread(fd: c_int, buf: *mut c_void, n: size_t, off: off_t) -> ssize_t;
 }
