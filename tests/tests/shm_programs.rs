@@ -180,6 +180,23 @@ fn redis_benchmark_over_shared_memory() {
     );
 }
 
+/// Stops nginx the way its master expects (SIGTERM: it stops its workers
+/// first), so no worker outlives the test.
+struct Nginx(Bg);
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child (the nginx master).
+        unsafe { libc::kill(self.0.pid() as i32, libc::SIGTERM) };
+        let t0 = std::time::Instant::now();
+        while self.0 .0.try_wait().ok().flatten().is_none()
+            && t0.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 /// nginx (master + worker, epoll, sendfile on) serving a large file; curl
 /// fetches it through the lane and the bytes match.
 #[test]
@@ -212,7 +229,7 @@ fn nginx_sendfile_to_curl_over_shared_memory() {
         ),
     )
     .unwrap();
-    let _srv = Bg::spawn(node.cmd(
+    let _srv = Nginx(Bg::spawn(node.cmd(
         server,
         true,
         &[
@@ -222,7 +239,7 @@ fn nginx_sendfile_to_curl_over_shared_memory() {
             "-e",
             &format!("{d}/nginx.err"),
         ],
-    ));
+    )));
     wait_listening(server, 8080);
     let out_file = node.dir.join("fetched.bin");
     let url = format!("http://{}:8080/big.bin", server.ip);
