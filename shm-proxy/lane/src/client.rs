@@ -274,6 +274,10 @@ impl DaemonClient {
                     )));
                 }
                 let memfd = fds.remove(0);
+                if let Err(e) = sys::check_sealed_region(&memfd, len) {
+                    self.broken = true;
+                    return Err(e);
+                }
                 Ok(Some(Channel { id, memfd, len }))
             }
             (Response::NoChannel { reason }, _) => {
@@ -517,7 +521,8 @@ mod sys {
             while !cmsg.is_null() {
                 if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
                     let data = libc::CMSG_DATA(cmsg) as *const RawFd;
-                    let payload = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let payload =
+                        ((*cmsg).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
                     let count = payload / std::mem::size_of::<RawFd>();
                     for i in 0..count {
                         let raw = std::ptr::read_unaligned(data.add(i));
@@ -531,6 +536,31 @@ mod sys {
             return Err(invalid_data("daemon sent more fds than expected"));
         }
         Ok(n)
+    }
+
+    /// The daemon's fd must be a sealed memfd of at least `len` bytes: a
+    /// region that one end could shrink would SIGBUS the other's mapping.
+    pub fn check_sealed_region(fd: &OwnedFd, len: usize) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let fd = fd.as_raw_fd();
+        // SAFETY: fcntl(F_GET_SEALS) on an fd we own; no memory is passed.
+        let seals = unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(invalid_data("the channel fd is not a sealable memfd"));
+        }
+        let needed = (libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL) as libc::c_long;
+        if seals & needed != needed {
+            return Err(invalid_data(
+                "the channel memfd is not sealed against shrinking",
+            ));
+        }
+        // SAFETY: lseek on an fd we own (the offset is irrelevant: the
+        // region is only ever mapped, never read through the fd).
+        let size = unsafe { libc::syscall(libc::SYS_lseek, fd, 0 as libc::off_t, libc::SEEK_END) };
+        if size < 0 || (size as u64) < len as u64 {
+            return Err(invalid_data("the channel memfd is smaller than announced"));
+        }
+        Ok(())
     }
 
     pub fn close(fd: RawFd) {
@@ -609,6 +639,94 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
         server.join().unwrap();
         let _ = std::fs::remove_file(&p);
+    }
+
+    /// sendmsg(2) of `buf` with one fd in SCM_RIGHTS (test side).
+    fn send_with_fd(sock: RawFd, buf: &[u8], fd: RawFd) {
+        let mut space = [0u64; 8];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        // SAFETY: building a msghdr over live local buffers; the CMSG
+        // macros stay within `space`, which holds one SCM_RIGHTS message.
+        unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = space.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg) as *mut RawFd, fd);
+            assert_eq!(libc::sendmsg(sock, &msg, 0), buf.len() as isize);
+        }
+    }
+
+    /// A fake daemon that answers one request with a channel carrying `fd`.
+    fn fake_channel_daemon(name: &str, fd: OwnedFd, len: u64) -> std::path::PathBuf {
+        use std::os::fd::AsRawFd;
+        let p = temp_socket(name);
+        let listener = UnixListener::bind(&p).unwrap();
+        std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut hdr = [0u8; 4];
+            conn.read_exact(&mut hdr).unwrap();
+            let mut body = vec![0u8; u32::from_le_bytes(hdr) as usize];
+            conn.read_exact(&mut body).unwrap();
+            let frame =
+                proto::encode_frame(&Response::Channel { id: 1, len }, proto::MAX_RESPONSE_FRAME)
+                    .unwrap();
+            send_with_fd(conn.as_raw_fd(), &frame, fd.as_raw_fd());
+        });
+        p
+    }
+
+    #[test]
+    fn channels_must_be_sealed_memfds_of_the_announced_size() {
+        let claim = |p: &Path| {
+            DaemonClient::connect(p, Duration::from_secs(5))
+                .unwrap()
+                .claim_accepted(
+                    "10.0.0.1:80".parse().unwrap(),
+                    "10.0.0.2:4000".parse().unwrap(),
+                )
+        };
+        // A plain file: not a memfd.
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        let p = fake_channel_daemon("notmemfd", file.into(), 4096);
+        let e = claim(&p).unwrap_err();
+        assert!(e.to_string().contains("not a sealable memfd"), "{e}");
+        // An unsealed memfd.
+        let name = c"fl-test";
+        // SAFETY: memfd_create with a valid name.
+        let raw = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        // SAFETY: a fresh fd we own.
+        let unsealed = unsafe { OwnedFd::from_raw_fd(raw) };
+        let f = std::fs::File::from(unsealed.try_clone().unwrap());
+        f.set_len(8192).unwrap();
+        let p2 = fake_channel_daemon("unsealed", unsealed, 8192);
+        let e = claim(&p2).unwrap_err();
+        assert!(e.to_string().contains("not sealed"), "{e}");
+        // Sealed but smaller than announced.
+        // SAFETY: fcntl on an fd we own.
+        unsafe {
+            libc::fcntl(
+                std::os::fd::AsRawFd::as_raw_fd(&f),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL,
+            )
+        };
+        let p3 = fake_channel_daemon("small", OwnedFd::from(f), 1 << 20);
+        let e = claim(&p3).unwrap_err();
+        assert!(e.to_string().contains("smaller"), "{e}");
+        for p in [p, p2, p3] {
+            let _ = std::fs::remove_file(p);
+        }
     }
 
     #[test]
