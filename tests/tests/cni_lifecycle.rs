@@ -788,7 +788,6 @@ fn plugin_runs_inside_a_node_namespace() {
 }
 
 #[test]
-#[ignore = "plugin bug (h1): 1.1.0 route attributes (mtu, advmss, priority, table) are dropped from the result and not applied to the pod's routes"]
 fn cni_1_1_route_attributes_are_honoured() {
     // CNI 1.1.0 routes carry mtu, advmss, priority, table and scope: the
     // result reports them and the pod's routes have them.
@@ -899,7 +898,6 @@ fn foreign_bridge_address_is_refused_without_force_address() {
 }
 
 #[test]
-#[ignore = "plugin bug (h1): with forceAddress the foreign address is removed but the gateway address is never added (bridge left without IPv4)"]
 fn force_address_replaces_a_foreign_bridge_address() {
     let v = version_latest();
     let net = net_with_foreign_bridge_address("force", "10.201.38.0/24", "10.201.38.77/24");
