@@ -48,6 +48,10 @@ fn daemon_setup_round_trips() {
         intent.channels, N,
         "every intent to a listener gets a channel"
     );
+    let reuse = parse(&pa.cmd(&format!(
+        "bench-intent-reuse {N} 40000 10.202.10.3:81 {region}"
+    )));
+    assert_eq!(reuse.channels, 0);
     let claim = parse(&pb.cmd(&format!("bench-claim {N} 10.202.10.3:80 10.202.10.2 30000")));
     assert_eq!(claim.channels, N, "every announced channel is claimed");
     let st = node.stats();
@@ -60,6 +64,7 @@ fn daemon_setup_round_trips() {
     );
     for (name, f) in [
         ("connect-intent -> no-channel", &none),
+        ("  same, one reused connection", &reuse),
         ("connect-intent -> channel + memfd", &intent),
         ("claim-accepted -> channel + memfd", &claim),
     ] {

@@ -476,6 +476,19 @@ fn agent_command(socket: &Path, line: &str, st: &mut AgentState) -> String {
                 client().and_then(|mut c| c.connect_intent(src, dst, len))
             })
         }
+        // The same over ONE daemon connection (what a persistent client
+        // would save).
+        "bench-intent-reuse" => {
+            let (count, base, dst, len) = (num(1), num(2) as u16, addr(3), num(4) as usize);
+            let mut c = match client() {
+                Ok(c) => c,
+                Err(e) => return format!("err {e}"),
+            };
+            bench(count, |i| {
+                let src = SocketAddr::new(IpAddr::from([0, 0, 0, 0]), base + i as u16);
+                c.connect_intent(src, dst, len)
+            })
+        }
         "bench-claim" => {
             let (count, local, peer_ip, base) = (num(1), addr(2), words[3], num(4) as u16);
             let peer_ip: IpAddr = peer_ip.parse().expect("peer ip");
