@@ -299,7 +299,7 @@ fn ensure_bridge(host: &mut RtNetlink, conf: &NetConf) -> CniResult<link::Link> 
 }
 
 /// Puts the gateway address on the bridge. The common case (already there)
-/// costs one request. A new address is checked against others of the same
+/// costs one read-only request. A new address is checked against others of the same
 /// family in the same subnet (reference `ensureAddr`): replaced with
 /// forceAddress, an error otherwise.
 fn ensure_bridge_addr(
@@ -308,14 +308,19 @@ fn ensure_bridge_addr(
     gw: IpNetwork,
     force: bool,
 ) -> CniResult<()> {
+    // Reading is lock-free in the kernel (RCU), adding takes RTNL: in the
+    // steady state the gateway is there and ADD never queues for RTNL here.
+    let existing = address::list_family(host, br.index, Some(gw.is_ipv4()))
+        .map_err(|e| CniError::netlink("listing bridge addresses", e))?;
+    if existing.contains(&gw) {
+        return Ok(());
+    }
     let (msg, flags) = address::new_addr_msg(br.index, gw);
     match host.request(msg, flags) {
         Err(e) if netlink::errno(&e) == libc::EEXIST => return Ok(()),
         Err(e) => return Err(CniError::netlink(format!("adding {gw} to {}", br.name), e)),
         Ok(()) => {}
     }
-    let existing = address::list(host, br.index)
-        .map_err(|e| CniError::netlink("listing bridge addresses", e))?;
     let conflicts: Vec<IpNetwork> = existing
         .into_iter()
         .filter(|a| *a != gw && a.is_ipv4() == gw.is_ipv4())

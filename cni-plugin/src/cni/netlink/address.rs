@@ -56,8 +56,21 @@ pub fn del_addr_msg(index: u32, addr: IpNetwork) -> RouteNetlinkMessage {
 
 /// Addresses on `index` (both families), as address/prefix.
 pub fn list(nl: &mut RtNetlink, index: u32) -> io::Result<Vec<IpNetwork>> {
+    list_family(nl, index, None)
+}
+
+/// Addresses on `index` of one family (`Some(true)` IPv4) or both. A
+/// single-family dump is served without RTNL by current kernels.
+pub fn list_family(nl: &mut RtNetlink, index: u32, v4: Option<bool>) -> io::Result<Vec<IpNetwork>> {
     let mut m = AddressMessage::default();
     m.header.index = index;
+    if let Some(v4) = v4 {
+        m.header.family = if v4 {
+            AddressFamily::Inet
+        } else {
+            AddressFamily::Inet6
+        };
+    }
     let mut out = Vec::new();
     for msg in nl.dump(RouteNetlinkMessage::GetAddress(m))? {
         let RouteNetlinkMessage::NewAddress(a) = msg else {
