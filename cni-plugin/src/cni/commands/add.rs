@@ -377,3 +377,113 @@ fn merge_prev(conf: &NetConf, mut ours: AddResult) -> AddResult {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cni::result::IpConfig;
+
+    fn conf(extra: &str) -> NetConf {
+        let s = format!(
+            r#"{{"cniVersion":"1.0.0","name":"n","type":"flowlane"{extra},
+                "ipam":{{"type":"flowlane","subnet":"10.9.0.0/24"}}}}"#
+        );
+        crate::cni::config::parse(s.as_bytes()).unwrap()
+    }
+
+    fn ipam_result(gw: Option<&str>, routes: &[(&str, Option<&str>)]) -> AddResult {
+        AddResult {
+            ips: vec![
+                IpConfig {
+                    address: "10.9.0.5/24".parse().unwrap(),
+                    gateway: gw.map(|g| g.parse().unwrap()),
+                    interface: None,
+                },
+                IpConfig {
+                    address: "fd00:9::5/64".parse().unwrap(),
+                    gateway: None,
+                    interface: None,
+                },
+            ],
+            routes: routes
+                .iter()
+                .map(|(d, g)| Route::new(d.parse().unwrap(), g.map(|g| g.parse().unwrap())))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn default_gateway_adds_one_default_route_per_family() {
+        let c = conf(r#","isDefaultGateway":true"#);
+        let mut r = ipam_result(Some("10.9.0.1"), &[]);
+        apply_gateways(&c, &mut r, 2);
+        assert!(r.ips.iter().all(|i| i.interface == Some(2)));
+        // The v6 IP had no gateway: isGateway computes the subnet's first.
+        assert_eq!(r.ips[1].gateway.unwrap().to_string(), "fd00:9::1");
+        let dsts: Vec<String> = r
+            .routes
+            .iter()
+            .map(|r| format!("{} {:?}", r.dst, r.gw))
+            .collect();
+        assert_eq!(dsts, ["0.0.0.0/0 Some(10.9.0.1)", "::/0 Some(fd00:9::1)"]);
+        // A default route from IPAM is kept, not doubled.
+        let mut r = ipam_result(Some("10.9.0.1"), &[("0.0.0.0/0", None)]);
+        apply_gateways(&c, &mut r, 2);
+        assert_eq!(
+            r.routes
+                .iter()
+                .filter(|r| r.dst.prefix() == 0 && r.dst.is_ipv4())
+                .count(),
+            1
+        );
+    }
+
+    #[test]
+    fn is_gateway_alone_adds_no_route_and_plain_bridge_no_gateway() {
+        let mut r = ipam_result(None, &[]);
+        apply_gateways(&conf(r#","isGateway":true"#), &mut r, 2);
+        assert!(r.routes.is_empty());
+        assert_eq!(r.ips[0].gateway.unwrap().to_string(), "10.9.0.1");
+        let mut r = ipam_result(None, &[]);
+        apply_gateways(&conf(""), &mut r, 2);
+        assert!(r.ips.iter().all(|i| i.gateway.is_none()));
+    }
+
+    #[test]
+    fn routes_without_gw_use_their_family_gateway() {
+        let mut r = ipam_result(Some("10.9.0.1"), &[]);
+        apply_gateways(&conf(r#","isGateway":true"#), &mut r, 2);
+        assert_eq!(
+            family_gateway(&r, &"192.0.2.0/24".parse().unwrap())
+                .unwrap()
+                .to_string(),
+            "10.9.0.1"
+        );
+        assert_eq!(
+            family_gateway(&r, &"::/0".parse().unwrap())
+                .unwrap()
+                .to_string(),
+            "fd00:9::1"
+        );
+    }
+
+    #[test]
+    fn chained_add_appends_to_prev_result_with_shifted_indices() {
+        let prev = r#","prevResult":{"cniVersion":"1.0.0",
+            "interfaces":[{"name":"other0"}],
+            "ips":[{"address":"192.168.0.2/24","interface":0}]}"#;
+        let c = conf(prev);
+        let mut ours = ipam_result(Some("10.9.0.1"), &[]);
+        ours.interfaces = vec![
+            Interface::default(),
+            Interface::default(),
+            Interface::default(),
+        ];
+        apply_gateways(&c, &mut ours, 2);
+        let merged = merge_prev(&c, ours);
+        assert_eq!(merged.interfaces.len(), 4);
+        assert_eq!(merged.ips[0].interface, Some(0));
+        assert_eq!(merged.ips[1].interface, Some(3));
+    }
+}
