@@ -336,6 +336,7 @@ fn one_pod_cannot_take_every_daemon_connection() {
     let mut pa = a.agent();
     let refused = pa.cmd("fallback");
     assert!(refused.starts_with("err"), "{refused}");
+    assert!(node.stats().connections_refused >= 1);
     // …while other pods are still served.
     let mut pb = b.agent();
     assert_eq!(pb.cmd("listen 0.0.0.0:80"), "ok");

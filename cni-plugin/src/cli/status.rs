@@ -176,8 +176,8 @@ fn render(s: &Stats) -> String {
     }
     let _ = writeln!(
         out,
-        "auth failures {}, bad requests {}",
-        s.auth_failures, s.bad_requests
+        "auth failures {}, bad requests {}, refused connections {}",
+        s.auth_failures, s.bad_requests, s.connections_refused
     );
     let _ = writeln!(out, "\nCONNECTIONS: {}", s.connections.len());
     if !s.connections.is_empty() {

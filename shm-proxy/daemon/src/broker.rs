@@ -314,6 +314,11 @@ impl Broker {
         self.counters.bad_requests += 1;
     }
 
+    /// Counts a client connection closed for lack of budget.
+    pub fn connection_refused(&mut self) {
+        self.counters.connections_refused += 1;
+    }
+
     /// The caller's pod, rereading the registry once if it is unknown.
     fn caller_pod(&mut self, caller: &Caller) -> Result<PodId, Answer> {
         let Some(netns) = caller.netns else {
@@ -899,6 +904,7 @@ impl Broker {
                 .collect(),
             auth_failures: self.counters.auth_failures,
             bad_requests: self.counters.bad_requests,
+            connections_refused: self.counters.connections_refused,
             requests: self
                 .counters
                 .requests

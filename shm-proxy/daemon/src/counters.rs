@@ -23,6 +23,7 @@ pub struct Counters {
     pub fallbacks: BTreeMap<&'static str, u64>,
     pub auth_failures: u64,
     pub bad_requests: u64,
+    pub connections_refused: u64,
     pub requests: BTreeMap<&'static str, u64>,
     pub registry_reloads: u64,
 }
@@ -141,6 +142,13 @@ pub fn samples(stats: &Stats) -> Vec<Sample> {
         "counter",
         vec![],
         stats.bad_requests,
+    );
+    push(
+        "flowlane_connections_refused_total",
+        "Daemon client connections closed at once (connection budget exhausted).",
+        "counter",
+        vec![],
+        stats.connections_refused,
     );
     for (op, n) in &stats.requests {
         push(

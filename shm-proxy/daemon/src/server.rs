@@ -131,14 +131,17 @@ pub async fn serve(
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    // Refusals are counted, not logged one by one: a pod
+                    // could otherwise flood the log.
                     let Ok(permit) = slots.clone().try_acquire_owned() else {
-                        tracing::warn!("too many clients; closing a new connection");
+                        shared.lock().connection_refused();
                         continue;
                     };
                     let caller = identify(&stream);
                     // Unidentified callers share one budget (netns 0).
                     let Some(netns_slot) = per_netns.acquire(caller.netns.unwrap_or(0)) else {
-                        tracing::warn!(netns = ?caller.netns, "too many clients from one namespace; closing a new connection");
+                        tracing::debug!(netns = ?caller.netns, "connection budget of the namespace exhausted");
+                        shared.lock().connection_refused();
                         continue;
                     };
                     let shared = shared.clone();

@@ -235,6 +235,9 @@ pub struct Stats {
     pub auth_failures: u64,
     /// Frames that could not be decoded.
     pub bad_requests: u64,
+    /// Client connections closed at once (connection budget exhausted).
+    #[serde(default)]
+    pub connections_refused: u64,
     /// Requests served, by operation.
     pub requests: BTreeMap<String, u64>,
     pub connections: Vec<ConnectionInfo>,
