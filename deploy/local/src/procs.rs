@@ -89,16 +89,30 @@ pub fn terminate(procs: &[(i32, u64)], grace: Duration) -> Vec<i32> {
         false
     };
     signal(libc::SIGTERM);
-    if wait(grace) {
-        return Vec::new();
+    if !wait(grace) {
+        signal(libc::SIGKILL);
+        wait(Duration::from_secs(10));
     }
-    signal(libc::SIGKILL);
-    wait(Duration::from_secs(10));
+    reap(procs);
     procs
         .iter()
         .filter(|&&(p, t)| is_same_process(p, t))
         .map(|&(p, _)| p)
         .collect()
+}
+
+/// Collects the exit status of those of `procs` that are our own children
+/// (the demo starts the node daemons itself), so no zombie outlives `down`.
+/// Processes that are not our children are not affected.
+fn reap(procs: &[(i32, u64)]) {
+    for &(pid, _) in procs {
+        // SAFETY: waitpid(2) with WNOHANG and a null status pointer only
+        // reaps `pid` if it is an exited child of this process; it touches
+        // no memory of ours.
+        unsafe {
+            libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG);
+        }
+    }
 }
 
 /// Makes a child spawned by the launcher die with it (set in `pre_exec`),
