@@ -16,6 +16,9 @@ use crate::sh;
 use crate::spec::{self, Binaries, ClusterSpec, PREFIX};
 use crate::status::SPEC_FILE;
 
+/// How many times `down` sweeps for namespaces that appeared meanwhile.
+const TEARDOWN_ROUNDS: usize = 10;
+
 /// What `down` did.
 #[derive(Debug, Default)]
 pub struct DownReport {
@@ -63,82 +66,39 @@ pub fn down(run_root: &Path, name: &str, bins: &Binaries) -> DownReport {
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok());
 
-    // 1. Processes: the journaled ones (daemons) and every process living
-    //    in one of the cluster's namespaces (workloads, a plugin that a
-    //    killed `up` left running).
-    let mut namespaces: Vec<String> = records
+    // Steps 1 and 3 repeat until no namespace of the cluster remains: a
+    // program started by a killed `up` (e.g. an `ip netns add` in flight)
+    // may still create one while we tear down.
+    let journaled: Vec<String> = records
         .iter()
         .filter_map(|r| match r {
             Record::Netns { name } => Some(name.clone()),
             _ => None,
         })
         .collect();
-    for ns in cluster_netns(name) {
-        if !namespaces.contains(&ns) {
-            namespaces.push(ns);
-        }
-    }
-    let inodes: Vec<u64> = namespaces
-        .iter()
-        .filter_map(|n| procs::netns_inode(n))
-        .collect();
-    let mut victims = procs::in_namespaces(&inodes);
-    for r in &records {
-        if let Record::Process {
-            pid, start_ticks, ..
-        } = r
-        {
-            if procs::is_same_process(*pid, *start_ticks) && !victims.iter().any(|v| v.0 == *pid) {
-                victims.push((*pid, *start_ticks));
+    for round in 0..TEARDOWN_ROUNDS {
+        let mut namespaces = journaled.clone();
+        for ns in cluster_netns(name) {
+            if !namespaces.contains(&ns) {
+                namespaces.push(ns);
             }
         }
-    }
-    let survivors = procs::terminate(&victims, Duration::from_secs(5));
-    rep.processes_ended = victims.len() - survivors.len();
-    for pid in survivors {
-        rep.errors.push(format!("process {pid} survived SIGKILL"));
-    }
-
-    // 2. Pod attachments: CNI DEL as a runtime would, while the node
-    //    namespace (where the plugin runs) still exists.
-    if let Some(spec) = &spec {
-        for r in records.iter().rev() {
-            if let Record::Pod {
-                node,
-                pod,
-                netns,
-                container_id,
-            } = r
-            {
-                if procs::netns_inode(&spec.node_netns(*node)).is_none() {
-                    continue;
-                }
-                let pod_name = spec.pod_name(*node, *pod);
-                let pr = PodRef {
-                    node: *node,
-                    pod_name: &pod_name,
-                    netns,
-                    container_id,
-                };
-                match cni::del(spec, bins, &pr) {
-                    Ok(()) => rep.pods_deleted += 1,
-                    Err(e) => rep.warnings.push(e),
-                }
-            }
+        if round > 0 && cluster_netns(name).is_empty() {
+            break;
         }
-    }
-
-    // 3. Namespaces, pods before nodes before the underlay (reverse of
-    //    creation); their veths and bridges go with them.
-    namespaces.sort_by_key(|n| std::cmp::Reverse(n.len()));
-    for ns in &namespaces {
-        if procs::netns_inode(ns).is_none() {
-            continue;
+        end_processes(
+            &namespaces,
+            if round == 0 { &records } else { &[] },
+            &mut rep,
+        );
+        if round == 0 {
+            delete_pods(spec.as_ref(), &records, bins, &mut rep);
         }
-        match sh::ip(&["netns", "del", ns]) {
-            Ok(_) => rep.namespaces_deleted += 1,
-            Err(e) => rep.errors.push(e.to_string()),
+        delete_namespaces(&mut namespaces, &mut rep);
+        if cluster_netns(name).is_empty() {
+            break;
         }
+        std::thread::sleep(Duration::from_millis(200));
     }
     for ns in cluster_netns(name) {
         rep.errors
@@ -154,4 +114,82 @@ pub fn down(run_root: &Path, name: &str, bins: &Binaries) -> DownReport {
             .push(format!("remove {}: {e}", run_dir.display())),
     }
     rep
+}
+
+/// 1. Processes: the journaled ones (daemons) and every process living in
+///    one of the cluster's namespaces (workloads, a plugin that a killed
+///    `up` left running).
+fn end_processes(namespaces: &[String], records: &[Record], rep: &mut DownReport) {
+    let inodes: Vec<u64> = namespaces
+        .iter()
+        .filter_map(|n| procs::netns_inode(n))
+        .collect();
+    let mut victims = procs::in_namespaces(&inodes);
+    for r in records {
+        if let Record::Process {
+            pid, start_ticks, ..
+        } = r
+        {
+            if procs::is_same_process(*pid, *start_ticks) && !victims.iter().any(|v| v.0 == *pid) {
+                victims.push((*pid, *start_ticks));
+            }
+        }
+    }
+    let survivors = procs::terminate(&victims, Duration::from_secs(5));
+    rep.processes_ended += victims.len() - survivors.len();
+    for pid in survivors {
+        rep.errors.push(format!("process {pid} survived SIGKILL"));
+    }
+}
+
+/// 2. Pod attachments: CNI DEL as a runtime would, while the node
+///    namespace (where the plugin runs) still exists.
+fn delete_pods(
+    spec: Option<&ClusterSpec>,
+    records: &[Record],
+    bins: &Binaries,
+    rep: &mut DownReport,
+) {
+    let Some(spec) = spec else {
+        return;
+    };
+    for r in records.iter().rev() {
+        if let Record::Pod {
+            node,
+            pod,
+            netns,
+            container_id,
+        } = r
+        {
+            if procs::netns_inode(&spec.node_netns(*node)).is_none() {
+                continue;
+            }
+            let pod_name = spec.pod_name(*node, *pod);
+            let pr = PodRef {
+                node: *node,
+                pod_name: &pod_name,
+                netns,
+                container_id,
+            };
+            match cni::del(spec, bins, &pr) {
+                Ok(()) => rep.pods_deleted += 1,
+                Err(e) => rep.warnings.push(e),
+            }
+        }
+    }
+}
+
+/// 3. Namespaces, pods before nodes before the underlay (reverse of
+///    creation); their veths and bridges go with them.
+fn delete_namespaces(namespaces: &mut [String], rep: &mut DownReport) {
+    namespaces.sort_by_key(|n| std::cmp::Reverse(n.len()));
+    for ns in namespaces.iter() {
+        if !std::path::Path::new("/var/run/netns").join(ns).exists() {
+            continue;
+        }
+        match sh::ip(&["netns", "del", ns]) {
+            Ok(_) => rep.namespaces_deleted += 1,
+            Err(e) => rep.warnings.push(e.to_string()),
+        }
+    }
 }

@@ -21,7 +21,11 @@ fn describe(cmd: &Command) -> String {
 }
 
 /// Runs `cmd` to completion; an error unless it exits 0.
+///
+/// The program dies with the launcher: a killed `up` leaves no `ip` half
+/// way through creating something nobody recorded as done.
 pub fn run(cmd: &mut Command) -> Result<Output, CommandError> {
+    crate::procs::die_with_parent(cmd);
     let out = cmd
         .stdin(Stdio::null())
         .output()
