@@ -1,0 +1,592 @@
+//! deploy/kubernetes validates offline: every YAML document deserialises into its
+//! k8s-openapi (v1_30) type without losing a field (a misspelt or misplaced key fails),
+//! each kustomization lists exactly the files next to it, and the references between
+//! objects (service accounts, config keys, volumes, webhook paths, ports, flags) hold.
+
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, Namespace, PodSpec, Service, ServiceAccount,
+};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../kubernetes")
+}
+
+/// Every `*.yaml` under `dir`, recursively, sorted.
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(yaml_files(&path));
+        } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            out.push(path);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The documents of one YAML file as JSON values.
+fn documents(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| {
+            let v = serde_yaml::Value::deserialize(doc)
+                .unwrap_or_else(|e| panic!("{}: not YAML: {e}", path.display()));
+            serde_json::to_value(v).unwrap()
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+use serde::Deserialize as _;
+
+/// Fails if `typed` (the document after a trip through its k8s-openapi type) lacks any
+/// value of `orig`: k8s-openapi ignores unknown keys, so this is what catches a typo.
+fn assert_nothing_dropped(orig: &Value, typed: &Value, at: &str, file: &Path) {
+    match (orig, typed) {
+        (Value::Object(o), Value::Object(t)) => {
+            for (k, v) in o {
+                let Some(tv) = t.get(k) else {
+                    panic!(
+                        "{}: {at}/{k} is not a field of the Kubernetes type",
+                        file.display()
+                    )
+                };
+                assert_nothing_dropped(v, tv, &format!("{at}/{k}"), file);
+            }
+        }
+        (Value::Array(o), Value::Array(t)) => {
+            assert_eq!(o.len(), t.len(), "{}: {at}", file.display());
+            for (i, (a, b)) in o.iter().zip(t).enumerate() {
+                assert_nothing_dropped(a, b, &format!("{at}/{i}"), file);
+            }
+        }
+        _ => assert_eq!(
+            orig,
+            typed,
+            "{}: {at} changed in the round trip",
+            file.display()
+        ),
+    }
+}
+
+fn typed<T: DeserializeOwned + Serialize>(doc: &Value, file: &Path) -> T {
+    let value: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| {
+        panic!(
+            "{}: {} {}: {e}",
+            file.display(),
+            doc["kind"],
+            doc["metadata"]["name"]
+        )
+    });
+    let back = serde_json::to_value(&value).unwrap();
+    assert_nothing_dropped(doc, &back, "", file);
+    value
+}
+
+/// All objects of the tree, typed, by kind.
+#[derive(Default)]
+struct Objects {
+    namespaces: Vec<Namespace>,
+    service_accounts: Vec<ServiceAccount>,
+    cluster_roles: Vec<ClusterRole>,
+    bindings: Vec<ClusterRoleBinding>,
+    config_maps: Vec<ConfigMap>,
+    daemon_sets: Vec<DaemonSet>,
+    deployments: Vec<Deployment>,
+    services: Vec<Service>,
+    webhooks: Vec<MutatingWebhookConfiguration>,
+}
+
+fn load(dir: &Path) -> Objects {
+    let mut objects = Objects::default();
+    for file in yaml_files(dir) {
+        if file.file_name().unwrap() == "kustomization.yaml" {
+            continue;
+        }
+        for doc in documents(&file) {
+            let kind = format!(
+                "{}/{}",
+                doc["apiVersion"].as_str().unwrap_or("?"),
+                doc["kind"].as_str().unwrap_or("?")
+            );
+            match kind.as_str() {
+                "v1/Namespace" => objects.namespaces.push(typed(&doc, &file)),
+                "v1/ServiceAccount" => objects.service_accounts.push(typed(&doc, &file)),
+                "rbac.authorization.k8s.io/v1/ClusterRole" => {
+                    objects.cluster_roles.push(typed(&doc, &file))
+                }
+                "rbac.authorization.k8s.io/v1/ClusterRoleBinding" => {
+                    objects.bindings.push(typed(&doc, &file))
+                }
+                "v1/ConfigMap" => objects.config_maps.push(typed(&doc, &file)),
+                "apps/v1/DaemonSet" => objects.daemon_sets.push(typed(&doc, &file)),
+                "apps/v1/Deployment" => objects.deployments.push(typed(&doc, &file)),
+                "v1/Service" => objects.services.push(typed(&doc, &file)),
+                "admissionregistration.k8s.io/v1/MutatingWebhookConfiguration" => {
+                    objects.webhooks.push(typed(&doc, &file))
+                }
+                other => panic!(
+                    "{}: kind {other} is not checked by this test; add it",
+                    file.display()
+                ),
+            }
+        }
+    }
+    objects
+}
+
+#[test]
+fn every_kustomization_lists_exactly_its_files() {
+    let mut seen = 0;
+    for file in yaml_files(&deploy_dir()) {
+        if file.file_name().unwrap() != "kustomization.yaml" {
+            continue;
+        }
+        seen += 1;
+        let doc = &documents(&file)[0];
+        assert_eq!(
+            doc["apiVersion"],
+            "kustomize.config.k8s.io/v1beta1",
+            "{}",
+            file.display()
+        );
+        assert_eq!(doc["kind"], "Kustomization");
+        let listed: BTreeSet<String> = doc["resources"]
+            .as_array()
+            .expect("resources")
+            .iter()
+            .map(|r| r.as_str().unwrap().to_string())
+            .collect();
+        let dir = file.parent().unwrap();
+        let present: BTreeSet<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".yaml") && n != "kustomization.yaml")
+            .collect();
+        assert_eq!(
+            listed,
+            present,
+            "{}: resources vs the YAML files beside it",
+            file.display()
+        );
+        // the image every workload uses is the one the kustomization rewrites
+        let image = doc["images"][0]["name"].as_str().expect("images[0].name");
+        for name in &present {
+            for d in documents(&dir.join(name)) {
+                let spec = &d["spec"]["template"]["spec"];
+                for c in ["initContainers", "containers"]
+                    .iter()
+                    .flat_map(|k| spec[k].as_array().cloned().unwrap_or_default())
+                {
+                    let used = c["image"].as_str().unwrap();
+                    assert_eq!(used.split(':').next(), Some(image), "{name}: {used}");
+                }
+            }
+        }
+    }
+    assert_eq!(seen, 2, "deploy/kubernetes and deploy/kubernetes/uninstall");
+}
+
+fn container<'a>(spec: &'a PodSpec, name: &str) -> &'a Container {
+    spec.init_containers
+        .iter()
+        .flatten()
+        .chain(&spec.containers)
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("no container {name}"))
+}
+
+/// Volume mounts name volumes of the pod, config references name real keys.
+fn check_pod_references(spec: &PodSpec, objects: &Objects, what: &str) {
+    let volumes: BTreeSet<&str> = spec
+        .volumes
+        .iter()
+        .flatten()
+        .map(|v| v.name.as_str())
+        .collect();
+    let config: BTreeMap<&str, &ConfigMap> = objects
+        .config_maps
+        .iter()
+        .map(|c| (c.metadata.name.as_deref().unwrap(), c))
+        .collect();
+    for c in spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(&spec.containers)
+    {
+        for m in c.volume_mounts.iter().flatten() {
+            assert!(
+                volumes.contains(m.name.as_str()),
+                "{what}/{}: mount of unknown volume {}",
+                c.name,
+                m.name
+            );
+        }
+        for e in c.env.iter().flatten() {
+            if let Some(r) = e
+                .value_from
+                .as_ref()
+                .and_then(|f| f.config_map_key_ref.as_ref())
+            {
+                let cm = config
+                    .get(r.name.as_str())
+                    .unwrap_or_else(|| panic!("{what}: no ConfigMap {}", r.name));
+                assert!(
+                    cm.data.as_ref().unwrap().contains_key(&r.key),
+                    "{what}: no key {}",
+                    r.key
+                );
+            }
+        }
+        for f in c.env_from.iter().flatten() {
+            if let Some(r) = &f.config_map_ref {
+                assert!(
+                    config.contains_key(r.name.as_str()),
+                    "{what}: no ConfigMap {}",
+                    r.name
+                );
+            }
+        }
+    }
+    for v in spec.volumes.iter().flatten() {
+        if let Some(cm) = &v.config_map {
+            assert!(
+                config.contains_key(cm.name.as_str()),
+                "{what}: volume of unknown ConfigMap {}",
+                cm.name
+            );
+        }
+    }
+    if let Some(sa) = &spec.service_account_name {
+        assert!(
+            objects
+                .service_accounts
+                .iter()
+                .any(|s| s.metadata.name.as_ref() == Some(sa)),
+            "{what}: no ServiceAccount {sa}"
+        );
+    }
+}
+
+fn release_dir() -> PathBuf {
+    // <target>/release/deps/manifests-xxxx -> <target>/release
+    std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Every `--flag=` in args is a flag the binary's --help lists.
+fn assert_flags_exist(binary: &Path, args: &[String]) {
+    let out = std::process::Command::new(binary)
+        .arg("--help")
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (build the workspace first)", binary.display()));
+    let help = String::from_utf8_lossy(&out.stdout);
+    for a in args {
+        let flag = a.split('=').next().unwrap();
+        assert!(
+            flag.starts_with("--") && help.contains(flag),
+            "{}: unknown flag {flag}",
+            binary.display()
+        );
+    }
+}
+
+#[test]
+fn the_node_agent_is_complete_and_least_privileged() {
+    let objects = load(&deploy_dir());
+    let ds = objects
+        .daemon_sets
+        .iter()
+        .find(|d| d.metadata.name.as_deref() == Some("flowlane-node"))
+        .unwrap();
+    let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    check_pod_references(spec, &objects, "flowlane-node");
+    assert_eq!(spec.host_network, Some(true));
+    assert_eq!(spec.host_pid, Some(true));
+    assert!(spec
+        .tolerations
+        .iter()
+        .flatten()
+        .any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none()));
+
+    let daemon = container(spec, "flowlaned");
+    let sc = daemon.security_context.as_ref().unwrap();
+    assert_ne!(sc.privileged, Some(true));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    let caps = sc.capabilities.as_ref().unwrap();
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    assert_eq!(
+        caps.add.as_deref(),
+        Some(&["SYS_PTRACE".to_string()][..]),
+        "only SYS_PTRACE"
+    );
+    let mounts: BTreeSet<&str> = daemon
+        .volume_mounts
+        .iter()
+        .flatten()
+        .map(|m| m.mount_path.as_str())
+        .collect();
+    for path in [
+        "/run/flowlane",
+        "/var/lib/flowlane",
+        "/etc/cni/net.d",
+        "/opt/cni/bin",
+    ] {
+        assert!(mounts.contains(path), "flowlaned mounts {path}");
+    }
+    assert_flags_exist(
+        &release_dir().join("flowlaned"),
+        daemon.args.as_ref().unwrap(),
+    );
+
+    let install = container(spec, "install");
+    let isc = install.security_context.as_ref().unwrap();
+    assert_eq!(
+        isc.capabilities.as_ref().unwrap().add,
+        None,
+        "install needs no capability"
+    );
+    // hostPaths: what the init container writes and where the injected pods read
+    let host_paths: BTreeMap<&str, &str> = spec
+        .volumes
+        .iter()
+        .flatten()
+        .filter_map(|v| Some((v.name.as_str(), v.host_path.as_ref()?.path.as_str())))
+        .collect();
+    let install_targets: BTreeSet<&str> = install
+        .volume_mounts
+        .iter()
+        .flatten()
+        .filter_map(|m| host_paths.get(m.name.as_str()).copied())
+        .collect();
+    assert_eq!(
+        install_targets,
+        BTreeSet::from(["/opt/cni/bin", "/etc/cni/net.d", "/opt/flowlane/lib"])
+    );
+    assert_eq!(
+        host_paths["preload-lib"],
+        flowlane_webhook::inject::PRELOAD_DIR
+    );
+    assert_eq!(host_paths["run"], flowlane_webhook::inject::SOCKET_DIR);
+
+    // RBAC: the DaemonSet's account is bound to a role that reads nodes and pods and
+    // may patch nodes (the rdma-lane annotation), nothing else
+    let sa = spec.service_account_name.as_deref().unwrap();
+    let binding = objects
+        .bindings
+        .iter()
+        .find(|b| {
+            b.subjects
+                .iter()
+                .flatten()
+                .any(|s| s.kind == "ServiceAccount" && s.name == sa)
+        })
+        .expect("a binding for the node agent");
+    let role = objects
+        .cluster_roles
+        .iter()
+        .find(|r| r.metadata.name.as_deref() == Some(&binding.role_ref.name))
+        .unwrap();
+    let mut granted = BTreeSet::new();
+    for rule in role.rules.iter().flatten() {
+        for res in rule.resources.iter().flatten() {
+            for verb in &rule.verbs {
+                granted.insert(format!("{verb} {res}"));
+            }
+        }
+    }
+    let expected: BTreeSet<String> = [
+        "get nodes",
+        "list nodes",
+        "watch nodes",
+        "patch nodes",
+        "get pods",
+        "list pods",
+        "watch pods",
+    ]
+    .map(String::from)
+    .into();
+    assert_eq!(granted, expected);
+}
+
+#[test]
+fn the_conflist_template_is_a_flowlane_network() {
+    let objects = load(&deploy_dir());
+    let cm = objects
+        .config_maps
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("flowlane-config"))
+        .unwrap();
+    let data = cm.data.as_ref().unwrap();
+    let conf: Value =
+        serde_json::from_str(&data["10-flowlane.conflist.tmpl"]).expect("template is JSON");
+    assert_eq!(conf["plugins"][0]["type"], "flowlane");
+    assert_eq!(conf["plugins"][0]["ipam"]["type"], "flowlane");
+    assert_eq!(
+        conf["plugins"][0]["daemonSocket"],
+        flowlane_webhook::inject::SOCKET_PATH
+    );
+    assert!(data["CONFLIST_NAME"].ends_with(".conflist"));
+    assert!(data["install.sh"].starts_with("#!/bin/sh"));
+}
+
+#[test]
+fn the_webhook_wiring_matches_the_server() {
+    let objects = load(&deploy_dir());
+    let config = &objects.webhooks[0];
+    let hooks = config.webhooks.as_ref().unwrap();
+    assert_eq!(hooks.len(), 2);
+    let svc = &objects
+        .services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("flowlane-webhook"))
+        .unwrap();
+    let svc_port = &svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0];
+    let deploy = objects
+        .deployments
+        .iter()
+        .find(|d| d.metadata.name.as_deref() == Some("flowlane-webhook"))
+        .unwrap();
+    let pod = deploy
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
+    check_pod_references(pod, &objects, "flowlane-webhook");
+    let c = container(pod, "webhook");
+    // the Service's targetPort names the container's port
+    let target = match svc_port.target_port.as_ref().unwrap() {
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(s) => s.clone(),
+        other => panic!("targetPort {other:?}: use the port's name"),
+    };
+    let cport = c
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some(&target))
+        .expect("named port");
+    let listen = c
+        .args
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find_map(|a| a.strip_prefix("--listen="))
+        .unwrap();
+    assert!(
+        listen.ends_with(&format!(":{}", cport.container_port)),
+        "listens on the container port"
+    );
+    assert_flags_exist(
+        Path::new(env!("CARGO_BIN_EXE_flowlane-webhook")),
+        c.args.as_ref().unwrap(),
+    );
+
+    let mut paths = BTreeSet::new();
+    for h in hooks {
+        assert_eq!(h.failure_policy.as_deref(), Some("Ignore"), "{}", h.name);
+        assert_eq!(h.side_effects, "None");
+        assert_eq!(h.admission_review_versions, ["v1"]);
+        let s = h.client_config.service.as_ref().unwrap();
+        assert_eq!(Some(&s.name), svc.metadata.name.as_ref());
+        assert_eq!(s.namespace, svc.metadata.namespace.clone().unwrap());
+        assert_eq!(s.port, Some(svc_port.port));
+        paths.insert(s.path.clone().unwrap());
+        let rules = h.rules.as_ref().unwrap();
+        assert_eq!(
+            rules[0].operations.as_deref(),
+            Some(&["CREATE".to_string()][..])
+        );
+        assert_eq!(
+            rules[0].resources.as_deref(),
+            Some(&["pods".to_string()][..])
+        );
+    }
+    assert_eq!(
+        paths,
+        BTreeSet::from(["/mutate/namespace".to_string(), "/mutate/pod".to_string()])
+    );
+
+    // the two namespace selectors are disjoint on flowlane.io/inject: "enabled" goes to
+    // /mutate/namespace only, and flowlane's own namespace reaches neither
+    let selector = |path: &str| {
+        let h = hooks
+            .iter()
+            .find(|h| h.client_config.service.as_ref().unwrap().path.as_deref() == Some(path))
+            .unwrap();
+        h.namespace_selector
+            .as_ref()
+            .unwrap()
+            .match_expressions
+            .clone()
+            .unwrap()
+    };
+    let matches =
+        |exprs: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement],
+         labels: &BTreeMap<&str, &str>| {
+            exprs.iter().all(|e| {
+                let v = labels.get(e.key.as_str());
+                let in_values = v.is_some_and(|v| e.values.iter().flatten().any(|x| x == v));
+                match e.operator.as_str() {
+                    "In" => in_values,
+                    "NotIn" => !in_values,
+                    op => panic!("operator {op} not modelled"),
+                }
+            })
+        };
+    let ns_sel = selector("/mutate/namespace");
+    let pod_sel = selector("/mutate/pod");
+    let ns_labels = |name: &'static str, inject: Option<&'static str>| {
+        let mut l = BTreeMap::from([("kubernetes.io/metadata.name", name)]);
+        if let Some(i) = inject {
+            l.insert("flowlane.io/inject", i);
+        }
+        l
+    };
+    for (labels, to_ns, to_pod) in [
+        (ns_labels("training", Some("enabled")), true, false),
+        (ns_labels("default", None), false, true),
+        (ns_labels("other", Some("disabled")), false, false),
+        (ns_labels("kube-system", Some("enabled")), false, false),
+    ] {
+        assert_eq!(
+            (matches(&ns_sel, &labels), matches(&pod_sel, &labels)),
+            (to_ns, to_pod),
+            "{labels:?}"
+        );
+    }
+    for ns in &objects.namespaces {
+        let labels: BTreeMap<&str, &str> = ns
+            .metadata
+            .labels
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .chain([(
+                "kubernetes.io/metadata.name",
+                ns.metadata.name.as_deref().unwrap(),
+            )])
+            .collect();
+        assert!(
+            !matches(&ns_sel, &labels) && !matches(&pod_sel, &labels),
+            "{labels:?}"
+        );
+    }
+}
