@@ -18,6 +18,9 @@ use tokio::net::TcpListener;
 /// The API server sends at most 3 MiB objects; a review wraps one pod.
 const MAX_BODY: usize = 4 << 20;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection that sends no request head within this is closed (the API server
+/// sends its request at once; anything slower is not the API server).
+const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Serves until the listener fails; each connection on its own task.
 pub async fn serve(listener: TcpListener, certs: Arc<CertFiles>) -> std::io::Result<()> {
@@ -34,10 +37,12 @@ pub async fn serve(listener: TcpListener, certs: Arc<CertFiles>) -> std::io::Res
             let service = hyper::service::service_fn(|req| async {
                 Ok::<_, hyper::Error>(handle(req).await)
             });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
+            let served = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
                 .serve_connection(io, service)
-                .await
-            {
+                .await;
+            if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
         });
