@@ -590,3 +590,79 @@ fn the_webhook_wiring_matches_the_server() {
         );
     }
 }
+
+#[test]
+fn every_binary_a_manifest_runs_is_in_the_image() {
+    let dockerfile = std::fs::read_to_string(deploy_dir().join("image/Dockerfile")).unwrap();
+    // COPY target/release/a target/release/b ... /usr/local/lib/flowlane/
+    let copy: String = dockerfile
+        .split("\nCOPY ")
+        .nth(1)
+        .expect("a COPY line")
+        .lines()
+        .take_while(|l| !l.trim().is_empty() && !l.starts_with("RUN"))
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace('\\', " ");
+    let words: Vec<&str> = copy.split_whitespace().collect();
+    let (dest, sources) = words.split_last().unwrap();
+    let in_image: BTreeSet<String> = sources
+        .iter()
+        .map(|s| format!("{dest}{}", s.rsplit('/').next().unwrap()))
+        .collect();
+    for s in sources {
+        assert!(
+            release_dir().join(s.rsplit('/').next().unwrap()).exists(),
+            "{s} is built by the workspace"
+        );
+    }
+    let mut used = BTreeSet::new();
+    for file in yaml_files(&deploy_dir()) {
+        for doc in documents(&file) {
+            let spec = &doc["spec"]["template"]["spec"];
+            for c in ["initContainers", "containers"]
+                .iter()
+                .flat_map(|k| spec[k].as_array().cloned().unwrap_or_default())
+            {
+                let probes =
+                    ["readinessProbe", "livenessProbe"].map(|p| c[p]["exec"]["command"][0].clone());
+                for exe in std::iter::once(c["command"][0].clone()).chain(probes) {
+                    if let Some(exe) = exe
+                        .as_str()
+                        .filter(|e| e.starts_with("/usr/local/lib/flowlane/"))
+                    {
+                        used.insert(exe.to_string());
+                    }
+                }
+            }
+        }
+    }
+    assert!(used.len() >= 2, "{used:?}");
+    for exe in &used {
+        assert!(
+            in_image.contains(exe),
+            "{exe} is not copied into the image ({in_image:?})"
+        );
+    }
+    // install.sh copies from the same directory
+    let objects = load(&deploy_dir());
+    let cm = objects
+        .config_maps
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("flowlane-config"))
+        .unwrap();
+    let script = &cm.data.as_ref().unwrap()["install.sh"];
+    assert!(
+        script.contains(&format!(
+            "SRC=${{FLOWLANE_SRC_DIR:-{}}}",
+            dest.trim_end_matches('/')
+        )),
+        "{script}"
+    );
+    for bin in ["flowlane", "flowlaned", "libflowlane_preload.so"] {
+        assert!(
+            in_image.contains(&format!("{dest}{bin}")),
+            "{bin} in the image"
+        );
+    }
+}
