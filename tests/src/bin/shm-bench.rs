@@ -8,13 +8,16 @@
 //!   shm-bench stream ADDR SIZE BYTES           one-way stream, prints GB/s and CPU s/GB
 //!   shm-bench pingpong ADDR SIZE ITERS         prints one-way latency p50/p99 (RTT/2)
 //!   shm-bench connrate ADDR N                  connect + 1-byte echo + close, prints conn/s
+//!                                              and p50/p99 us of connect + first byte
 //!   shm-bench integrity ADDR BYTES SEED        random sizes, both directions, checksummed
 //! ADDR is ip:port, or unix:PATH for AF_UNIX.
 //!
 //! The benchmark (root): `shm-bench bench [--quick]` builds a node (two pods
 //! wired by the real plugin, flowlaned), runs every figure over the shm
 //! lane, plain TCP over veth and AF_UNIX in the same run, plus iperf3 and
-//! sockperf with and without the library, and prints a table with ratios.
+//! sockperf with and without the library, and the fallback path's overhead
+//! (library loaded, connection stays on TCP) against plain TCP, and prints
+//! tables with ratios.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -184,16 +187,28 @@ fn pingpong(addr: &str, size: usize, iters: usize) {
     );
 }
 
-/// `n` connections one after another, each echoing one byte. Prints `connrate <conn/s>`.
+/// `n` connections one after another, each echoing one byte. Prints
+/// `connrate <conn/s> <p50 us> <p99 us>`, the latter two of connect + first
+/// echoed byte per connection (close not included).
 fn connrate(addr: &str, n: usize) {
     let t0 = Instant::now();
+    let mut lat = Vec::with_capacity(n);
     for _ in 0..n {
+        let t = Instant::now();
         let mut c = dial(addr);
         c.write_all(b"Ex").unwrap();
         let mut b = [0u8; 1];
         c.read_exact(&mut b).unwrap();
+        lat.push(t.elapsed().as_nanos() as f64 / 1000.0);
     }
-    println!("connrate {:.0}", n as f64 / t0.elapsed().as_secs_f64());
+    let secs = t0.elapsed().as_secs_f64();
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "connrate {:.0} {:.1} {:.1}",
+        n as f64 / secs,
+        lat[lat.len() / 2],
+        lat[lat.len() * 99 / 100]
+    );
 }
 
 /// `total` bytes each way at once, random write/read sizes, checksummed
@@ -391,7 +406,89 @@ mod bench {
                 l.connections_opened, l.connections_closed, l.bytes
             );
         }
+        fallback(&node, quick);
         third_party(&node);
+    }
+
+    /// Median of a few values (robust against one run hit by other load).
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    }
+
+    /// The fallback path's overhead (issue 3 item 4): plain TCP between the
+    /// two pods without the library, against connections that stay on TCP
+    /// with the library loaded on both sides. Two fallback causes: the
+    /// server's library is switched off (`FLOWLANE_DISABLE=1`, so the peer
+    /// has no flowlane listener), and no daemon at `FLOWLANE_SOCKET`. Runs
+    /// alternate between the variants and each figure is the median of
+    /// rounds, so slow phases of the (shared) machine hit all of them.
+    fn fallback(node: &Node, quick: bool) {
+        let (c, s) = (&node.pods[0], &node.pods[1]);
+        let me = std::env::current_exe().unwrap();
+        let me = me.to_str().unwrap();
+        let _off = Bg::spawn(node.cmd(s, true, &["FLOWLANE_DISABLE=1", me, "serve", "7102"]));
+        wait_listening(s, 7102);
+        let ip = s.ip;
+        let nodaemon = format!("FLOWLANE_SOCKET={}", node.dir.join("absent.sock").display());
+        // (preload, extra env, port) per variant: no lib; lib, peer off; lib, no daemon.
+        let variants: [(bool, Option<&str>, u16); 3] = [
+            (false, None, 7100),
+            (true, None, 7102),
+            (true, Some(nodaemon.as_str()), 7100),
+        ];
+        let total: u64 = if quick { 512 << 20 } else { 2 << 30 };
+        let conns = if quick { "300" } else { "1000" };
+        let rounds = if quick { 3 } else { 5 };
+        let mut gbs = vec![Vec::new(); 3];
+        let mut p50 = vec![Vec::new(); 3];
+        let mut rate = vec![Vec::new(); 3];
+        for _ in 0..rounds {
+            for (i, (pre, env, port)) in variants.iter().enumerate() {
+                let addr = format!("{ip}:{port}");
+                let run = |args: &[&str]| -> Vec<f64> {
+                    let mut argv: Vec<&str> = env.iter().copied().collect();
+                    argv.push(me);
+                    argv.extend_from_slice(args);
+                    let out = run_ok(node.cmd(c, *pre, &argv), T, &format!("shm-bench {args:?}"));
+                    out.split_whitespace()
+                        .skip(1)
+                        .filter_map(|x| x.parse().ok())
+                        .collect()
+                };
+                gbs[i].push(run(&["stream", &addr, "65536", &total.to_string()])[0]);
+                let r = run(&["connrate", &addr, conns]);
+                rate[i].push(r[0]);
+                p50[i].push(r[1]);
+            }
+        }
+        let gbs: Vec<f64> = gbs.into_iter().map(median).collect();
+        let p50: Vec<f64> = p50.into_iter().map(median).collect();
+        let rate: Vec<f64> = rate.into_iter().map(median).collect();
+        println!();
+        println!("fallback path (connection stays on TCP; median of {rounds} alternating rounds)");
+        println!(
+            "{:<34} {:>12} {:>12} {:>9} {:>12} {:>9}",
+            "figure", "no lib", "lib,peer off", "ratio", "lib,no dmn", "ratio"
+        );
+        let row = |name: &str, v: &[f64]| {
+            println!(
+                "{name:<34} {:>12.2} {:>12.2} {:>8.3}x {:>12.2} {:>8.3}x",
+                v[0],
+                v[1],
+                v[1] / v[0],
+                v[2],
+                v[2] / v[0]
+            );
+        };
+        row("stream GB/s, 65536 B messages", &gbs);
+        row("connect+1st byte p50 us", &p50);
+        row("connections per second", &rate);
+        println!(
+            "connect+1st byte p50 added by the library: {:+.1} us (peer off), {:+.1} us (no daemon)",
+            p50[1] - p50[0],
+            p50[2] - p50[0]
+        );
     }
 
     /// iperf3 and sockperf with and without the library.
@@ -431,6 +528,7 @@ mod bench {
             iperf[0] / iperf[1]
         );
         let mut lat = [0.0; 2];
+        let mut lat99 = [0.0; 2];
         for (i, pre) in [true, false].into_iter().enumerate() {
             let port = if pre { "11111" } else { "11112" };
             let _srv = Bg::spawn(node.cmd(
@@ -460,19 +558,28 @@ mod bench {
                 T,
                 "sockperf",
             );
-            lat[i] = out
-                .lines()
-                .find(|l| l.contains("50.000 ="))
-                .and_then(|l| l.split('=').nth(1))
-                .and_then(|x| x.trim().parse().ok())
-                .unwrap_or(f64::NAN);
+            let pct = |p: &str| {
+                out.lines()
+                    .find(|l| l.contains(&format!("{p} =")))
+                    .and_then(|l| l.split('=').nth(1))
+                    .and_then(|x| x.trim().parse().ok())
+                    .unwrap_or(f64::NAN)
+            };
+            lat[i] = pct("50.000");
+            lat99[i] = pct("99.000");
         }
-        println!(
-            "{:<34} {:>12.2} {:>12.2} {:>8.1}x",
-            "sockperf ping-pong p50 us (64 B)",
-            lat[0],
-            lat[1],
-            lat[1] / lat[0]
-        );
+        // sockperf reports half the round trip (one way), like our ping-pong.
+        for (name, v) in [
+            ("sockperf ping-pong p50 us (64 B)", lat),
+            ("sockperf ping-pong p99 us (64 B)", lat99),
+        ] {
+            println!(
+                "{:<34} {:>12.2} {:>12.2} {:>8.1}x",
+                name,
+                v[0],
+                v[1],
+                v[1] / v[0]
+            );
+        }
     }
 }
