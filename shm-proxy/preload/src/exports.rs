@@ -514,12 +514,30 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 
 #[no_mangle]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
-    // SAFETY: forwards the caller's arguments unchanged (same C contract).
-    let r = unsafe { real::listen(fd, backlog) };
-    if r == 0 && !setup::in_lib() {
-        let e = errno();
+    let ours = !setup::in_lib();
+    // Register a bound socket BEFORE the kernel starts accepting: a client
+    // that connects the moment listen() returns (workers retrying against a
+    // parameter server that is starting) must already find the listener,
+    // or its connection would stay on TCP. An unbound socket gets its port
+    // from listen() itself, so it is registered afterwards.
+    let registered_before = LISTEN_FDS.get(fd);
+    if ours && !registered_before {
         guard(|| {
             setup::listener(fd);
+            0
+        });
+    }
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    let r = unsafe { real::listen(fd, backlog) };
+    if ours {
+        let e = errno();
+        guard(|| {
+            if r == 0 {
+                setup::listener(fd);
+            } else if !registered_before {
+                // listen() failed: withdraw what we announced above.
+                setup::listener_closed(fd);
+            }
             0
         });
         set_errno(e);

@@ -363,7 +363,7 @@ fn nonblocking(fd: c_int) -> bool {
     fl >= 0 && fl & libc::O_NONBLOCK != 0
 }
 
-/// After a successful listen: register the listener with the daemon.
+/// Around listen(): register the bound listening socket with the daemon.
 pub fn listener(fd: c_int) {
     let cfg = config::get();
     if cfg.disabled || state::LISTEN_FDS.get(fd) || fd as usize >= state::MAX_FD || !is_tcp(fd) {
@@ -372,7 +372,8 @@ pub fn listener(fd: c_int) {
     let Some(addr) = name_of(fd, false) else {
         return;
     };
-    if addr.ip().is_loopback() {
+    // Port 0: not bound yet (called before listen() auto-binds it).
+    if addr.ip().is_loopback() || addr.port() == 0 {
         return;
     }
     match with_daemon(|d| d.register_listener(addr)) {
