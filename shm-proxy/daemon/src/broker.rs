@@ -268,6 +268,13 @@ impl Broker {
 
     /// Serves one request.
     pub fn handle(&mut self, caller: &Caller, req: Request) -> Answer {
+        let started = Instant::now();
+        let answer = self.dispatch(caller, req);
+        self.counters.request_handling.observe(started.elapsed());
+        answer
+    }
+
+    fn dispatch(&mut self, caller: &Caller, req: Request) -> Answer {
         self.counters.request(req.op_name());
         let req = canonical_request(req);
         match req {
@@ -643,6 +650,7 @@ impl Broker {
         };
         self.pending_ids.remove(&p.id);
         self.counters.shm.opened += 1;
+        self.counters.channel_setup.observe(p.created.elapsed());
         // The claimer accepts on the listener: it keeps the listener alive
         // even when the process that called listen() exits (pre-fork
         // servers whose parent leaves).
@@ -903,6 +911,8 @@ impl Broker {
                 .map(|(k, v)| (k.to_string(), *v))
                 .collect(),
             auth_failures: self.counters.auth_failures,
+            channel_setup: self.counters.channel_setup.clone(),
+            request_handling: self.counters.request_handling.clone(),
             bad_requests: self.counters.bad_requests,
             connections_refused: self.counters.connections_refused,
             requests: self

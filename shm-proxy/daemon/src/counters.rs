@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use flowlane_lane::proto::Stats;
+use flowlane_lane::proto::{LatencyHistogram, Stats};
 
 /// Counters of one lane.
 #[derive(Debug, Default, Clone)]
@@ -16,7 +16,7 @@ pub struct LaneCounters {
     pub bytes: u64,
 }
 
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub struct Counters {
     pub shm: LaneCounters,
     /// Connections left on TCP, by reason (daemon-decided and reported).
@@ -26,6 +26,26 @@ pub struct Counters {
     pub connections_refused: u64,
     pub requests: BTreeMap<&'static str, u64>,
     pub registry_reloads: u64,
+    /// Intent-to-claim time of every claimed channel.
+    pub channel_setup: LatencyHistogram,
+    /// Time spent in the broker per request.
+    pub request_handling: LatencyHistogram,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            shm: LaneCounters::default(),
+            fallbacks: BTreeMap::new(),
+            auth_failures: 0,
+            bad_requests: 0,
+            connections_refused: 0,
+            requests: BTreeMap::new(),
+            registry_reloads: 0,
+            channel_setup: LatencyHistogram::latency(),
+            request_handling: LatencyHistogram::latency(),
+        }
+    }
 }
 
 impl Counters {
@@ -60,26 +80,86 @@ pub mod reason {
     pub const DAEMON_ERROR: &str = "daemon-error";
 }
 
-/// One flattened value: metric name, labels, value.
+/// One flattened value: metric name, labels, value. `family` is the name
+/// HELP/TYPE describe: the metric name itself, or for a histogram's
+/// `_bucket`/`_sum`/`_count` series their common base name.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
+    pub family: &'static str,
     pub name: &'static str,
     pub help: &'static str,
     pub kind: &'static str,
     pub labels: Vec<(&'static str, String)>,
-    pub value: u64,
+    pub value: f64,
 }
 
-/// Every counter and gauge of a stats snapshot as flat samples.
+/// A metric family that is described but has no samples yet.
+pub struct EmptyFamily {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: &'static str,
+}
+
+/// Families exposed with HELP/TYPE only, because nothing feeds them yet.
+/// Inventing a `0` sample would claim the daemon checked and found none.
+pub const EMPTY_FAMILIES: &[EmptyFamily] = &[EmptyFamily {
+    name: "flowlane_rdma_errors_total",
+    help: "RDMA lane errors by kind. The RDMA transport does not exist yet, so this family has no samples.",
+    kind: "counter",
+}];
+
+/// The Prometheus series of one latency histogram (seconds).
+fn histogram_samples(
+    out: &mut Vec<Sample>,
+    family: &'static str,
+    names: [&'static str; 3],
+    help: &'static str,
+    h: &LatencyHistogram,
+) {
+    let [bucket, sum, count] = names;
+    for (bound, n) in h.cumulative() {
+        let le = match bound {
+            Some(ns) => format!("{}", ns as f64 / 1e9),
+            None => "+Inf".to_string(),
+        };
+        out.push(Sample {
+            family,
+            name: bucket,
+            help,
+            kind: "histogram",
+            labels: vec![("le", le)],
+            value: n as f64,
+        });
+    }
+    out.push(Sample {
+        family,
+        name: sum,
+        help,
+        kind: "histogram",
+        labels: vec![],
+        value: h.sum_ns as f64 / 1e9,
+    });
+    out.push(Sample {
+        family,
+        name: count,
+        help,
+        kind: "histogram",
+        labels: vec![],
+        value: h.count as f64,
+    });
+}
+
+/// Every counter, gauge and histogram of a stats snapshot as flat samples.
 pub fn samples(stats: &Stats) -> Vec<Sample> {
     let mut out = Vec::new();
-    let mut push = |name, help, kind, labels: Vec<(&'static str, String)>, value| {
+    let mut push = |name, help, kind, labels: Vec<(&'static str, String)>, value: u64| {
         out.push(Sample {
+            family: name,
             name,
             help,
             kind,
             labels,
-            value,
+            value: value as f64,
         })
     };
     for (lane, l) in &stats.lanes {
@@ -165,6 +245,28 @@ pub fn samples(stats: &Stats) -> Vec<Sample> {
         "gauge",
         vec![],
         stats.daemon.pods,
+    );
+    histogram_samples(
+        &mut out,
+        "flowlane_channel_setup_seconds",
+        [
+            "flowlane_channel_setup_seconds_bucket",
+            "flowlane_channel_setup_seconds_sum",
+            "flowlane_channel_setup_seconds_count",
+        ],
+        "Per claimed channel: time from the client's intent reaching the daemon to the server's claim reaching it.",
+        &stats.channel_setup,
+    );
+    histogram_samples(
+        &mut out,
+        "flowlane_request_handling_seconds",
+        [
+            "flowlane_request_handling_seconds_bucket",
+            "flowlane_request_handling_seconds_sum",
+            "flowlane_request_handling_seconds_count",
+        ],
+        "Per request: time the daemon spent handling it (decoded request to answer, socket I/O excluded).",
+        &stats.request_handling,
     );
     out
 }

@@ -8,7 +8,7 @@ use flowlane_lane::proto::Stats;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::counters::samples;
+use crate::counters::{samples, EMPTY_FAMILIES};
 use crate::server::Shared;
 
 /// The Prometheus text exposition of a stats snapshot.
@@ -16,9 +16,9 @@ pub fn prometheus_text(stats: &Stats) -> String {
     let mut out = String::new();
     let mut described = std::collections::BTreeSet::new();
     for s in samples(stats) {
-        if described.insert(s.name) {
-            let _ = writeln!(out, "# HELP {} {}", s.name, s.help);
-            let _ = writeln!(out, "# TYPE {} {}", s.name, s.kind);
+        if described.insert(s.family) {
+            let _ = writeln!(out, "# HELP {} {}", s.family, s.help);
+            let _ = writeln!(out, "# TYPE {} {}", s.family, s.kind);
         }
         let labels: Vec<String> = s
             .labels
@@ -29,6 +29,12 @@ pub fn prometheus_text(stats: &Stats) -> String {
             let _ = writeln!(out, "{} {}", s.name, s.value);
         } else {
             let _ = writeln!(out, "{}{{{}}} {}", s.name, labels.join(","), s.value);
+        }
+    }
+    for f in EMPTY_FAMILIES {
+        if described.insert(f.name) {
+            let _ = writeln!(out, "# HELP {} {}", f.name, f.help);
+            let _ = writeln!(out, "# TYPE {} {}", f.name, f.kind);
         }
     }
     out
@@ -66,7 +72,8 @@ pub async fn serve(addr: SocketAddr, shared: Shared) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flowlane_lane::proto::LaneStats;
+    use flowlane_lane::proto::{LaneStats, LatencyHistogram};
+    use std::time::Duration;
 
     #[test]
     fn text_format_has_help_type_and_labels() {
@@ -87,5 +94,49 @@ mod tests {
         assert!(t.contains("flowlane_fallbacks_total{reason=\"no-listener\"} 2"));
         assert!(t.contains("flowlane_auth_failures_total 0"));
         assert_eq!(t.matches("# HELP flowlane_fallbacks_total").count(), 1);
+    }
+
+    #[test]
+    fn histogram_is_exposed_cumulative_with_sum_and_count() {
+        let mut st = Stats {
+            channel_setup: LatencyHistogram::latency(),
+            ..Stats::default()
+        };
+        st.channel_setup.observe(Duration::from_micros(30));
+        st.channel_setup.observe(Duration::from_micros(700));
+        st.channel_setup.observe(Duration::from_secs(3));
+        let t = prometheus_text(&st);
+        assert_eq!(
+            t.matches("# TYPE flowlane_channel_setup_seconds histogram")
+                .count(),
+            1,
+            "{t}"
+        );
+        assert!(!t.contains("# TYPE flowlane_channel_setup_seconds_bucket"));
+        assert!(t.contains("flowlane_channel_setup_seconds_bucket{le=\"0.00005\"} 1\n"));
+        assert!(t.contains("flowlane_channel_setup_seconds_bucket{le=\"0.0005\"} 1\n"));
+        assert!(t.contains("flowlane_channel_setup_seconds_bucket{le=\"0.001\"} 2\n"));
+        assert!(t.contains("flowlane_channel_setup_seconds_bucket{le=\"1\"} 2\n"));
+        assert!(t.contains("flowlane_channel_setup_seconds_bucket{le=\"+Inf\"} 3\n"));
+        assert!(
+            t.contains("flowlane_channel_setup_seconds_sum 3.00073\n"),
+            "{t}"
+        );
+        assert!(t.contains("flowlane_channel_setup_seconds_count 3\n"));
+        // An old daemon's stats (no histogram bounds) still render validly.
+        let t = prometheus_text(&Stats::default());
+        assert!(t.contains("flowlane_request_handling_seconds_bucket{le=\"+Inf\"} 0\n"));
+    }
+
+    #[test]
+    fn rdma_errors_family_is_described_without_invented_samples() {
+        let t = prometheus_text(&Stats::default());
+        assert!(t.contains("# TYPE flowlane_rdma_errors_total counter"));
+        assert!(t.contains("# HELP flowlane_rdma_errors_total RDMA lane errors"));
+        assert!(
+            !t.lines()
+                .any(|l| !l.starts_with('#') && l.starts_with("flowlane_rdma_errors_total")),
+            "{t}"
+        );
     }
 }

@@ -242,6 +242,90 @@ pub struct Stats {
     pub requests: BTreeMap<String, u64>,
     pub connections: Vec<ConnectionInfo>,
     pub listeners: Vec<ListenerInfo>,
+    /// Per claimed channel: time from the client's intent arriving at the
+    /// daemon to the server's claim arriving (absent in older daemons).
+    #[serde(default)]
+    pub channel_setup: LatencyHistogram,
+    /// Per request: time the daemon spent handling it, from decoded
+    /// request to answer (socket I/O excluded; absent in older daemons).
+    #[serde(default)]
+    pub request_handling: LatencyHistogram,
+}
+
+/// Upper bounds (nanoseconds) of the latency buckets the daemon uses:
+/// 50µs, 100µs, 250µs, 500µs, 1ms, 2.5ms, 5ms, 10ms, 25ms, 100ms, 1s
+/// (`+Inf` is implicit).
+pub const LATENCY_BOUNDS_NS: [u64; 11] = [
+    50_000,
+    100_000,
+    250_000,
+    500_000,
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    100_000_000,
+    1_000_000_000,
+];
+
+/// A latency histogram in whole nanoseconds (integers keep the stats
+/// exact and comparable). `counts[i]` is the number of observations in
+/// bucket `i` alone (not cumulative): `bounds_ns[i-1] < v <= bounds_ns[i]`;
+/// the last entry of `counts` (one more than `bounds_ns`) is the `+Inf`
+/// bucket.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LatencyHistogram {
+    pub bounds_ns: Vec<u64>,
+    pub counts: Vec<u64>,
+    pub sum_ns: u64,
+    pub count: u64,
+}
+
+impl LatencyHistogram {
+    /// An empty histogram with these (ascending) upper bounds.
+    pub fn with_bounds(bounds_ns: &[u64]) -> Self {
+        debug_assert!(bounds_ns.windows(2).all(|w| w[0] < w[1]));
+        LatencyHistogram {
+            bounds_ns: bounds_ns.to_vec(),
+            counts: vec![0; bounds_ns.len() + 1],
+            sum_ns: 0,
+            count: 0,
+        }
+    }
+
+    /// An empty histogram with [`LATENCY_BOUNDS_NS`].
+    pub fn latency() -> Self {
+        Self::with_bounds(&LATENCY_BOUNDS_NS)
+    }
+
+    /// Records one observation.
+    pub fn observe(&mut self, d: std::time::Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        if self.counts.len() != self.bounds_ns.len() + 1 {
+            // A default (bound-less) histogram: everything is `+Inf`.
+            self.counts.resize(self.bounds_ns.len() + 1, 0);
+        }
+        let bucket = self.bounds_ns.partition_point(|&b| b < ns);
+        self.counts[bucket] += 1;
+        self.sum_ns = self.sum_ns.saturating_add(ns);
+        self.count += 1;
+    }
+
+    /// `(upper bound in ns or None for +Inf, observations <= bound)`, the
+    /// cumulative view Prometheus exposes.
+    pub fn cumulative(&self) -> Vec<(Option<u64>, u64)> {
+        let mut total = 0u64;
+        let mut out = Vec::with_capacity(self.bounds_ns.len() + 1);
+        for (i, c) in self.counts.iter().enumerate() {
+            total += c;
+            out.push((self.bounds_ns.get(i).copied(), total));
+        }
+        if out.is_empty() {
+            out.push((None, 0));
+        }
+        out
+    }
 }
 
 /// A decoding failure. Never fatal to the daemon: it answers with
@@ -344,6 +428,49 @@ pub fn encode_frame<T: Serialize>(msg: &T, max: usize) -> Result<Vec<u8>, ProtoE
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn histogram_places_values_in_their_bucket_inclusive_upper_bound() {
+        let mut h = LatencyHistogram::with_bounds(&[100, 1_000]);
+        h.observe(Duration::from_nanos(0));
+        h.observe(Duration::from_nanos(100)); // on the bound: le=100
+        h.observe(Duration::from_nanos(101));
+        h.observe(Duration::from_nanos(1_000));
+        h.observe(Duration::from_nanos(5_000)); // +Inf
+        assert_eq!(h.counts, vec![2, 2, 1]);
+        assert_eq!(h.count, 5);
+        assert_eq!(h.sum_ns, 100 + 101 + 1_000 + 5_000);
+    }
+
+    #[test]
+    fn histogram_cumulative_counts_end_at_count() {
+        let mut h = LatencyHistogram::latency();
+        for us in [10, 60, 60, 700, 3_000, 2_000_000] {
+            h.observe(Duration::from_micros(us));
+        }
+        let cum = h.cumulative();
+        assert_eq!(cum.len(), LATENCY_BOUNDS_NS.len() + 1);
+        assert_eq!(cum[0], (Some(50_000), 1));
+        assert_eq!(cum[1], (Some(100_000), 3));
+        assert_eq!(cum[4], (Some(1_000_000), 4));
+        assert_eq!(cum[6], (Some(5_000_000), 5));
+        assert_eq!(cum[10], (Some(1_000_000_000), 5));
+        assert_eq!(cum[11], (None, 6));
+        assert!(cum.windows(2).all(|w| w[0].1 <= w[1].1));
+        assert_eq!(h.sum_ns, (10 + 60 + 60 + 700 + 3_000 + 2_000_000) * 1_000);
+    }
+
+    #[test]
+    fn stats_without_histograms_still_parse() {
+        let old = r#"{"daemon":{"version":"0","protocol":1,"pid":1,"uptime_secs":0,
+            "state_dir":"/s","socket":"/s/x","pods":0,"registry_reloads":0},
+            "lanes":{},"fallbacks":{},"auth_failures":0,"bad_requests":0,
+            "requests":{},"connections":[],"listeners":[]}"#;
+        let st: Stats = serde_json::from_str(old).unwrap();
+        assert_eq!(st.channel_setup.count, 0);
+        assert_eq!(st.channel_setup.cumulative(), vec![(None, 0)]);
+    }
 
     fn all_requests() -> Vec<Request> {
         let a: SocketAddr = "10.202.0.2:8080".parse().unwrap();
