@@ -18,4 +18,5 @@ pub mod topology;
 pub use discovery::{discover, Device, GidEntry, GidType, Inventory, LinkLayer, Port, PortState};
 pub use gid::{select_gid, NoGidReason, NoUsableGid, NodeAddress, SelectedGid};
 pub use sysfs::Sysfs;
+pub use topology::kubernetes::KubeNodeDirectory;
 pub use topology::{ClusterView, NodeDirectory, NodeEntry, RdmaLane, StaticNodeFile};

@@ -4,7 +4,8 @@
 //! Two sources fill it: a static JSON file for the local cluster
 //! ([`StaticNodeFile`]), and in Kubernetes `Node.spec.podCIDRs` plus what
 //! each `flowlaned` publishes on its Node ([`node_object`] turns API
-//! objects into entries; the kube-rs watch around it comes later).
+//! objects into entries, [`kubernetes::KubeNodeDirectory`] reads them with
+//! kube-rs).
 //!
 //! ## Why the trait is synchronous
 //!
@@ -14,10 +15,9 @@
 //! immutable snapshot ([`ClusterView`], behind an `Arc`) and lookups are
 //! plain in-memory work. Keeping the snapshot fresh is the implementation's
 //! own business: the static file reloads when its mtime changes; the
-//! Kubernetes implementation will run a kube-rs watcher (reflector) task on
-//! the daemon's tokio runtime and swap in a new `Arc<ClusterView>` on each
-//! change, which is exactly how kube-rs's own `reflector::Store` is read
-//! (synchronously). An `async fn` here would force every caller, including
+//! Kubernetes implementation re-lists the Nodes from a task on the daemon's
+//! tokio runtime and swaps in a new `Arc<ClusterView>` (the same way
+//! kube-rs's own `reflector::Store` is read: synchronously). An `async fn` here would force every caller, including
 //! the blocking diag command, onto a runtime for no gain.
 
 use std::collections::BTreeSet;
@@ -32,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use crate::discovery::LinkLayer;
 use crate::gid::SelectedGid;
 
+pub mod kubernetes;
 pub mod node_object;
 
 /// One node of the cluster.
@@ -91,6 +92,8 @@ pub enum TopologyError {
     },
     #[error("node table: {0}")]
     Invalid(String),
+    #[error("node table from the Kubernetes API: {0}")]
+    Kubernetes(String),
 }
 
 /// An immutable snapshot of the node table.

@@ -1,10 +1,9 @@
 //! Reading the node table from Kubernetes `Node` objects (as the API server
-//! returns them), kept free of any client library so that the later kube-rs
-//! implementation of [`super::NodeDirectory`] is only the watch loop around
-//! it, and so that this part is tested against API responses
-//! (`tests/fixtures/kubernetes/nodelist.json`: a `GET /api/v1/nodes` answer
-//! written after the v1 Node schema; the kube-rs session replaces it with
-//! responses recorded from a real API server).
+//! returns them), kept free of any client library so that the kube-rs
+//! implementation of [`super::NodeDirectory`] ([`super::kubernetes`]) is
+//! only the list loop around it, and so that this part is tested against
+//! API responses (`tests/fixtures/kube/nodelist.json`: a `GET /api/v1/nodes`
+//! answer written after the v1 Node schema).
 //!
 //! - name: `metadata.name`
 //! - pod CIDRs: `spec.podCIDRs` (dual stack), else the older `spec.podCIDR`
@@ -105,7 +104,7 @@ mod tests {
     fn node_list() -> Value {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/kubernetes/nodelist.json"
+            "/tests/fixtures/kube/nodelist.json"
         );
         serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
     }
