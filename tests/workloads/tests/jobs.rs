@@ -76,12 +76,21 @@ fn synchronous_parameter_servers_converge() {
 #[test]
 fn asynchronous_parameter_servers_converge() {
     let results = run_ps(&ps_job(Mode::Async, 2, 3)).unwrap();
+    assert_eq!(results.len(), 3);
+    // Each push moves the server's shard halfway toward the pushing
+    // worker's own target (optimum ± 0.25 per coordinate for 3 workers), so
+    // the parameters end inside the hull of the targets, where exactly
+    // depends on the order the pushes arrived in: if the scheduler ran one
+    // worker's last steps alone, they sit at its target, whose loss is
+    // 0.5 * 0.25^2 = 0.03125. A server that lost or misapplied pushes
+    // leaves that hull. So: every worker's loss drops, and never ends above
+    // the worst single target's loss.
+    let worst_target_loss = 0.5 * 0.25f64 * 0.25;
     for r in &results {
         let (first, last) = (r.loss_first.unwrap(), r.loss_last.unwrap());
-        // Single workers' pushes pull toward their own targets, so the
-        // parameters settle near (not at) the optimum: a large reduction.
+        assert!(first > worst_target_loss, "initial loss {first}");
         assert!(
-            last < first * 0.1,
+            last < first && last <= worst_target_loss * 1.01,
             "worker {}: loss {first} -> {last}",
             r.rank
         );
