@@ -3,5 +3,5 @@
 
 pub mod client;
 pub mod notify;
-pub mod ring;
 pub mod proto;
+pub mod ring;
