@@ -172,6 +172,7 @@ async fn forbidden_list_is_a_clear_error() {
     assert!(msg.contains("listing nodes"), "{msg}");
     assert!(msg.contains("forbidden"), "{msg}");
     assert!(msg.contains("RBAC"), "says what to fix: {msg}");
+    assert!(msg.contains("(403 Forbidden)"), "{msg}");
 
     let (client, server) = fake_api(vec![(StatusCode::FORBIDDEN, "status-forbidden.json")]);
     let err = list_cluster_view(&client).await.unwrap_err();

@@ -35,15 +35,24 @@ use super::{ClusterView, NodeDirectory, RdmaLane, TopologyError};
 /// Field manager recorded by the API server for our annotation patches.
 pub const FIELD_MANAGER: &str = "flowlaned";
 
-/// Turns a kube-rs error into ours, with a hint for the usual RBAC gap.
+/// Turns a kube-rs error into ours: the API server's own message and code
+/// (kube's `Display` repeats it in `Debug` form), plus a hint for the usual
+/// RBAC gap.
 fn api_error(what: &str, e: kube::Error) -> TopologyError {
-    let hint = match &e {
-        kube::Error::Api(r) if r.code == 403 => {
-            " (the daemon's service account needs RBAC list on nodes and patch on its own node)"
+    match &e {
+        kube::Error::Api(r) => {
+            let hint = if r.code == 403 {
+                "; the daemon's service account needs RBAC list on nodes and patch on its own node"
+            } else {
+                ""
+            };
+            TopologyError::Kubernetes(format!(
+                "{what}: {} ({} {}){hint}",
+                r.message, r.code, r.reason
+            ))
         }
-        _ => "",
-    };
-    TopologyError::Kubernetes(format!("{what}: {e}{hint}"))
+        _ => TopologyError::Kubernetes(format!("{what}: {e}")),
+    }
 }
 
 /// Lists all Nodes and builds the node table (one request).
