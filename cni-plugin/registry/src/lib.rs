@@ -227,15 +227,6 @@ impl Registry {
             .into_iter()
             .find(|a| a.addresses().contains(&ip)))
     }
-
-    /// Attachments whose network namespace has inode `inode`.
-    pub fn find_by_netns_inode(&self, inode: u64) -> Result<Vec<Attachment>, RegistryError> {
-        Ok(self
-            .list()?
-            .into_iter()
-            .filter(|a| a.netns_inode == inode)
-            .collect())
-    }
 }
 
 fn read_entry(path: &Path) -> Result<Option<Attachment>, RegistryError> {

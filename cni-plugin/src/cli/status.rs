@@ -80,22 +80,6 @@ pub fn main(args: &[String]) -> i32 {
     0
 }
 
-/// Human-readable size with binary units.
-fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
-
 fn duration(secs: u64) -> String {
     match secs {
         s if s < 60 => format!("{s}s"),
@@ -156,7 +140,7 @@ fn render(s: &Stats) -> String {
                 l.connections_active.to_string(),
                 l.connections_closed.to_string(),
                 l.channels_pending.to_string(),
-                bytes(l.bytes),
+                crate::cli::human_bytes(l.bytes),
             ]
         })
         .collect();
@@ -190,8 +174,8 @@ fn render(s: &Stats) -> String {
                     c.lane.clone(),
                     format!("{} {}", c.client.pod, c.client.addr),
                     format!("{} {}", c.server.pod, c.server.addr),
-                    bytes(c.bytes_client_to_server),
-                    bytes(c.bytes_server_to_client),
+                    crate::cli::human_bytes(c.bytes_client_to_server),
+                    crate::cli::human_bytes(c.bytes_server_to_client),
                     duration(c.age_secs),
                 ]
             })

@@ -148,7 +148,7 @@ fn describe(s: &mut Section, stats: &Stats, state_dir: &Path) {
                 l.connections_active,
                 l.connections_opened,
                 l.connections_closed,
-                bytes(l.bytes),
+                crate::cli::human_bytes(l.bytes),
                 l.channels_pending
             ),
         );
@@ -175,8 +175,8 @@ fn describe(s: &mut Section, stats: &Stats, state_dir: &Path) {
                 c.client.addr,
                 c.server.pod,
                 c.server.addr,
-                bytes(c.bytes_client_to_server),
-                bytes(c.bytes_server_to_client),
+                crate::cli::human_bytes(c.bytes_client_to_server),
+                crate::cli::human_bytes(c.bytes_server_to_client),
                 duration(c.age_secs)
             ),
         );
@@ -197,21 +197,6 @@ fn describe(s: &mut Section, stats: &Stats, state_dir: &Path) {
             "a process asked for channels of another pod's addresses: check the pods' registry \
              entries (below) and the daemon's log",
         );
-    }
-}
-
-fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
     }
 }
 
