@@ -12,11 +12,13 @@
 
 pub mod discovery;
 pub mod gid;
+pub mod lane_stream;
 pub mod sysfs;
 pub mod topology;
 
 pub use discovery::{discover, Device, GidEntry, GidType, Inventory, LinkLayer, Port, PortState};
 pub use gid::{select_gid, NoGidReason, NoUsableGid, NodeAddress, SelectedGid};
+pub use lane_stream::{LaneStream, LaneTransport, StreamKey};
 pub use sysfs::Sysfs;
 pub use topology::kubernetes::KubeNodeDirectory;
 pub use topology::{ClusterView, NodeDirectory, NodeEntry, RdmaLane, StaticNodeFile};
