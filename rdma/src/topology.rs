@@ -48,6 +48,11 @@ pub struct NodeEntry {
     /// The node's RDMA lane, `None` when it has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaLane>,
+    /// The port on `underlay` where the node's daemon accepts cross-node
+    /// lane streams (`flowlaned --lane-listen`). `None` when it does not
+    /// say (older tables and annotations): peers then have no lane to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lane_port: Option<u16>,
 }
 
 /// What a peer daemon needs to reach this node over RDMA.
@@ -176,7 +181,7 @@ struct NodeFile {
 }
 
 /// The local cluster's node table: a JSON file
-/// `{"nodes": [{"name", "podCIDRs", "underlay", "rdma"?}]}`, re-read when
+/// `{"nodes": [{"name", "podCIDRs", "underlay", "rdma"?, "lanePort"?}]}`, re-read when
 /// its modification time or size changes.
 pub struct StaticNodeFile {
     path: PathBuf,
@@ -266,6 +271,7 @@ mod tests {
                 link_layer: ll,
                 active_mtu: Some(1024),
             }),
+            lane_port: None,
         }
     }
 
@@ -352,7 +358,8 @@ mod tests {
             r#"{"nodes": [
                 {"name": "node1", "podCIDRs": ["10.204.1.0/24"], "underlay": "192.168.204.1",
                  "rdma": {"device": "rxe0", "port": 1, "gidIndex": 1, "gid": "::ffff:192.168.204.1",
-                          "linkLayer": "Ethernet", "activeMtu": 1024}},
+                          "linkLayer": "Ethernet", "activeMtu": 1024},
+                 "lanePort": 7471},
                 {"name": "node2", "podCIDRs": ["10.204.2.0/24"], "underlay": "192.168.204.2"}
             ]}"#,
         )
@@ -364,6 +371,12 @@ mod tests {
             1
         );
         assert!(v1.node("node2").unwrap().rdma.is_none());
+        assert_eq!(v1.node("node1").unwrap().lane_port, Some(7471));
+        assert_eq!(
+            v1.node("node2").unwrap().lane_port,
+            None,
+            "a table without lanePort still reads"
+        );
         assert!(
             Arc::ptr_eq(&v1, &file.view().unwrap()),
             "unchanged file: cached snapshot"
@@ -379,6 +392,11 @@ mod tests {
         StaticNodeFile::write(&path, &nodes).unwrap();
         let v2 = file.view().unwrap();
         assert_eq!(v2.owner_of(ip("10.204.3.5")).unwrap().name, "node3");
+        assert_eq!(
+            v2.node("node1").unwrap().lane_port,
+            Some(7471),
+            "write() keeps the lane port"
+        );
         assert!(v2.rdma_between("node1", "node3"));
 
         std::fs::write(&path, "{ not json").unwrap();

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flowlane_rdma::topology::kubernetes::{list_cluster_view, publish_rdma_lane, FIELD_MANAGER};
+use flowlane_rdma::topology::node_object::PublishedLane;
 use flowlane_rdma::topology::TopologyError;
 use flowlane_rdma::{KubeNodeDirectory, LinkLayer, NodeDirectory, RdmaLane};
 use http::{Method, Request, Response, StatusCode};
@@ -195,11 +196,13 @@ async fn publishing_patches_the_own_node_annotation() {
         (StatusCode::OK, "node-patched.json"),
         (StatusCode::FORBIDDEN, "status-forbidden.json"),
     ]);
-    publish_rdma_lane(&client, "gpu-a2", Some(&lane))
+    publish_rdma_lane(&client, "gpu-a2", Some(&lane), Some(7471))
         .await
         .unwrap();
-    publish_rdma_lane(&client, "gpu-a2", None).await.unwrap();
-    let err = publish_rdma_lane(&client, "gpu-a2", Some(&lane))
+    publish_rdma_lane(&client, "gpu-a2", None, Some(7471))
+        .await
+        .unwrap();
+    let err = publish_rdma_lane(&client, "gpu-a2", Some(&lane), None)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("gpu-a2"), "{err}");
@@ -222,6 +225,12 @@ async fn publishing_patches_the_own_node_annotation() {
         .expect("the annotation is a JSON string");
     let back: RdmaLane = serde_json::from_str(published).unwrap();
     assert_eq!(back, lane, "peers read back exactly what was published");
+    let back = PublishedLane::from_annotation(published).unwrap();
+    assert_eq!(
+        back.lane_port,
+        Some(7471),
+        "the lane port travels with the lane"
+    );
     assert_eq!(
         set.body.as_object().unwrap().len(),
         1,

@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 
-use super::node_object::{node_entry, RDMA_ANNOTATION};
+use super::node_object::{node_entry, PublishedLane, RDMA_ANNOTATION};
 use super::{ClusterView, NodeDirectory, RdmaLane, TopologyError};
 
 /// Field manager recorded by the API server for our annotation patches.
@@ -71,15 +71,24 @@ pub async fn list_cluster_view(client: &Client) -> Result<ClusterView, TopologyE
     ClusterView::new(entries)
 }
 
-/// Publishes this node's RDMA lane (or its absence, `None`, which removes
-/// the annotation) on its own Node object.
+/// Publishes this node's RDMA lane and the port its daemon accepts lane
+/// streams on (`lane_port`), or the lane's absence (`None`, which removes
+/// the annotation: without RDMA there is no lane to offer, whatever the
+/// port), on its own Node object.
 pub async fn publish_rdma_lane(
     client: &Client,
     node_name: &str,
     lane: Option<&RdmaLane>,
+    lane_port: Option<u16>,
 ) -> Result<(), TopologyError> {
     let value = match lane {
-        Some(l) => serde_json::Value::String(serde_json::to_string(l).expect("lane serialises")),
+        Some(l) => serde_json::Value::String(
+            PublishedLane {
+                rdma: l.clone(),
+                lane_port,
+            }
+            .to_annotation(),
+        ),
         None => serde_json::Value::Null,
     };
     let patch = serde_json::json!({ "metadata": { "annotations": { RDMA_ANNOTATION: value } } });

@@ -9,18 +9,45 @@
 //! - pod CIDRs: `spec.podCIDRs` (dual stack), else the older `spec.podCIDR`
 //! - underlay: the first `InternalIP` of `status.addresses` (of the family
 //!   of the first pod CIDR when there is one), else the first `ExternalIP`
-//! - RDMA lane: the annotation [`RDMA_ANNOTATION`], which each node's
-//!   `flowlaned` publishes (the JSON of [`super::RdmaLane`]).
+//! - RDMA lane and lane port: the annotation [`RDMA_ANNOTATION`], which each
+//!   node's `flowlaned` publishes (the JSON of [`PublishedLane`]: the fields
+//!   of [`super::RdmaLane`] plus `lanePort`, the port its daemon accepts
+//!   lane streams on; annotations written before `lanePort` existed still
+//!   read, with no port).
 
 use std::net::IpAddr;
 
 use ipnetwork::IpNetwork;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{ClusterView, NodeEntry, RdmaLane, TopologyError};
 
 /// Annotation on the Node holding its daemon's published RDMA lane.
 pub const RDMA_ANNOTATION: &str = "flowlane.io/rdma-lane";
+
+/// The value of [`RDMA_ANNOTATION`]: the node's RDMA lane and where its
+/// daemon accepts lane streams, in one JSON object so that a peer never sees
+/// one without the other.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedLane {
+    #[serde(flatten)]
+    pub rdma: RdmaLane,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lane_port: Option<u16>,
+}
+
+impl PublishedLane {
+    /// The annotation's value (a JSON string).
+    pub fn to_annotation(&self) -> String {
+        serde_json::to_string(self).expect("lane serialises")
+    }
+
+    pub fn from_annotation(text: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+}
 
 /// One `Node` object -> its entry. Nodes without a pod CIDR yet (not
 /// allocated by the controller manager) or without an address are skipped
@@ -68,18 +95,23 @@ pub fn node_entry(node: &Value) -> Result<Option<NodeEntry>, TopologyError> {
     let Some(underlay) = pick("InternalIP").or_else(|| pick("ExternalIP")) else {
         return Ok(None);
     };
-    let rdma = match node["metadata"]["annotations"][RDMA_ANNOTATION].as_str() {
+    let published = match node["metadata"]["annotations"][RDMA_ANNOTATION].as_str() {
         None => None,
         Some(text) => Some(
-            serde_json::from_str::<RdmaLane>(text)
+            PublishedLane::from_annotation(text)
                 .map_err(|e| bad(format!("annotation {RDMA_ANNOTATION}: {e}")))?,
         ),
+    };
+    let (rdma, lane_port) = match published {
+        Some(p) => (Some(p.rdma), p.lane_port),
+        None => (None, None),
     };
     Ok(Some(NodeEntry {
         name,
         pod_cidrs,
         underlay,
         rdma,
+        lane_port,
     }))
 }
 
@@ -151,6 +183,42 @@ mod tests {
         );
         assert!(view.rdma_between("gpu-a1", "gpu-a2"));
         assert!(!view.rdma_between("gpu-a1", "cpu-b1"));
+    }
+
+    #[test]
+    fn the_lane_port_travels_in_the_annotation_and_old_annotations_still_read() {
+        let lane = RdmaLane {
+            device: "rxe0".into(),
+            port: 1,
+            gid_index: 1,
+            gid: "::ffff:192.168.204.1".parse().unwrap(),
+            link_layer: LinkLayer::Ethernet,
+            active_mtu: Some(1024),
+        };
+        let published = PublishedLane {
+            rdma: lane.clone(),
+            lane_port: Some(7471),
+        };
+        let text = published.to_annotation();
+        let value: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(value["lanePort"], 7471, "{text}");
+        assert_eq!(
+            value["gid"], "::ffff:192.168.204.1",
+            "flat, not nested: {text}"
+        );
+        assert_eq!(PublishedLane::from_annotation(&text).unwrap(), published);
+        // A reader that only knows RdmaLane ignores the port.
+        assert_eq!(serde_json::from_str::<RdmaLane>(&text).unwrap(), lane);
+
+        let mut list = node_list();
+        list["items"][1]["metadata"]["annotations"][RDMA_ANNOTATION] = text.into();
+        let view = cluster_view(&list).unwrap();
+        let a2 = view.node("gpu-a2").unwrap();
+        assert_eq!(a2.lane_port, Some(7471));
+        assert_eq!(a2.rdma.as_ref().unwrap(), &lane);
+        let a1 = view.node("gpu-a1").unwrap();
+        assert!(a1.rdma.is_some(), "annotation without lanePort");
+        assert_eq!(a1.lane_port, None);
     }
 
     #[test]
