@@ -13,6 +13,7 @@ pub mod host;
 pub mod names;
 pub mod netns;
 pub mod process;
+pub mod rdma_vm;
 pub mod result;
 pub mod shm;
 pub mod shm_scripts;
