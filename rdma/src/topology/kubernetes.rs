@@ -27,10 +27,24 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{ListParams, Patch, PatchParams};
-use kube::{Api, Client};
+use kube::Api;
 
 use super::node_object::{node_entry, PublishedLane, RDMA_ANNOTATION};
 use super::{ClusterView, NodeDirectory, RdmaLane, TopologyError};
+
+pub use kube::Client;
+
+/// A client configured from the environment, as `kubectl` and client-go
+/// do: `KUBECONFIG` (or `~/.kube/config`) when there is one, else the
+/// pod's in-cluster service account (`KUBERNETES_SERVICE_HOST` + the
+/// mounted token and CA).
+pub async fn client_from_environment() -> Result<Client, TopologyError> {
+    Client::try_default().await.map_err(|e| {
+        TopologyError::Kubernetes(format!(
+            "no Kubernetes client configuration (KUBECONFIG, or the in-cluster service account): {e}"
+        ))
+    })
+}
 
 /// Field manager recorded by the API server for our annotation patches.
 pub const FIELD_MANAGER: &str = "flowlaned";
@@ -118,6 +132,20 @@ impl KubeNodeDirectory {
             client,
             snapshot: RwLock::new(Arc::new(view)),
         }))
+    }
+
+    /// A directory with an empty node table, filled by the first successful
+    /// [`KubeNodeDirectory::refresh`]. For a daemon that must start (and
+    /// serve its node's pods) even while the API server is unreachable.
+    pub fn unlisted(client: Client) -> Arc<Self> {
+        Arc::new(KubeNodeDirectory {
+            client,
+            snapshot: RwLock::new(Arc::new(ClusterView::default())),
+        })
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
     }
 
     /// Re-lists now and swaps the snapshot. On error the old snapshot stays.
