@@ -461,11 +461,13 @@ impl RdmaRig {
 
     /// Makes both guests flowlane nodes (`guest/node-up.sh`): CNI config,
     /// node table, and `flowlaned` started with `flowlaned_args` besides its
-    /// state dir and socket. Calling it again restarts the daemons.
+    /// state dir and socket. `$RIG_*` in an argument expands in each guest
+    /// (`"$RIG_ADDR:7471"` is 192.168.47.1:7471 on node 1); nothing else is
+    /// interpreted. Calling it again restarts the daemons.
     pub fn nodes_up(&self, flowlaned_args: &[&str]) -> Result<()> {
         let args = flowlaned_args
             .iter()
-            .map(|a| shell_quote(a))
+            .map(|a| shell_quote_expanding(a))
             .collect::<Vec<_>>()
             .join(" ");
         let jobs: Vec<Job> = NODES
@@ -705,6 +707,19 @@ fn remove_stale_runs(runs: &Path) {
 /// Quotes `s` for bash.
 pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Double-quotes `s` for bash: `$VAR` expands, nothing else is special.
+fn shell_quote_expanding(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        if matches!(c, '"' | '\\' | '`') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
 }
 
 fn tail(s: &str, lines: usize) -> String {

@@ -13,9 +13,14 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(60);
 
 /// Both nodes made flowlane nodes once per binary (flowlaned + CNI config).
+/// Each daemon serves its metrics on its own underlay address: `$RIG_ADDR`
+/// expands per guest.
 fn nodes_up(rig: &RdmaRig) {
     static UP: OnceLock<Result<(), String>> = OnceLock::new();
-    UP.get_or_init(|| rig.nodes_up(&[]).map_err(|e| format!("{e:#}")))
+    UP.get_or_init(|| {
+        rig.nodes_up(&["--metrics-addr", "$RIG_ADDR:9464"])
+            .map_err(|e| format!("{e:#}"))
+    })
         .as_ref()
         .expect("node-up.sh on both guests");
 }
@@ -110,8 +115,21 @@ fn rxe_port_is_active_with_an_ipv4_roce_v2_gid_and_diag_reports_it() {
             .map(|f| f.iter().filter(|f| f["severity"] == "error").collect())
             .unwrap_or_default();
         assert!(rdma_errors.is_empty(), "node{node}: {rdma_errors:?}");
+        // The node's daemon runs with the arguments nodes_up gave it, and the
+        // other node reaches it over the underlay.
+        let metrics = rig
+            .run_ok(
+                rdma_vm::peer(node),
+                &format!("curl -sS --max-time 20 http://{addr}:9464/metrics"),
+                T,
+            )
+            .stdout;
+        assert!(
+            metrics.contains("flowlane_"),
+            "node{node}'s flowlaned metrics from the other node: {metrics}"
+        );
         eprintln!(
-            "node{node}: rxe0/1 ACTIVE on eth0, gid[{}] {} ({}), diag healthy",
+            "node{node}: rxe0/1 ACTIVE on eth0, gid[{}] {} ({}), no RDMA problem in diag, daemon metrics reachable over the underlay",
             selected["gid_index"], selected["gid"], selected["type"]
         );
     }

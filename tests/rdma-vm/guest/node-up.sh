@@ -10,7 +10,8 @@
 #   $RIG_NODE_DIR/logs/flowlaned.log      the daemon's log (readable on the host)
 # Run as a rig job (the agent exports RIG_*). Environment:
 #   FLOWLANE_BIN_DIR  (required) the host's <target>/release, same path in the guest
-#   FLOWLANED_ARGS    extra flowlaned arguments (word-split), e.g. "--lane-listen 192.168.47.1:7471"
+#   FLOWLANED_ARGS    extra flowlaned arguments, as shell words in which the RIG_* variables
+#                     expand, e.g. '--lane-listen "$RIG_ADDR:7471" --nodes /etc/flowlane/nodes.json'
 #   RIG_LANE_PORT     lanePort written to nodes.json (default 7471)
 #   FLOWLANE_LOG      daemon log filter (default info)
 #   NO_DAEMON=1       configure only, do not start flowlaned
@@ -87,8 +88,8 @@ fi
 [ -n "${NO_DAEMON:-}" ] && { echo "node$RIG_NODE configured (no daemon)"; exit 0; }
 
 # setsid: the daemon outlives this job (and its timeout's process group).
-# shellcheck disable=SC2086
-FLOWLANE_LOG=${FLOWLANE_LOG:-info} setsid "$BIN/flowlaned" --state-dir "$STATE" --socket "$SOCK" ${FLOWLANED_ARGS:-} \
+eval "extra=(${FLOWLANED_ARGS:-})"
+FLOWLANE_LOG=${FLOWLANE_LOG:-info} setsid "$BIN/flowlaned" --state-dir "$STATE" --socket "$SOCK" "${extra[@]}" \
   >>"$RIG_NODE_DIR/logs/flowlaned.log" 2>&1 </dev/null &
 pid=$!
 echo "$pid" > "$RUNDIR/flowlaned.pid"
