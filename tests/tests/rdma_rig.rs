@@ -21,8 +21,8 @@ fn nodes_up(rig: &RdmaRig) {
         rig.nodes_up(&["--metrics-addr", "$RIG_ADDR:9464"])
             .map_err(|e| format!("{e:#}"))
     })
-        .as_ref()
-        .expect("node-up.sh on both guests");
+    .as_ref()
+    .expect("node-up.sh on both guests");
 }
 
 fn json(s: &str, what: &str) -> Value {
