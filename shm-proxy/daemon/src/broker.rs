@@ -172,7 +172,12 @@ pub struct Broker {
     limits: Limits,
     facts: DaemonFacts,
     started: Instant,
+    /// The cross-node relay's lane counters (`relay/`), when it runs.
+    relay_stats: Option<RelayStatsFn>,
 }
+
+/// Reports the relay lane's name and counters for stats answers.
+pub type RelayStatsFn = Box<dyn Fn() -> (String, LaneStats) + Send>;
 
 impl Broker {
     /// A broker for the node whose registry lives in `facts.state_dir`;
@@ -201,6 +206,7 @@ impl Broker {
             limits,
             facts,
             started: Instant::now(),
+            relay_stats: None,
         };
         b.reload_registry();
         let mut restored = 0;
@@ -287,6 +293,15 @@ impl Broker {
             } => self.connect_intent(caller, src, dst, region_len),
             Request::CancelIntent { channel_id } => self.cancel_intent(caller, channel_id),
             Request::ClaimAccepted { local, peer } => self.claim_accepted(caller, local, peer),
+            // The relay (`relay/`) takes these first when the peer is on
+            // another node; here they are ordinary intents and claims.
+            Request::RelayableIntent {
+                src,
+                dst,
+                region_len,
+                ..
+            } => self.connect_intent(caller, src, dst, region_len),
+            Request::RelayableClaim { local, peer, .. } => self.claim_accepted(caller, local, peer),
             Request::ReportClosed {
                 channel_id,
                 sent,
@@ -313,6 +328,93 @@ impl Broker {
                 .into(),
                 Err(a) => a,
             },
+        }
+    }
+
+    /// Lets stats answers include the relay lane's counters.
+    pub fn set_relay_stats(&mut self, f: RelayStatsFn) {
+        self.relay_stats = Some(f);
+    }
+
+    /// A fresh channel id (the relay's connections share the id space).
+    pub fn next_channel_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Counts a fallback decided outside the broker (the relay).
+    pub fn count_fallback(&mut self, reason: &'static str) {
+        self.counters.fallback(reason);
+    }
+
+    /// Counts a request served outside the broker (the relay).
+    pub fn count_request(&mut self, op: &'static str) {
+        self.counters.request(op);
+    }
+
+    /// True when `ip` belongs to a pod of this node.
+    pub fn is_local_pod_ip(&mut self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        self.pods.owner_of(ip).is_some()
+            || (self.reload_if_changed() && self.pods.owner_of(ip).is_some())
+    }
+
+    /// The relay's client-side checks (the same rules as an intent): the
+    /// caller is a pod, owns `src` (or `src` is unspecified and the pod has
+    /// an address facing `dst`), the region is within bounds. Returns the
+    /// source address with the pod's IP filled in.
+    pub fn relay_client_check(
+        &mut self,
+        caller: &Caller,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+    ) -> Result<SocketAddr, Answer> {
+        let pod = self.caller_pod(caller).inspect_err(|_| {
+            self.counters.fallback(reason::AUTH_FAILED);
+        })?;
+        if src.port() == 0 || dst.port() == 0 {
+            return Err(Response::error(ErrorCode::BadRequest, "port 0 in an intent").into());
+        }
+        if region_len < self.limits.min_region || region_len > self.limits.max_region {
+            self.counters.fallback(reason::REGION_TOO_LARGE);
+            return Err(Response::error(
+                ErrorCode::TooLarge,
+                format!("region of {region_len} bytes is out of bounds"),
+            )
+            .into());
+        }
+        let ip = if src.ip().is_unspecified() {
+            self.pods.get(pod).and_then(|p| p.source_for(dst.ip()))
+        } else {
+            Some(src.ip()).filter(|ip| self.pod_owns(pod, *ip))
+        };
+        match ip {
+            Some(ip) => Ok(SocketAddr::new(ip, src.port())),
+            None => {
+                self.counters.fallback(reason::AUTH_FAILED);
+                Err(self.deny(
+                    ErrorCode::Forbidden,
+                    format!("{} is not an address of the calling pod", src.ip()),
+                ))
+            }
+        }
+    }
+
+    /// The relay's server-side check: the caller is a pod that owns `local`.
+    pub fn relay_server_check(&mut self, caller: &Caller, local: SocketAddr) -> Result<(), Answer> {
+        let pod = self.caller_pod(caller).inspect_err(|_| {
+            self.counters.fallback(reason::AUTH_FAILED);
+        })?;
+        if self.pod_owns(pod, local.ip()) {
+            Ok(())
+        } else {
+            self.counters.fallback(reason::AUTH_FAILED);
+            Err(self.deny(
+                ErrorCode::Forbidden,
+                format!("{} is not an address of the calling pod", local.ip()),
+            ))
         }
     }
 
@@ -860,6 +962,10 @@ impl Broker {
                 channels_pending: self.pending.len() as u64,
             },
         );
+        if let Some(relay) = &self.relay_stats {
+            let (name, st) = relay();
+            lanes.insert(name, st);
+        }
         let connections = self
             .active
             .values()
@@ -954,6 +1060,26 @@ fn canonical_request(req: Request) -> Request {
         Request::ClaimAccepted { local, peer } => Request::ClaimAccepted {
             local: canonical(local),
             peer: canonical(peer),
+        },
+        Request::RelayableIntent {
+            src,
+            dst,
+            region_len,
+            socket_fd,
+        } => Request::RelayableIntent {
+            src: canonical(src),
+            dst: canonical(dst),
+            region_len,
+            socket_fd,
+        },
+        Request::RelayableClaim {
+            local,
+            peer,
+            socket_fd,
+        } => Request::RelayableClaim {
+            local: canonical(local),
+            peer: canonical(peer),
+            socket_fd,
         },
         other => other,
     }

@@ -12,7 +12,9 @@ mod identity;
 mod listener_store;
 mod memfd;
 mod metrics;
+mod nodes;
 mod pods;
+mod relay;
 mod ring_watch;
 mod server;
 mod sockets;
@@ -50,6 +52,22 @@ struct Args {
     /// Largest channel region (bytes) a client may request.
     #[arg(long, default_value_t = (64 << 20) + 4096)]
     max_region: u64,
+    /// Carry connections to pods on other nodes over a lane between the
+    /// daemons, accepting peer daemons' streams on this address (this
+    /// node's underlay IP and the lane port). Without it nothing changes.
+    #[arg(long)]
+    lane_listen: Option<std::net::SocketAddr>,
+    /// The lane's transport: `tcp-test` (one TCP connection per stream, for
+    /// hosts without RDMA and tests) or `rdma`.
+    #[arg(long, default_value = "tcp-test")]
+    lane_transport: String,
+    /// The cluster's node table (JSON: nodes with podCIDRs, underlay,
+    /// lanePort, rdma); says which node owns a pod IP.
+    #[arg(long)]
+    nodes_file: Option<PathBuf>,
+    /// The cross-node view (`nodes.rs`): --node-name, --kubernetes, --sysfs-root, --nodes-refresh.
+    #[command(flatten)]
+    nodes: nodes::Flags,
 }
 
 fn init_logging(level: Option<&str>) {
@@ -109,6 +127,37 @@ fn main() -> anyhow::Result<()> {
     rt.block_on(run(args, limits))
 }
 
+/// The cross-node relay, when `--lane-listen` asks for it.
+fn start_relay(
+    args: &Args,
+    shared: &server::Shared,
+    nodes: Option<std::sync::Arc<nodes::Nodes>>,
+) -> anyhow::Result<Option<std::sync::Arc<relay::Relay>>> {
+    use std::sync::Arc;
+    let Some(listen) = args.lane_listen else {
+        return Ok(None);
+    };
+    let Some(nodes) = nodes else {
+        anyhow::bail!("--lane-listen needs the cross-node view (--nodes-file or --kubernetes, and --node-name)");
+    };
+    let transport: Arc<dyn flowlane_rdma::LaneTransport> = match args.lane_transport.as_str() {
+        "tcp-test" => Arc::new(
+            relay::tcp_test::TcpTestTransport::bind(listen)
+                .with_context(|| format!("listening for lane streams on {listen}"))?,
+        ),
+        other => anyhow::bail!("--lane-transport {other}: unknown (tcp-test)"),
+    };
+    let router = relay::route::Router::new(nodes, transport.name() == "rdma");
+    let name = transport.name();
+    let relay = relay::Relay::start(transport, router, shared.clone());
+    let r = relay.clone();
+    shared
+        .lock()
+        .set_relay_stats(Box::new(move || r.lane_stats()));
+    tracing::info!(%listen, transport = name, "cross-node relay enabled");
+    Ok(Some(relay))
+}
+
 async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
     let facts = DaemonFacts {
         state_dir: args.state_dir.clone(),
@@ -124,6 +173,16 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         }
         let _ = stop_tx.send(());
     });
+    // The cross-node view: which node owns a pod IP (and, in Kubernetes,
+    // publishing this node's RDMA lane).
+    let nodes = nodes::start(
+        &args.nodes,
+        args.nodes_file.as_deref(),
+        &args.state_dir,
+        args.lane_listen.map(|a| a.port()),
+    )
+    .await?;
+    let relay = start_relay(&args, &shared, nodes.clone())?;
     let listener = server::bind(&args.socket)?;
     tracing::info!(
         socket = %args.socket.display(),
@@ -158,7 +217,7 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
             }
         })
     };
-    server::serve(listener, args.socket.clone(), shared, async {
+    server::serve(listener, args.socket.clone(), shared, relay, async {
         let _ = stop_rx.await;
     })
     .await;

@@ -21,6 +21,7 @@ use tokio::sync::Semaphore;
 
 use crate::broker::{Answer, Broker, Caller};
 use crate::identity::{netns_inode_of_pid, ProcessId};
+use crate::relay::Relay;
 
 /// How long the rest of a frame may take once its first byte arrived.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
@@ -121,6 +122,7 @@ pub async fn serve(
     listener: UnixListener,
     socket_path: PathBuf,
     shared: Shared,
+    relay: Option<Arc<Relay>>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
@@ -145,8 +147,9 @@ pub async fn serve(
                         continue;
                     };
                     let shared = shared.clone();
+                    let relay = relay.clone();
                     tokio::spawn(async move {
-                        serve_client(stream, caller, shared).await;
+                        serve_client(stream, caller, shared, relay).await;
                         drop((permit, netns_slot));
                     });
                 }
@@ -196,7 +199,12 @@ fn identify(stream: &UnixStream) -> Caller {
     Caller { netns, process }
 }
 
-async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared) {
+async fn serve_client(
+    mut stream: UnixStream,
+    caller: Caller,
+    shared: Shared,
+    relay: Option<Arc<Relay>>,
+) {
     tracing::trace!(?caller, "client connected");
     loop {
         let body = match read_frame(&mut stream).await {
@@ -217,7 +225,19 @@ async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared) {
         let answer = match proto::decode_request(&body) {
             Ok(req) => {
                 tracing::trace!(op = req.op_name(), "request");
-                shared.lock().handle(&caller, req)
+                match relay.as_ref().filter(|r| r.takes(&req)) {
+                    // Cross-node set-ups block (lane open, handshake with
+                    // the peer daemon): off the runtime's thread.
+                    Some(r) => {
+                        let r = r.clone();
+                        tokio::task::spawn_blocking(move || r.handle(&caller, req))
+                            .await
+                            .unwrap_or_else(|_| {
+                                Response::error(ErrorCode::Internal, "relay task failed").into()
+                            })
+                    }
+                    None => shared.lock().handle(&caller, req),
+                }
             }
             Err(e) => {
                 shared.lock().bad_request();

@@ -191,6 +191,52 @@ impl DaemonClient {
         self.expect_channel(&Request::ClaimAccepted { local, peer })
     }
 
+    /// [`Self::connect_intent`] naming the caller's socket (its fd number in
+    /// this process), so that a daemon with a cross-node lane can carry the
+    /// connection to a pod on another node. A daemon that predates the op
+    /// answers `bad-request`; then the classic intent is sent instead.
+    pub fn connect_intent_relayable(
+        &mut self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: usize,
+        socket_fd: i32,
+    ) -> io::Result<Option<Channel>> {
+        let req = Request::RelayableIntent {
+            src,
+            dst,
+            region_len: region_len as u64,
+            socket_fd,
+        };
+        match self.call(&req)? {
+            (Response::Error { code, message }, _) if is_unknown_op(code, &message) => {
+                self.connect_intent(src, dst, region_len)
+            }
+            answer => self.channel_from(answer),
+        }
+    }
+
+    /// [`Self::claim_accepted`] naming the accepted socket's fd number (see
+    /// [`Self::connect_intent_relayable`]).
+    pub fn claim_accepted_relayable(
+        &mut self,
+        local: SocketAddr,
+        peer: SocketAddr,
+        socket_fd: i32,
+    ) -> io::Result<Option<Channel>> {
+        let req = Request::RelayableClaim {
+            local,
+            peer,
+            socket_fd,
+        };
+        match self.call(&req)? {
+            (Response::Error { code, message }, _) if is_unknown_op(code, &message) => {
+                self.claim_accepted(local, peer)
+            }
+            answer => self.channel_from(answer),
+        }
+    }
+
     /// A channel ended; `sent`/`received` are the application bytes moved.
     pub fn report_closed(&mut self, channel_id: u64, sent: u64, received: u64) -> io::Result<()> {
         self.expect_ok(&Request::ReportClosed {
@@ -260,7 +306,12 @@ impl DaemonClient {
     }
 
     fn expect_channel(&mut self, req: &Request) -> io::Result<Option<Channel>> {
-        match self.call(req)? {
+        let answer = self.call(req)?;
+        self.channel_from(answer)
+    }
+
+    fn channel_from(&mut self, answer: (Response, Vec<OwnedFd>)) -> io::Result<Option<Channel>> {
+        match answer {
             (Response::Channel { id, len }, mut fds) => {
                 let len = usize::try_from(len).map_err(|_| {
                     self.broken = true;
@@ -311,6 +362,12 @@ impl Drop for DaemonClient {
     fn drop(&mut self) {
         sys::close(self.fd);
     }
+}
+
+/// An older daemon's answer to an op it does not know (serde names the
+/// unknown variant in its decoding error).
+fn is_unknown_op(code: ErrorCode, message: &str) -> bool {
+    code == ErrorCode::BadRequest && message.contains("unknown variant")
 }
 
 fn invalid_data(e: impl ToString) -> io::Error {

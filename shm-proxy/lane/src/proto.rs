@@ -8,7 +8,9 @@
 //! ```
 //!
 //! A response that hands over a channel carries the channel's memfd in the
-//! SCM_RIGHTS ancillary data of its frame. Requests never carry fds.
+//! SCM_RIGHTS ancillary data of its frame. Requests never carry fds (the
+//! relayable ops name the caller's socket by its fd number; the daemon takes
+//! its own reference with `pidfd_getfd`, see `flowlaned`'s relay).
 //!
 //! The decoder is strict and total: garbage, truncated and oversized input
 //! produce a [`ProtoError`], never a panic. A request frame's body is bounded
@@ -87,6 +89,26 @@ pub enum Request {
     RegistryChanged,
     /// Counters, connections and listeners of the node.
     Stats,
+    /// [`Request::ConnectIntent`] from a library that can ride the
+    /// cross-node relay: `socket_fd` is the number of the caller's TCP socket
+    /// in the calling process (bound to `src`). The daemon may take its own
+    /// reference to that socket (doorbells, liveness) when `dst` is a pod on
+    /// another node with a lane; otherwise it is an ordinary intent. Added
+    /// after protocol 1 without a version bump: older daemons answer
+    /// `bad-request`, and the client then retries with the classic op.
+    RelayableIntent {
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+        socket_fd: i32,
+    },
+    /// [`Request::ClaimAccepted`] with the accepted socket's fd number (see
+    /// [`Request::RelayableIntent`]).
+    RelayableClaim {
+        local: SocketAddr,
+        peer: SocketAddr,
+        socket_fd: i32,
+    },
 }
 
 impl Request {
@@ -102,6 +124,8 @@ impl Request {
             Request::ReportFallback { .. } => "report-fallback",
             Request::RegistryChanged => "registry-changed",
             Request::Stats => "stats",
+            Request::RelayableIntent { .. } => "relayable-intent",
+            Request::RelayableClaim { .. } => "relayable-claim",
         }
     }
 }
@@ -495,6 +519,17 @@ mod tests {
             },
             Request::RegistryChanged,
             Request::Stats,
+            Request::RelayableIntent {
+                src: "10.202.0.3:41000".parse().unwrap(),
+                dst: a,
+                region_len: 2 << 20,
+                socket_fd: 5,
+            },
+            Request::RelayableClaim {
+                local: a,
+                peer: b,
+                socket_fd: 9,
+            },
         ]
     }
 

@@ -277,7 +277,9 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
         src = name_of(fd, false)?;
     }
     let region_len = ring::region_len_for(cfg.ring_size);
-    let answer = with_daemon(|d| d.connect_intent(src, dst, region_len));
+    // The socket's fd number lets a daemon with a cross-node lane take its
+    // own reference to it (doorbells, liveness); see docs/rdma.md.
+    let answer = with_daemon(|d| d.connect_intent_relayable(src, dst, region_len, fd));
     match answer {
         None => {
             log_at!(4, "{src} -> {dst}: no daemon, TCP");
@@ -405,7 +407,7 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
     let (Some(local), Some(peer)) = (name_of(fd, false), name_of(fd, true)) else {
         return;
     };
-    match with_daemon(|d| d.claim_accepted(local, peer)) {
+    match with_daemon(|d| d.claim_accepted_relayable(local, peer, fd)) {
         Some(Ok(Some(ch))) => {
             let id = ch.id;
             match Conn::new(

@@ -1,0 +1,416 @@
+//! One pod connection carried across nodes: this daemon is the ring peer
+//! of its local pod (it maps the channel like the other pod would on the
+//! shared-memory lane) and pumps the pod's rings into and out of a lane
+//! stream to the peer daemon.
+//!
+//! Two threads per connection, both blocking:
+//! - `out`: pod's sending ring -> lane (DATA, then EOF); it also notices
+//!   when the pod stops reading (GONE) and when its process died;
+//! - `in`: lane -> pod's receiving ring, and the peer's control frames.
+//!
+//! Wake-ups (see docs/rdma.md, "Cross-node relay"): the daemon sleeps on the
+//! region's futexes (`WAIT_FUTEX`), so the pod library wakes it with
+//! `FUTEX_WAKE` and never sends a doorbell byte for it. A pod thread blocked
+//! in read/write is woken by the daemon's futex wake. A pod thread asleep in
+//! poll/epoll/select waits on its TCP socket, which only the REMOTE end can
+//! make readable: the daemon sends WAKE, and the peer daemon writes one byte
+//! on its dup of the remote pod's socket — which arrives on our pod's socket.
+//!
+//! End: the daemon keeps its dup of the pod's socket until both directions
+//! are settled and the peer confirmed (FINAL) that all our bytes reached its
+//! pod's ring. Only then can the kernel send the pod connection's FIN, so the
+//! remote library never sees TCP end-of-stream before the ring's last byte.
+//! Failures (lane reset, peer daemon gone, pod killed) shut the pod
+//! connection down for both pods: they see end-of-stream or a reset, never a
+//! hang; a killed pod's socket is closed with an RST.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use flowlane_lane::ring::{self, Attach, Consumer, Probe, Producer, ReadState, Side};
+use flowlane_rdma::{LaneStream, StreamKey};
+
+use super::frames::{self, Frame, InBuf, DATA_HEADER, MAX_DATA};
+use super::os;
+
+/// Longest futex sleep of a pump; between slices it checks the pod's
+/// process and the connection's state. Idle cost: a few wake-ups a second.
+const SLICE_MS: u32 = 100;
+
+/// How long the server pod may take to attach to its region after its
+/// claim was answered (it does so at once; longer means it fell back).
+const ATTACH_GRACE: Duration = Duration::from_secs(3);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The daemon's mapping of a channel region.
+pub struct Region {
+    map: memmap2::MmapRaw,
+    len: usize,
+}
+
+impl Region {
+    pub fn map(memfd: &OwnedFd, len: usize) -> io::Result<Region> {
+        if ring::ring_size_for(len).is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "region too small",
+            ));
+        }
+        let map = memmap2::MmapOptions::new().len(len).map_raw(memfd)?;
+        Ok(Region { map, len })
+    }
+
+    /// The attach word's view for `side` (set-up only).
+    pub fn probe(&self, side: Side) -> Probe {
+        // SAFETY: the mapping is `len` bytes, page aligned, and outlives the
+        // probe's use during set-up (the caller holds the Region).
+        unsafe { Probe::new(self.map.as_mut_ptr(), self.len, side) }.expect("size checked in map")
+    }
+}
+
+pub struct Carried {
+    pub id: u64,
+    pub key: StreamKey,
+    /// The pod's ends as the daemon sees them: it produces into the pod's
+    /// receiving ring and consumes the pod's sending ring.
+    to_pod: Mutex<Producer>,
+    from_pod: Mutex<Consumer>,
+    probe: Probe,
+    /// Our reference to the pod's TCP socket (doorbells for the remote pod,
+    /// and it holds the pod connection's FIN back until the relay is done).
+    sock: OwnedFd,
+    /// The pod process that set the connection up (its death ends it).
+    pidfd: Option<OwnedFd>,
+    stream: Arc<dyn LaneStream>,
+    /// The server daemon waits for its pod to attach.
+    wait_attach: bool,
+    send_lock: Mutex<()>,
+    wake_pending: AtomicBool,
+    failed: AtomicBool,
+    pod_died: AtomicBool,
+    sent_eof: AtomicBool,
+    sent_gone: AtomicBool,
+    got_eof: AtomicBool,
+    got_gone: AtomicBool,
+    sent_final: AtomicBool,
+    got_final: AtomicBool,
+    pub bytes_out: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub pumps_left: AtomicUsize,
+    pub opened: Instant,
+    // Last: the rings point into it.
+    _region: Region,
+}
+
+impl Carried {
+    /// `side` is the daemon's side of the region: `Server` towards a client
+    /// pod, `Client` towards a server pod.
+    pub fn new(
+        id: u64,
+        key: StreamKey,
+        region: Region,
+        side: Side,
+        sock: OwnedFd,
+        pidfd: Option<OwnedFd>,
+        stream: Arc<dyn LaneStream>,
+    ) -> Carried {
+        let base = region.map.as_mut_ptr();
+        // SAFETY: the mapping is `region.len` bytes, page aligned, owned by
+        // the Carried (declared last, so dropped after every ring end), and
+        // shared with exactly one pod end.
+        let (tx, rx) = unsafe { ring::endpoints(base, region.len, side) }.expect("size checked");
+        // SAFETY: as above.
+        let probe = unsafe { Probe::new(base, region.len, side) }.expect("size checked");
+        Carried {
+            id,
+            key,
+            to_pod: Mutex::new(tx),
+            from_pod: Mutex::new(rx),
+            probe,
+            sock,
+            pidfd,
+            stream,
+            wait_attach: side == Side::Client,
+            send_lock: Mutex::new(()),
+            wake_pending: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            pod_died: AtomicBool::new(false),
+            sent_eof: AtomicBool::new(false),
+            sent_gone: AtomicBool::new(false),
+            got_eof: AtomicBool::new(false),
+            got_gone: AtomicBool::new(false),
+            sent_final: AtomicBool::new(false),
+            got_final: AtomicBool::new(false),
+            bytes_out: AtomicU64::new(0),
+            bytes_in: AtomicU64::new(0),
+            pumps_left: AtomicUsize::new(2),
+            opened: Instant::now(),
+            _region: region,
+        }
+    }
+
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Sends one frame whole, then any wake request that waited for the lock.
+    fn send_frame(&self, bytes: &[u8]) -> io::Result<()> {
+        let r = {
+            let _g = lock(&self.send_lock);
+            frames::send_all(&*self.stream, bytes)
+        };
+        self.flush_wake();
+        r
+    }
+
+    /// Sends a pending WAKE if nobody else is sending; a thread holding the
+    /// lock calls this again after releasing it, so no request is lost.
+    fn flush_wake(&self) {
+        while self.wake_pending.load(Ordering::Acquire) {
+            let Ok(_g) = self.send_lock.try_lock() else {
+                return;
+            };
+            if self.wake_pending.swap(false, Ordering::AcqRel)
+                && !self.sent_final.load(Ordering::Acquire)
+            {
+                if let Err(e) = frames::send_all(&*self.stream, &[frames::WAKE]) {
+                    drop(_g);
+                    self.fail(&format!("lane send: {e}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Our pod needs a doorbell: ask the peer daemon to ring it.
+    fn request_wake(&self) {
+        self.wake_pending.store(true, Ordering::Release);
+        self.flush_wake();
+    }
+
+    /// Ends the connection for both pods after a failure.
+    pub fn fail(&self, why: &str) {
+        if self.failed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::info!(id = self.id, client = %self.key.client, server = %self.key.server, why, "relayed connection failed; ending it for both pods");
+        self.stream.reset();
+        if self.pod_died.load(Ordering::Acquire) {
+            os::linger_zero(&self.sock);
+        }
+        os::shutdown_both(&self.sock);
+    }
+
+    /// Both directions settled here: tell the peer (FINAL) and end our side.
+    fn maybe_finish(&self) {
+        let out_done =
+            self.sent_eof.load(Ordering::Acquire) || self.got_gone.load(Ordering::Acquire);
+        let in_done =
+            self.got_eof.load(Ordering::Acquire) || self.sent_gone.load(Ordering::Acquire);
+        if !(out_done && in_done) || self.sent_final.load(Ordering::Acquire) {
+            return;
+        }
+        let _g = lock(&self.send_lock);
+        if self.sent_final.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let r = frames::send_all(&*self.stream, &[frames::FINAL])
+            .and_then(|()| self.stream.shutdown_send());
+        drop(_g);
+        if let Err(e) = r {
+            self.fail(&format!("lane send: {e}"));
+        }
+    }
+
+    fn pod_exited(&self) -> bool {
+        self.pidfd
+            .as_ref()
+            .is_some_and(|p| os::process_exited(p, 0))
+    }
+
+    /// Sleeps one slice without a ring to wait on.
+    fn idle_slice(&self) {
+        match &self.pidfd {
+            Some(p) => {
+                os::process_exited(p, SLICE_MS as i32);
+            }
+            None => std::thread::sleep(Duration::from_millis(SLICE_MS as u64)),
+        }
+    }
+
+    /// The server daemon: the pod attaches right after its claim's answer;
+    /// a pod that never does stayed on TCP, which the client pod (already on
+    /// the ring) must not silently miss.
+    fn await_attach(&self) -> bool {
+        let deadline = Instant::now() + ATTACH_GRACE;
+        loop {
+            match self.probe.attach_state() {
+                Attach::ServerAttached => return true,
+                Attach::ClientGaveUp => return false,
+                Attach::Undecided if Instant::now() >= deadline => return false,
+                Attach::Undecided => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    }
+
+    /// Pod's sending ring -> lane.
+    pub fn pump_out(&self) {
+        if self.wait_attach && !self.await_attach() {
+            self.fail("the server pod did not attach to its ring");
+            return;
+        }
+        let mut buf = vec![0u8; DATA_HEADER + MAX_DATA];
+        loop {
+            if self.failed() || self.sent_final.load(Ordering::Acquire) {
+                return;
+            }
+            self.flush_wake();
+            if !self.sent_gone.load(Ordering::Acquire)
+                && (self.probe.tx_peer_gone()
+                    || (self.sent_eof.load(Ordering::Acquire) && self.pod_exited()))
+            {
+                // The pod closed (or, after its last byte, exited): it reads
+                // no more.
+                if let Err(e) = self.send_frame(&[frames::GONE]) {
+                    self.fail(&format!("lane send: {e}"));
+                    return;
+                }
+                self.sent_gone.store(true, Ordering::Release);
+                self.maybe_finish();
+                continue;
+            }
+            if self.sent_eof.load(Ordering::Acquire) || self.got_gone.load(Ordering::Acquire) {
+                // Nothing more to forward: wait for the other direction.
+                self.idle_slice();
+                continue;
+            }
+            let mut rx = lock(&self.from_pod);
+            match rx.state() {
+                ReadState::Data(_) => {
+                    let n = rx.read(&mut buf[DATA_HEADER..]);
+                    let wake = rx.take_writer_wakeup();
+                    drop(rx);
+                    frames::data_header(&mut buf, n);
+                    if let Err(e) = self.send_frame(&buf[..DATA_HEADER + n]) {
+                        self.fail(&format!("lane send: {e}"));
+                        return;
+                    }
+                    self.bytes_out.fetch_add(n as u64, Ordering::Relaxed);
+                    if wake {
+                        self.request_wake();
+                    }
+                }
+                ReadState::Eof => {
+                    drop(rx);
+                    if let Err(e) = self.send_frame(&[frames::EOF]) {
+                        self.fail(&format!("lane send: {e}"));
+                        return;
+                    }
+                    self.sent_eof.store(true, Ordering::Release);
+                    self.maybe_finish();
+                }
+                ReadState::Empty => {
+                    rx.wait_data(SLICE_MS);
+                    let empty = rx.state() == ReadState::Empty;
+                    drop(rx);
+                    if empty && self.pod_exited() {
+                        // Gone without closing its sending side: killed.
+                        self.pod_died.store(true, Ordering::Release);
+                        self.fail("the pod process exited without closing the connection");
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lane -> pod's receiving ring, and the peer's control frames.
+    pub fn pump_in(&self) {
+        let mut inb = InBuf::new(DATA_HEADER + MAX_DATA);
+        loop {
+            let frame = match inb.next_frame(&*self.stream) {
+                Ok(f) => f,
+                Err(e) => {
+                    self.fail(&format!("lane receive: {e}"));
+                    return;
+                }
+            };
+            match frame {
+                Frame::End if self.got_final.load(Ordering::Acquire) => return,
+                Frame::End => {
+                    self.fail("lane stream ended without FINAL (peer daemon gone?)");
+                    return;
+                }
+                Frame::Control(frames::WAKE) => os::ring_doorbell(&self.sock),
+                Frame::Control(frames::EOF) => {
+                    lock(&self.to_pod).close();
+                    // Always ring: a reader may wait for POLLRDHUP only.
+                    self.request_wake();
+                    self.got_eof.store(true, Ordering::Release);
+                    self.maybe_finish();
+                }
+                Frame::Control(frames::GONE) => {
+                    self.probe.close_rx();
+                    self.request_wake();
+                    self.got_gone.store(true, Ordering::Release);
+                    self.maybe_finish();
+                }
+                Frame::Control(frames::FINAL) => self.got_final.store(true, Ordering::Release),
+                Frame::Control(other) => {
+                    self.fail(&format!("unknown lane frame {other:#x}"));
+                    return;
+                }
+                Frame::Data(len) => {
+                    if let Err(e) = self.deliver(&mut inb, len) {
+                        self.fail(&e);
+                        return;
+                    }
+                }
+            }
+            if self.failed() {
+                return;
+            }
+        }
+    }
+
+    /// Copies one DATA payload into the pod's receiving ring (discarding it
+    /// if the pod stopped reading).
+    fn deliver(&self, inb: &mut InBuf, len: usize) -> Result<(), String> {
+        let mut tx = lock(&self.to_pod);
+        let mut left = len;
+        while left > 0 {
+            let piece = inb
+                .payload(&*self.stream, left)
+                .map_err(|e| format!("lane receive: {e}"))?;
+            let m = piece.len();
+            let mut off = 0;
+            while off < m {
+                if tx.peer_gone() {
+                    break; // the pod closed: like TCP after close, bytes are dropped
+                }
+                let n = tx.write(&piece[off..]);
+                if n > 0 {
+                    off += n;
+                    self.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    if tx.take_reader_wakeup() {
+                        self.request_wake();
+                    }
+                    continue;
+                }
+                if self.failed() {
+                    return Err("failed".into());
+                }
+                tx.wait_room(SLICE_MS);
+            }
+            inb.consume(m);
+            left -= m;
+        }
+        Ok(())
+    }
+}

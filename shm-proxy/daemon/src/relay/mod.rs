@@ -1,0 +1,552 @@
+//! The cross-node relay (issue 6): a TCP connection between pods on two
+//! nodes rides a lane between the two daemons, each daemon being the ring
+//! peer of its own pod:
+//!
+//! ```text
+//! pod A ring <-> flowlaned 1 <-> LaneStream <-> flowlaned 2 <-> pod B ring
+//! ```
+//!
+//! Set-up, with the library's unchanged two round trips (intent before the
+//! TCP connect, claim after accept):
+//! 1. A's `relayable-intent` for a pod IP of another node with a lane: the
+//!    daemon takes its own reference to A's socket (`pidfd_getfd`), creates
+//!    and maps A's region, opens a lane stream keyed by (A's address, B's
+//!    address) and answers the channel. A connects over TCP as usual and
+//!    waits for the attach word (the library's own handshake).
+//! 2. Daemon 2 accepts the stream and keeps it until B's claim.
+//! 3. B's `relayable-claim` for a peer on another node: daemon 2 pairs it
+//!    with the stream, sends CLAIMED; daemon 1 checks that A mapped its
+//!    channel and sets A's attach word (this is where A's lane is decided,
+//!    exactly once), answers ATTACHED; daemon 2 answers B's claim with a
+//!    fresh region of its own. Any failure or timeout before that point
+//!    leaves both pods on plain TCP with identical bytes.
+//!
+//! Then `carried.rs` pumps bytes. Gated off unless `--lane-listen` is given.
+
+mod carried;
+pub mod frames;
+mod os;
+pub mod route;
+pub mod tcp_test;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use flowlane_lane::proto::{ErrorCode, LaneStats, NoChannelReason, Request, Response};
+use flowlane_lane::ring::{self, Side};
+use flowlane_rdma::{LaneStream, LaneTransport, StreamKey};
+
+use crate::broker::{Answer, Caller};
+use crate::counters::reason;
+use crate::memfd;
+use crate::server::Shared;
+use carried::{Carried, Region};
+
+/// How long a claim waits for the client daemon's stream to arrive (it is
+/// opened before the client's TCP connect, so it is normally there first).
+const STREAM_WAIT: Duration = Duration::from_millis(200);
+/// How long a claim waits for the client daemon's ATTACHED/REFUSED. Both
+/// waits together stay below the library's 500 ms daemon timeout.
+const HANDSHAKE_WAIT: Duration = Duration::from_millis(250);
+/// How long the client daemon waits for its pod to map the channel (it
+/// does right after its connect returns).
+const MAP_WAIT: Duration = Duration::from_millis(150);
+/// Accepted streams nobody claimed are dropped after this long.
+const UNCLAIMED_TTL: Duration = Duration::from_secs(30);
+
+/// Fallback reasons the relay decides.
+pub mod relay_reason {
+    /// The peer daemon's lane could not be opened.
+    pub const LANE_UNREACHABLE: &str = "relay-lane-unreachable";
+    /// The daemon could not take the pod's socket or map its channel.
+    pub const SETUP_FAILED: &str = "relay-setup-failed";
+    /// The client pod gave up (or never mapped its channel) before the claim.
+    pub const REFUSED: &str = "relay-refused";
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A stream a peer daemon opened, and when it arrived.
+type Accepted = (Arc<dyn LaneStream>, Instant);
+
+pub struct Relay {
+    transport: Arc<dyn LaneTransport>,
+    router: route::Router,
+    /// Lane name in counters: "relay" (test transport) or "rdma".
+    lane: &'static str,
+    shared: Shared,
+    /// Streams peer daemons opened, waiting for our pod's claim.
+    accepted: Mutex<HashMap<StreamKey, Accepted>>,
+    accepted_cv: Condvar,
+    /// Client-side set-ups waiting for the peer's CLAIMED, by channel id.
+    setups: Mutex<HashMap<u64, Arc<dyn LaneStream>>>,
+    active: Mutex<HashMap<u64, Arc<Carried>>>,
+    opened: AtomicU64,
+    closed: AtomicU64,
+    closed_bytes: AtomicU64,
+}
+
+impl Relay {
+    /// Starts the relay: its accept thread runs for the daemon's lifetime.
+    pub fn start(
+        transport: Arc<dyn LaneTransport>,
+        router: route::Router,
+        shared: Shared,
+    ) -> Arc<Relay> {
+        let lane = if transport.name() == "rdma" {
+            "rdma"
+        } else {
+            "relay"
+        };
+        let relay = Arc::new(Relay {
+            transport,
+            router,
+            lane,
+            shared,
+            accepted: Mutex::new(HashMap::new()),
+            accepted_cv: Condvar::new(),
+            setups: Mutex::new(HashMap::new()),
+            active: Mutex::new(HashMap::new()),
+            opened: AtomicU64::new(0),
+            closed: AtomicU64::new(0),
+            closed_bytes: AtomicU64::new(0),
+        });
+        let r = relay.clone();
+        std::thread::Builder::new()
+            .name("relay-accept".into())
+            .spawn(move || r.accept_loop())
+            .expect("spawning the relay accept thread");
+        relay
+    }
+
+    fn accept_loop(&self) {
+        loop {
+            match self.transport.accept() {
+                Ok((key, stream)) => {
+                    let key = canonical_key(key);
+                    tracing::debug!(client = %key.client, server = %key.server, "lane stream accepted");
+                    let mut acc = lock(&self.accepted);
+                    let now = Instant::now();
+                    acc.retain(|_, (s, at)| {
+                        let keep = now.duration_since(*at) < UNCLAIMED_TTL;
+                        if !keep {
+                            s.reset();
+                        }
+                        keep
+                    });
+                    if let Some((old, _)) = acc.insert(key, (Arc::from(stream), now)) {
+                        old.reset(); // the same client port again: the earlier attempt is dead
+                    }
+                    self.accepted_cv.notify_all();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "lane accept failed");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
+    }
+
+    /// The counters of the relay's lane (for stats answers).
+    pub fn lane_stats(&self) -> (String, LaneStats) {
+        let active = lock(&self.active);
+        let live: u64 = active
+            .values()
+            .map(|c| c.bytes_in.load(Ordering::Relaxed) + c.bytes_out.load(Ordering::Relaxed))
+            .sum();
+        let pending = lock(&self.setups).len() + lock(&self.accepted).len();
+        (
+            self.lane.to_string(),
+            LaneStats {
+                connections_opened: self.opened.load(Ordering::Relaxed),
+                connections_active: active.len() as u64,
+                connections_closed: self.closed.load(Ordering::Relaxed),
+                bytes: self.closed_bytes.load(Ordering::Relaxed) + live,
+                channels_pending: pending as u64,
+            },
+        )
+    }
+
+    /// True when the relay serves `req` (instead of the broker): a
+    /// relayable intent or claim whose peer is a pod of another node with a
+    /// lane, or the cancel of one of our set-ups.
+    pub fn takes(&self, req: &Request) -> bool {
+        let remote = |ip: std::net::IpAddr| {
+            !self.shared.lock().is_local_pod_ip(ip) && self.router.lane_peer(ip).is_some()
+        };
+        match req {
+            Request::RelayableIntent { dst, .. } => remote(dst.ip()),
+            Request::RelayableClaim { peer, .. } => remote(peer.ip()),
+            Request::CancelIntent { channel_id } => lock(&self.setups).contains_key(channel_id),
+            _ => false,
+        }
+    }
+
+    /// Serves a request `takes` accepted. Blocking: run off the runtime.
+    pub fn handle(self: &Arc<Self>, caller: &Caller, req: Request) -> Answer {
+        self.shared.lock().count_request(req.op_name());
+        match req {
+            Request::RelayableIntent {
+                src,
+                dst,
+                region_len,
+                socket_fd,
+            } => self.intent(
+                caller,
+                canonical(src),
+                canonical(dst),
+                region_len,
+                socket_fd,
+            ),
+            Request::RelayableClaim {
+                local,
+                peer,
+                socket_fd,
+            } => self.claim(caller, canonical(local), canonical(peer), socket_fd),
+            Request::CancelIntent { channel_id } => {
+                if let Some(s) = lock(&self.setups).remove(&channel_id) {
+                    s.reset();
+                    self.shared.lock().count_fallback(reason::INTENT_CANCELLED);
+                }
+                Response::Ok.into()
+            }
+            _ => Response::error(ErrorCode::Internal, "not a relay request").into(),
+        }
+    }
+
+    fn fallback(&self, why: NoChannelReason, counter: &'static str) -> Answer {
+        self.shared.lock().count_fallback(counter);
+        Response::NoChannel { reason: why }.into()
+    }
+
+    /// Our own reference to the caller's socket `socket_fd`, checked to be a
+    /// TCP socket bound to `local` (and connected to `peer` when given).
+    fn take_socket(
+        caller: &Caller,
+        socket_fd: i32,
+        local: SocketAddr,
+        peer: Option<SocketAddr>,
+    ) -> Result<(OwnedFd, Option<OwnedFd>, u32), String> {
+        let process = caller.process.ok_or("unknown calling process")?;
+        let pidfd = os::pidfd_open(process.pid).map_err(|e| format!("pidfd_open: {e}"))?;
+        if !process.is_alive() {
+            return Err("the calling process is gone".into());
+        }
+        let sock = os::pidfd_getfd(&pidfd, socket_fd).map_err(|e| format!("pidfd_getfd: {e}"))?;
+        if !os::is_tcp_socket(&sock) {
+            return Err(format!("fd {socket_fd} is not a TCP socket"));
+        }
+        let name = os::socket_name(&sock, false).ok_or("socket has no local address")?;
+        let name_ok = name.port() == local.port()
+            && (name.ip().is_unspecified() || name.ip().to_canonical() == local.ip());
+        if !name_ok {
+            return Err(format!("socket is bound to {name}, not {local}"));
+        }
+        if let Some(peer) = peer {
+            let p = os::socket_name(&sock, true).ok_or("socket is not connected")?;
+            if canonical(p) != peer {
+                return Err(format!("socket is connected to {p}, not {peer}"));
+            }
+        }
+        Ok((sock, Some(pidfd), process.pid))
+    }
+
+    fn intent(
+        self: &Arc<Self>,
+        caller: &Caller,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+        socket_fd: i32,
+    ) -> Answer {
+        let src = match self
+            .shared
+            .lock()
+            .relay_client_check(caller, src, dst, region_len)
+        {
+            Ok(s) => s,
+            Err(a) => return a,
+        };
+        let Some(peer_daemon) = self.router.lane_peer(dst.ip()) else {
+            return self.fallback(NoChannelReason::NotLocalPod, reason::NOT_LOCAL_POD);
+        };
+        let (sock, pidfd, pid) = match Self::take_socket(caller, socket_fd, src, None) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::debug!(%src, %dst, error = %e, "relay: cannot take the client's socket");
+                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::SETUP_FAILED);
+            }
+        };
+        let id = self.shared.lock().next_channel_id();
+        let name = format!("flowlane-relay-{id}");
+        let made = memfd::create_sealed(&name, region_len).and_then(|fd| {
+            let region = Region::map(&fd, region_len as usize)?;
+            Ok((fd, region))
+        });
+        let (memfd, region) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "relay: cannot create a channel");
+                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::SETUP_FAILED);
+            }
+        };
+        let key = StreamKey {
+            client: src,
+            server: dst,
+        };
+        let stream: Arc<dyn LaneStream> = match self.transport.open(peer_daemon, key) {
+            Ok(s) => Arc::from(s),
+            Err(e) => {
+                tracing::info!(%peer_daemon, error = %e, "relay: lane unreachable; TCP");
+                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::LANE_UNREACHABLE);
+            }
+        };
+        lock(&self.setups).insert(id, stream.clone());
+        let r = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("relay-setup-{id}"))
+            .spawn(move || r.client_setup(id, key, stream, region, sock, pidfd, pid, name));
+        if spawned.is_err() {
+            if let Some(s) = lock(&self.setups).remove(&id) {
+                s.reset();
+            }
+            return self.fallback(NoChannelReason::NotLocalPod, relay_reason::SETUP_FAILED);
+        }
+        tracing::debug!(id, %src, %dst, %peer_daemon, "relay: channel announced");
+        Answer {
+            response: Response::Channel {
+                id,
+                len: region_len,
+            },
+            fd: Some(memfd),
+        }
+    }
+
+    /// Client daemon: waits for the server daemon's CLAIMED, decides the
+    /// client pod's lane (attach word), answers, and starts the pumps.
+    #[allow(clippy::too_many_arguments)]
+    fn client_setup(
+        self: Arc<Self>,
+        id: u64,
+        key: StreamKey,
+        stream: Arc<dyn LaneStream>,
+        region: Region,
+        sock: OwnedFd,
+        pidfd: Option<OwnedFd>,
+        pid: u32,
+        memfd_name: String,
+    ) {
+        let mut b = [0u8; 1];
+        let claimed = matches!(stream.recv(&mut b), Ok(1)) && b[0] == frames::CLAIMED;
+        let still_ours = lock(&self.setups).remove(&id).is_some();
+        if !claimed || !still_ours {
+            stream.reset();
+            if still_ours {
+                // Not cancelled by the pod: the server never claimed.
+                self.shared.lock().count_fallback(reason::INTENT_EXPIRED);
+            }
+            return;
+        }
+        // The pod maps its channel right after its connect returns.
+        let deadline = Instant::now() + MAP_WAIT;
+        let mut mapped = os::process_maps_memfd(pid, &memfd_name);
+        while !mapped && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+            mapped = os::process_maps_memfd(pid, &memfd_name);
+        }
+        let attached = mapped && region.probe(Side::Server).server_attach();
+        let answer = if attached {
+            frames::ATTACHED
+        } else {
+            frames::REFUSED
+        };
+        if let Err(e) = frames::send_all(&*stream, &[answer]) {
+            tracing::info!(id, error = %e, "relay: lane failed during set-up");
+            if attached {
+                // The pod is on the ring already: end it visibly.
+                os::shutdown_both(&sock);
+            }
+            stream.reset();
+            return;
+        }
+        if !attached {
+            tracing::debug!(id, "relay: client pod gave up; both stay on TCP");
+            self.shared.lock().count_fallback(relay_reason::REFUSED);
+            let _ = stream.shutdown_send();
+            return;
+        }
+        let c = Carried::new(id, key, region, Side::Server, sock, pidfd, stream);
+        self.run(c);
+    }
+
+    fn claim(
+        self: &Arc<Self>,
+        caller: &Caller,
+        local: SocketAddr,
+        peer: SocketAddr,
+        socket_fd: i32,
+    ) -> Answer {
+        if let Err(a) = self.shared.lock().relay_server_check(caller, local) {
+            return a;
+        }
+        let key = StreamKey {
+            client: peer,
+            server: local,
+        };
+        let Some(stream) = self.take_accepted(&key) else {
+            return self.fallback(NoChannelReason::NoIntent, reason::CLAIM_WITHOUT_INTENT);
+        };
+        let (sock, pidfd, _pid) = match Self::take_socket(caller, socket_fd, local, Some(peer)) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::debug!(%local, %peer, error = %e, "relay: cannot take the server's socket");
+                stream.reset();
+                return self.fallback(NoChannelReason::NoIntent, relay_reason::SETUP_FAILED);
+            }
+        };
+        let id = self.shared.lock().next_channel_id();
+        let len = ring::region_len_for(ring::DEFAULT_RING_SIZE);
+        let made = memfd::create_sealed(&format!("flowlane-relay-{id}"), len as u64)
+            .and_then(|fd| Ok((Region::map(&fd, len)?, fd)));
+        let (region, memfd) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "relay: cannot create a channel");
+                stream.reset();
+                return self.fallback(NoChannelReason::NoIntent, relay_reason::SETUP_FAILED);
+            }
+        };
+        match handshake(&stream) {
+            Ok(true) => {}
+            Ok(false) => {
+                let _ = stream.shutdown_send();
+                return self.fallback(NoChannelReason::NoIntent, relay_reason::REFUSED);
+            }
+            Err(e) => {
+                tracing::info!(%local, %peer, error = %e, "relay: set-up handshake failed; TCP");
+                stream.reset();
+                return self.fallback(NoChannelReason::NoIntent, relay_reason::LANE_UNREACHABLE);
+            }
+        }
+        let c = Carried::new(id, key, region, Side::Client, sock, pidfd, stream);
+        self.run(c);
+        tracing::debug!(id, client = %peer, server = %local, "relay: connection carried");
+        Answer {
+            response: Response::Channel {
+                id,
+                len: len as u64,
+            },
+            fd: Some(memfd),
+        }
+    }
+
+    /// The stream a peer daemon opened for `key`, waiting briefly for it.
+    fn take_accepted(&self, key: &StreamKey) -> Option<Arc<dyn LaneStream>> {
+        let deadline = Instant::now() + STREAM_WAIT;
+        let mut acc = lock(&self.accepted);
+        loop {
+            if let Some((s, _)) = acc.remove(key) {
+                return Some(s);
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            acc = self
+                .accepted_cv
+                .wait_timeout(acc, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Registers a carried connection and starts its two pumps.
+    fn run(self: &Arc<Self>, c: Carried) {
+        let c = Arc::new(c);
+        self.opened.fetch_add(1, Ordering::Relaxed);
+        lock(&self.active).insert(c.id, c.clone());
+        for dir in ["out", "in"] {
+            let (r, c2) = (self.clone(), c.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("relay-{dir}-{}", c.id))
+                .spawn(move || {
+                    if dir == "out" {
+                        c2.pump_out();
+                    } else {
+                        c2.pump_in();
+                    }
+                    r.pump_ended(&c2);
+                });
+            if spawned.is_err() {
+                c.fail("cannot start a pump thread");
+                self.pump_ended(&c);
+            }
+        }
+    }
+
+    fn pump_ended(&self, c: &Arc<Carried>) {
+        if c.pumps_left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        lock(&self.active).remove(&c.id);
+        self.closed.fetch_add(1, Ordering::Relaxed);
+        let bytes = c.bytes_in.load(Ordering::Relaxed) + c.bytes_out.load(Ordering::Relaxed);
+        self.closed_bytes.fetch_add(bytes, Ordering::Relaxed);
+        tracing::debug!(
+            id = c.id,
+            bytes,
+            failed = c.failed(),
+            secs = c.opened.elapsed().as_secs_f64(),
+            "relay: connection ended"
+        );
+    }
+}
+
+/// Server daemon: CLAIMED, then the client daemon's verdict within
+/// `HANDSHAKE_WAIT` (a watchdog resets the stream, which ends the wait).
+fn handshake(stream: &Arc<dyn LaneStream>) -> std::io::Result<bool> {
+    frames::send_all(&**stream, &[frames::CLAIMED])?;
+    // (answered, timed out): whoever comes second knows what happened.
+    let state = Arc::new(Mutex::new((false, false)));
+    let (st, s) = (state.clone(), stream.clone());
+    std::thread::spawn(move || {
+        std::thread::sleep(HANDSHAKE_WAIT);
+        let mut g = lock(&st);
+        if !g.0 {
+            g.1 = true;
+            s.reset();
+        }
+    });
+    let mut b = [0u8; 1];
+    let r = stream.recv(&mut b);
+    let timed_out = {
+        let mut g = lock(&state);
+        g.0 = true;
+        g.1
+    };
+    if timed_out {
+        return Err(std::io::ErrorKind::TimedOut.into());
+    }
+    match r? {
+        1 if b[0] == frames::ATTACHED => Ok(true),
+        1 if b[0] == frames::REFUSED => Ok(false),
+        _ => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "bad or missing set-up answer",
+        )),
+    }
+}
+
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+fn canonical_key(k: StreamKey) -> StreamKey {
+    StreamKey {
+        client: canonical(k.client),
+        server: canonical(k.server),
+    }
+}

@@ -1,0 +1,162 @@
+//! The kernel calls the relay needs beyond the broker's: a process's fd by
+//! number (`pidfd_open` + `pidfd_getfd`, so a pod never has to pass its
+//! socket over the daemon socket), process exit as a pollable fd, and a few
+//! socket queries on the pod's TCP socket.
+
+use std::io;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+fn check(r: libc::c_long) -> io::Result<libc::c_long> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// A pidfd for `pid` (readable once the process exits).
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall with integer arguments.
+    let fd = check(unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) })?;
+    // SAFETY: the kernel returned a fresh fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Our own reference to fd number `target` of the process behind `pidfd`
+/// (needs ptrace access to it: the daemon runs as root on the node).
+pub fn pidfd_getfd(pidfd: &OwnedFd, target: i32) -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall with integer arguments.
+    let fd = check(unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) })?;
+    // SAFETY: the kernel returned a fresh fd (close-on-exec) that we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// True once the process behind `pidfd` has exited; waits up to `timeout_ms`.
+pub fn process_exited(pidfd: &OwnedFd, timeout_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+    r > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+fn sockopt_int(fd: &OwnedFd, level: i32, opt: i32) -> Option<i32> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt into a local int of the given length.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            level,
+            opt,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(v)
+}
+
+/// True when `fd` is an IPv4/IPv6 TCP socket.
+pub fn is_tcp_socket(fd: &OwnedFd) -> bool {
+    matches!(
+        sockopt_int(fd, libc::SOL_SOCKET, libc::SO_DOMAIN),
+        Some(libc::AF_INET | libc::AF_INET6)
+    ) && sockopt_int(fd, libc::SOL_SOCKET, libc::SO_TYPE) == Some(libc::SOCK_STREAM)
+        && sockopt_int(fd, libc::SOL_SOCKET, libc::SO_PROTOCOL) == Some(libc::IPPROTO_TCP)
+}
+
+/// The socket's local (`peer == false`) or remote address, IPv4-mapped
+/// IPv6 addresses shown as IPv4.
+pub fn socket_name(fd: &OwnedFd, peer: bool) -> Option<SocketAddr> {
+    // SAFETY: sockaddr_storage is plain old data.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let p = (&mut ss as *mut libc::sockaddr_storage).cast();
+    // SAFETY: the buffer and its length are valid.
+    let r = unsafe {
+        if peer {
+            libc::getpeername(fd.as_raw_fd(), p, &mut len)
+        } else {
+            libc::getsockname(fd.as_raw_fd(), p, &mut len)
+        }
+    };
+    if r != 0 {
+        return None;
+    }
+    match ss.ss_family as i32 {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in.
+            let a: libc::sockaddr_in = unsafe { std::ptr::read(&ss as *const _ as *const _) };
+            Some(SocketAddr::V4(SocketAddrV4::new(
+                Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                u16::from_be(a.sin_port),
+            )))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the family says the storage holds a sockaddr_in6.
+            let a: libc::sockaddr_in6 = unsafe { std::ptr::read(&ss as *const _ as *const _) };
+            let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
+            let port = u16::from_be(a.sin6_port);
+            Some(match ip.to_ipv4_mapped() {
+                Some(v4) => SocketAddr::V4(SocketAddrV4::new(v4, port)),
+                None => SocketAddr::V6(SocketAddrV6::new(ip, port, 0, a.sin6_scope_id)),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Sends one doorbell byte on the pod's socket (to the pod at the other
+/// end); never blocks. A full send buffer already holds doorbells.
+pub fn ring_doorbell(fd: &OwnedFd) {
+    let b = 0u8;
+    // SAFETY: one byte from a local.
+    unsafe {
+        libc::send(
+            fd.as_raw_fd(),
+            (&b as *const u8).cast(),
+            1,
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    };
+}
+
+/// Ends the pod's TCP connection for both pods at once (FIN both ways;
+/// both libraries then see end-of-stream), used when the relay fails.
+pub fn shutdown_both(fd: &OwnedFd) {
+    // SAFETY: shutdown on a socket we hold a reference to.
+    unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+}
+
+/// Makes the last close of the socket send an RST (SO_LINGER 0).
+pub fn linger_zero(fd: &OwnedFd) {
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt with a local linger struct.
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+}
+
+/// True when `pid` maps the memfd named `name` (the library maps its
+/// channel right after the daemon's answer; a client that timed out before
+/// reading the answer never does).
+pub fn process_maps_memfd(pid: u32, name: &str) -> bool {
+    // A mapping line ends in "/memfd:NAME (deleted)".
+    let needle = format!("/memfd:{name} ");
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map(|maps| maps.lines().any(|l| l.contains(&needle)))
+        .unwrap_or(false)
+}

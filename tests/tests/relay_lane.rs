@@ -1,0 +1,649 @@
+//! The cross-node relay (issue 6) on this host: two "nodes", each a network
+//! namespace with its own bridge and its own `flowlaned`, joined by an
+//! underlay veth with host-gw routes to each other's pod CIDR. Pods are
+//! namespaces wired by the real `flowlane` plugin run inside their node's
+//! namespace. The daemons carry pod connections over `--lane-transport
+//! tcp-test` (the test double behind the `LaneTransport` trait: one TCP
+//! connection per stream on the underlay); everything else — preload
+//! library, rings, pairing, pumps, doorbells, close and failure handling —
+//! is the real code path the RDMA transport uses.
+//!
+//! Names: netns/links `rr<tag>…`; pod CIDRs 10.173.0.0/16, underlay
+//! 10.174.0.0/16.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use flowlane_e2e::shm::{build_dir, preload_lib, run_ok, Bg};
+use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PYTHON};
+use flowlane_lane::client::DaemonClient;
+use flowlane_lane::proto::Stats;
+
+/// One cluster at a time in this binary (2 cores).
+static SERIAL: Mutex<()> = Mutex::new(());
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+const LANE_PORT: u16 = 7470;
+const T: Duration = Duration::from_secs(120);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn sh(args: &[&str]) -> std::process::Output {
+    Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+}
+
+fn sh_ok(args: &[&str]) {
+    let o = sh(args);
+    assert!(
+        o.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[derive(Debug, Clone)]
+struct Pod {
+    netns: String,
+    ip: Ipv4Addr,
+    id: String,
+}
+
+struct Node {
+    name: String,
+    netns: String,
+    cidr: String,
+    underlay: Ipv4Addr,
+    dir: PathBuf,
+    pods: Vec<Pod>,
+    daemon: Option<Child>,
+}
+
+impl Node {
+    fn socket(&self) -> PathBuf {
+        self.dir.join("d.sock")
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    fn cni_conf(&self) -> String {
+        serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "rrnet",
+            "type": "flowlane",
+            "bridge": "rrbr0",
+            "isGateway": true,
+            "isDefaultGateway": true,
+            "stateDir": self.state_dir(),
+            "daemonSocket": self.socket(),
+            "ipam": {
+                "type": "flowlane",
+                "ranges": [[{"subnet": self.cidr}]],
+                "dataDir": self.dir.join("ipam"),
+            }
+        })
+        .to_string()
+    }
+
+    /// The real plugin, run inside the node's namespace as a runtime would.
+    fn cni(&self, command: &str, pod_ns: &str, id: &str) -> std::process::Output {
+        use std::io::Write;
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.netns])
+            .arg(build_dir().join("flowlane"))
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", id)
+            .env("CNI_NETNS", format!("/var/run/netns/{pod_ns}"))
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", "/usr/lib/cni")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run flowlane");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(self.cni_conf().as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    }
+
+    fn add_pod(&mut self) {
+        let ns = format!("{}p{}", self.netns, self.pods.len());
+        let _ = sh(&["ip", "netns", "del", &ns]);
+        sh_ok(&["ip", "netns", "add", &ns]);
+        sh_ok(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+        let id = format!("{ns}-{}", std::process::id());
+        let out = self.cni("ADD", &ns, &id);
+        assert!(
+            out.status.success(),
+            "CNI ADD in {}: {}",
+            self.netns,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ip = v["ips"][0]["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next()?.parse().ok())
+            .expect("pod IP in the CNI result");
+        self.pods.push(Pod { netns: ns, ip, id });
+    }
+
+    fn start_daemon(&mut self, nodes_file: &std::path::Path) {
+        let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.netns])
+            .arg(build_dir().join("flowlaned"))
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--socket")
+            .arg(self.socket())
+            .args(["--log-level", "debug"])
+            .args(["--lane-listen", &format!("{}:{LANE_PORT}", self.underlay)])
+            .arg("--nodes-file")
+            .arg(nodes_file)
+            .args(["--node-name", &self.name])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start flowlaned");
+        self.daemon = Some(child);
+        let t0 = Instant::now();
+        while self.stats_opt().is_none() {
+            if let Some(st) = self.daemon.as_mut().unwrap().try_wait().unwrap() {
+                panic!("flowlaned exited ({st}): {}", self.log());
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "flowlaned did not come up: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+
+    fn stats_opt(&self) -> Option<Stats> {
+        DaemonClient::connect(&self.socket(), Duration::from_secs(2))
+            .ok()?
+            .stats()
+            .ok()
+    }
+
+    fn stats(&self) -> Stats {
+        self.stats_opt().expect("daemon stats")
+    }
+
+    /// (opened, closed, bytes) of the relay lane.
+    fn relay(&self) -> (u64, u64, u64) {
+        self.stats()
+            .lanes
+            .get("relay")
+            .map(|l| (l.connections_opened, l.connections_closed, l.bytes))
+            .unwrap_or_default()
+    }
+
+    /// A command in `pod` (with the preload library and this node's daemon
+    /// when `preload`).
+    fn cmd(&self, pod: &Pod, preload: bool, argv: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &pod.netns, "env"]);
+        if preload {
+            c.arg(format!("LD_PRELOAD={}", preload_lib().display()));
+            c.arg(format!("FLOWLANE_SOCKET={}", self.socket().display()));
+        }
+        c.args(argv);
+        c
+    }
+}
+
+/// Two nodes joined by an underlay, each with `pods` pods and a daemon.
+struct Cluster {
+    nodes: Vec<Node>,
+    dir: PathBuf,
+    link: String,
+}
+
+impl Cluster {
+    fn new(pods: usize) -> Cluster {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("{:x}{n:x}", std::process::id() % 0xfff);
+        let slot = ((std::process::id() + n * 7) % 120) as u8;
+        let dir = std::env::temp_dir().join(format!("rr-{tag}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let link = format!("rr{tag}u");
+        let mut c = Cluster {
+            nodes: Vec::new(),
+            dir: dir.clone(),
+            link: link.clone(),
+        };
+        for i in 0..2u8 {
+            let netns = format!("rr{tag}n{i}");
+            let _ = sh(&["ip", "netns", "del", &netns]);
+            sh_ok(&["ip", "netns", "add", &netns]);
+            sh_ok(&["ip", "-n", &netns, "link", "set", "lo", "up"]);
+            sh_ok(&[
+                "ip",
+                "netns",
+                "exec",
+                &netns,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+            ]);
+            let ndir = dir.join(format!("n{i}"));
+            std::fs::create_dir_all(&ndir).unwrap();
+            c.nodes.push(Node {
+                name: format!("n{i}"),
+                netns,
+                cidr: format!("10.173.{}.0/24", 2 * slot + i),
+                underlay: Ipv4Addr::new(10, 174, slot, 1 + i),
+                dir: ndir,
+                pods: Vec::new(),
+                daemon: None,
+            });
+        }
+        // The underlay: one veth between the two node namespaces.
+        let _ = sh(&["ip", "link", "del", &format!("{link}0")]);
+        sh_ok(&[
+            "ip",
+            "link",
+            "add",
+            &format!("{link}0"),
+            "netns",
+            &c.nodes[0].netns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &format!("{link}1"),
+            "netns",
+            &c.nodes[1].netns,
+        ]);
+        for i in 0..2 {
+            let (me, other) = (&c.nodes[i], &c.nodes[1 - i]);
+            let dev = format!("{link}{i}");
+            sh_ok(&[
+                "ip",
+                "-n",
+                &me.netns,
+                "addr",
+                "add",
+                &format!("{}/24", me.underlay),
+                "dev",
+                &dev,
+            ]);
+            sh_ok(&["ip", "-n", &me.netns, "link", "set", &dev, "up"]);
+            sh_ok(&[
+                "ip",
+                "-n",
+                &me.netns,
+                "route",
+                "add",
+                &other.cidr,
+                "via",
+                &other.underlay.to_string(),
+            ]);
+        }
+        c.write_nodes_file(true);
+        for node in &mut c.nodes {
+            for _ in 0..pods {
+                node.add_pod();
+            }
+        }
+        let file = c.nodes_file();
+        for node in &mut c.nodes {
+            node.start_daemon(&file);
+        }
+        c
+    }
+
+    fn nodes_file(&self) -> PathBuf {
+        self.dir.join("nodes.json")
+    }
+
+    /// The node table; `n1_lane` false: node n1 offers no lane.
+    fn write_nodes_file(&self, n1_lane: bool) {
+        let nodes: Vec<_> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                let mut v = serde_json::json!({
+                    "name": n.name,
+                    "podCIDRs": [n.cidr],
+                    "underlay": n.underlay.to_string(),
+                });
+                if n.name == "n0" || n1_lane {
+                    v["lanePort"] = LANE_PORT.into();
+                }
+                v
+            })
+            .collect();
+        let tmp = self.dir.join("nodes.json.tmp");
+        std::fs::write(&tmp, serde_json::json!({ "nodes": nodes }).to_string()).unwrap();
+        std::fs::rename(&tmp, self.nodes_file()).unwrap();
+    }
+
+    fn logs(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("--- {} daemon log ---\n{}", n.name, n.log()))
+            .collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut d) = node.daemon.take() {
+                // SAFETY: signalling our own child process.
+                unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
+                let t0 = Instant::now();
+                while d.try_wait().ok().flatten().is_none() && t0.elapsed() < Duration::from_secs(5)
+                {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let _ = d.kill();
+                let _ = d.wait();
+            }
+            for p in std::mem::take(&mut node.pods) {
+                let _ = node.cni("DEL", &p.netns, &p.id);
+                let _ = sh(&["ip", "netns", "del", &p.netns]);
+            }
+            let _ = sh(&["ip", "netns", "del", &node.netns]);
+        }
+        let _ = sh(&["ip", "link", "del", &format!("{}0", self.link)]);
+        if std::env::var_os("RR_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Waits until something listens on `port` inside `pod`.
+fn wait_listening(pod: &Pod, port: u16) {
+    let t0 = Instant::now();
+    loop {
+        let o = sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &pod.netns,
+            "ss",
+            "-Htln",
+            &format!("sport = :{port}"),
+        ]);
+        if !String::from_utf8_lossy(&o.stdout).trim().is_empty() {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "nothing listens on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs echo clients from `cn`'s pod 0 to an echo server in `sn`'s pod 0:
+/// random write and read sizes, both directions at once, half-close, sha256
+/// of both directions checked by the client.
+fn echo_across(c: &Cluster, cn: usize, sn: usize, port: u16, conns: usize, bytes: u64) {
+    let (client_node, server_node) = (&c.nodes[cn], &c.nodes[sn]);
+    let server = &server_node.pods[0];
+    let client = &client_node.pods[0];
+    let _srv = Bg::spawn(server_node.cmd(
+        server,
+        true,
+        &[
+            PYTHON,
+            "-c",
+            ECHO_SERVER,
+            &port.to_string(),
+            &conns.to_string(),
+        ],
+    ));
+    wait_listening(server, port);
+    let ip = server.ip.to_string();
+    for seed in 0..conns {
+        let out = run_ok(
+            client_node.cmd(
+                client,
+                true,
+                &[
+                    PYTHON,
+                    "-c",
+                    ECHO_CLIENT,
+                    &ip,
+                    &port.to_string(),
+                    &bytes.to_string(),
+                    &(seed + 11).to_string(),
+                ],
+            ),
+            T,
+            "echo client",
+        );
+        assert!(
+            out.starts_with(&format!("ok {bytes}")),
+            "{out}\n{}",
+            c.logs()
+        );
+    }
+}
+
+/// Waits until both daemons count `n` closed relay connections.
+fn wait_closed(c: &Cluster, n: u64) {
+    let t0 = Instant::now();
+    while c.nodes.iter().any(|node| node.relay().1 < n) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "relay connections not closed: {:?}\n{}",
+            c.nodes.iter().map(|n| n.relay()).collect::<Vec<_>>(),
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Checksummed echo with random sizes, both directions at once and a
+/// half-close, from node 0 to node 1 and from node 1 to node 0; both
+/// daemons prove the relay lane carried it (and the shm lane did not).
+#[test]
+fn relay_carries_checksummed_echo_both_ways_between_nodes() {
+    let _g = serial();
+    let c = Cluster::new(1);
+    let bytes = 8_000_000u64;
+    echo_across(&c, 0, 1, 7501, 3, bytes);
+    echo_across(&c, 1, 0, 7502, 2, bytes);
+    wait_closed(&c, 5);
+    for node in &c.nodes {
+        let st = node.stats();
+        let relay = &st.lanes["relay"];
+        assert_eq!(relay.connections_opened, 5, "{}: {st:?}", node.name);
+        assert_eq!(relay.connections_active, 0, "{}: {st:?}", node.name);
+        // Each connection moved `bytes` each way through this daemon.
+        assert!(relay.bytes >= 5 * 2 * bytes, "{}: {st:?}", node.name);
+        assert_eq!(st.lanes["shm"].connections_opened, 0);
+        eprintln!("{}: relay lane {relay:?}", node.name);
+    }
+}
+
+/// A pod whose peer's node offers no lane stays on plain TCP (identical
+/// bytes), and a new connection uses the relay again once it does.
+#[test]
+fn no_lane_on_the_peer_node_stays_on_tcp() {
+    let _g = serial();
+    let c = Cluster::new(1);
+    c.write_nodes_file(false);
+    std::thread::sleep(Duration::from_millis(50));
+    echo_across(&c, 0, 1, 7511, 1, 2_000_000);
+    assert_eq!(c.nodes[0].relay().0, 0, "{}", c.logs());
+    assert_eq!(c.nodes[1].relay().0, 0, "{}", c.logs());
+    let st = c.nodes[0].stats();
+    assert!(
+        st.fallbacks.get("not-local-pod").copied().unwrap_or(0) >= 1,
+        "{st:?}"
+    );
+    c.write_nodes_file(true);
+    std::thread::sleep(Duration::from_millis(50));
+    echo_across(&c, 0, 1, 7512, 1, 2_000_000);
+    assert_eq!(c.nodes[0].relay().0, 1, "{}", c.logs());
+}
+
+/// `peer_kill.py server PORT` reads until EOF/error; `peer_kill.py client
+/// IP PORT` writes until an error. Each prints how it ended.
+const PEER_KILL: &str = r#"
+import socket, sys, time
+role = sys.argv[1]
+if role == "server":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(('0.0.0.0', int(sys.argv[2]))); s.listen(8)
+    c, _ = s.accept()
+    print("accepted", flush=True)
+    n = 0
+    try:
+        while True:
+            d = c.recv(65536)
+            if not d:
+                print("ended eof", n, flush=True); break
+            n += len(d)
+    except OSError as e:
+        print("ended", type(e).__name__, n, flush=True)
+else:
+    c = socket.create_connection((sys.argv[2], int(sys.argv[3])))
+    print("connected", flush=True)
+    buf = b"x" * 65536; n = 0
+    try:
+        while True:
+            c.sendall(buf); n += len(buf)
+            if n > (64 << 20):
+                time.sleep(0.01)
+    except OSError as e:
+        print("ended", type(e).__name__, n, flush=True)
+"#;
+
+/// Reads a line from the child's stdout (blocking).
+fn first_line(b: &mut Bg) -> String {
+    use std::io::BufRead;
+    let out = b.0.stdout.as_mut().unwrap();
+    let mut r = std::io::BufReader::new(out);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    line
+}
+
+/// SIGKILL of either pod mid-stream: the other one sees an error or EOF
+/// within seconds, never a hang, and both daemons end the relayed
+/// connection.
+#[test]
+fn peer_killed_mid_stream_ends_the_other_side() {
+    let _g = serial();
+    let c = Cluster::new(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    for (round, kill_server) in [(0u16, true), (1, false)] {
+        let port = 7521 + round;
+        let mut srv = Bg::spawn(n1.cmd(
+            b,
+            true,
+            &[PYTHON, "-c", PEER_KILL, "server", &port.to_string()],
+        ));
+        wait_listening(b, port);
+        let mut cli = Bg::spawn(n0.cmd(
+            a,
+            true,
+            &[
+                PYTHON,
+                "-c",
+                PEER_KILL,
+                "client",
+                &b.ip.to_string(),
+                &port.to_string(),
+            ],
+        ));
+        assert!(first_line(&mut cli).starts_with("connected"));
+        assert!(first_line(&mut srv).starts_with("accepted"));
+        std::thread::sleep(Duration::from_millis(500));
+        let (victim, survivor, what) = if kill_server {
+            (srv, cli, "client")
+        } else {
+            (cli, srv, "server")
+        };
+        // `ip netns exec` and `env` exec in place: the pid is python's.
+        // SAFETY: SIGKILL to our own child.
+        unsafe { libc::kill(victim.pid() as i32, libc::SIGKILL) };
+        let t0 = Instant::now();
+        let (st, out, err) = survivor.finish(Duration::from_secs(30));
+        let took = t0.elapsed();
+        drop(victim);
+        assert!(
+            st.is_some() && out.contains("ended"),
+            "the {what} hung after its peer was killed: {out} {err}\n{}",
+            c.logs()
+        );
+        eprintln!(
+            "peer killed: the {what} ended after {took:?}: {}",
+            out.trim()
+        );
+    }
+    wait_closed(&c, 2);
+    for node in &c.nodes {
+        assert_eq!(node.relay().0, 2, "{}", c.logs());
+    }
+}
+
+/// iperf3 through the relay (both directions), with plain TCP between the
+/// same pods in the same run for comparison (figures printed, not asserted).
+#[test]
+fn iperf3_through_the_relay() {
+    let _g = serial();
+    let c = Cluster::new(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let ip = b.ip.to_string();
+    let mut figures = Vec::new();
+    for (label, preload, reverse) in [
+        ("tcp", false, false),
+        ("relay", true, false),
+        ("relay -R", true, true),
+    ] {
+        let _srv = Bg::spawn(n1.cmd(b, preload, &["iperf3", "-s", "-1", "-p", "7531"]));
+        wait_listening(b, 7531);
+        let mut argv = vec!["iperf3", "-c", &ip, "-p", "7531", "-t", "3", "-J"];
+        if reverse {
+            argv.push("-R");
+        }
+        let out = run_ok(n0.cmd(a, preload, &argv), T, "iperf3 client");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("iperf3 -J output");
+        let bps = v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .expect("received bits per second");
+        assert!(bps > 0.0, "{out}");
+        figures.push((label, bps / 1e9));
+        // Let iperf3 -s -1 exit before the next round.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for (label, gbps) in &figures {
+        eprintln!("iperf3 {label}: {gbps:.2} Gbit/s");
+    }
+    eprintln!(
+        "relay/tcp: {:.2}x (tcp-test transport: one TCP connection on the underlay per stream)",
+        figures[1].1 / figures[0].1
+    );
+    let (opened, _, _) = n0.relay();
+    // iperf3 opens a control and a data connection per run.
+    assert!(opened >= 4, "iperf3 did not use the relay: {}", c.logs());
+}
