@@ -291,3 +291,96 @@ fn disable_and_ring_size_settings() {
     assert!(srv.finish(T).0.is_some_and(|s| s.success()));
     assert_eq!(node.shm_opened(), 1);
 }
+
+/// A thread already asleep in `epoll_wait` (here: on a set that held no
+/// connection yet, so it slept in the kernel without the library's help)
+/// must wake for a shared-memory connection registered afterwards by
+/// another thread, and must get the application's own epoll data back,
+/// never the library's internal tag. grpcio works exactly like this: its
+/// poller thread sleeps in `epoll_wait` while other threads connect and
+/// register sockets. (Before the fix the sleeper either received the
+/// library's tagged data word, which grpc dereferences as a pointer and
+/// crashes, or slept through the data because nobody asked for a doorbell.)
+const EPOLL_SLEEPER_SERVER: &str = r#"
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()
+for _ in range(int(sys.argv[2])):
+    c, _ = s.accept()
+    if c.recv(16) == b'go':
+        c.sendall(b'data')
+        assert c.recv(16) == b''
+    c.close()
+print('served')
+"#;
+
+const EPOLL_SLEEPER_CLIENT: &str = r#"
+import ctypes, socket, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+class Ev(ctypes.Structure):
+    _pack_ = 1  # struct epoll_event is packed on x86-64
+    _fields_ = [('events', ctypes.c_uint32), ('data', ctypes.c_uint64)]
+EPOLLIN, EPOLLET = 0x1, 1 << 31
+DATA = 0xABCD0001
+ip, port = sys.argv[1], int(sys.argv[2])
+
+def sleeper(epfd, out, started):
+    buf = (Ev * 8)()
+    started.set()
+    n = libc.epoll_wait(epfd, buf, 8, 15000)
+    out.append([(buf[i].events, buf[i].data) for i in range(max(n, 0))])
+
+for round in range(2):
+    # Round 0: the set is new, the library knows nothing of it when the
+    # sleeper enters the kernel. Round 1: a set that already holds a
+    # connection (the library's own wait loop) gets a second one.
+    epfd = libc.epoll_create1(0)
+    if round == 1:
+        first = socket.create_connection((ip, port + 1))
+        ev = Ev(EPOLLIN, 0x1111)
+        assert libc.epoll_ctl(epfd, 1, first.fileno(), ctypes.byref(ev)) == 0
+    out, started = [], threading.Event()
+    t = threading.Thread(target=sleeper, args=(epfd, out, started))
+    t.start(); started.wait()
+    import time; time.sleep(0.3)  # the sleeper is in epoll_wait now
+    s = socket.create_connection((ip, port))
+    ev = Ev(EPOLLIN | EPOLLET, DATA)
+    assert libc.epoll_ctl(epfd, 1, s.fileno(), ctypes.byref(ev)) == 0
+    s.sendall(b'go')
+    t.join(30)
+    assert not t.is_alive()
+    got = out[0]
+    assert len(got) == 1, f'round {round}: sleeper saw {got!r} (expected one event)'
+    events, data = got[0]
+    assert data == DATA, f'round {round}: sleeper got data {data:#x}, not the application data {DATA:#x}'
+    assert events & EPOLLIN, f'round {round}: events {events:#x}'
+    assert s.recv(16) == b'data'
+    s.close()
+    if round == 1:
+        first.close()
+    libc.close(epfd)
+print('ok sleeper')
+"#;
+
+#[test]
+fn epoll_sleeper_wakes_for_a_connection_registered_later() {
+    let node = Node::new("eslp", 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", EPOLL_SLEEPER_SERVER, "7250", "2"]));
+    // Round 1's first connection only needs a listener that accepts.
+    let idle = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", EPOLL_SLEEPER_SERVER, "7251", "1"]));
+    wait_listening(s, 7250);
+    wait_listening(s, 7251);
+    let ip = s.ip.to_string();
+    let out = run_ok(
+        node.cmd(c, true, &[PYTHON, "-c", EPOLL_SLEEPER_CLIENT, &ip, "7250"]),
+        T,
+        "epoll sleeper",
+    );
+    assert!(out.contains("ok sleeper"), "{out}");
+    for srv in [srv, idle] {
+        let (st, out, err) = srv.finish(T);
+        assert!(st.is_some_and(|s| s.success()), "server: {out} {err}");
+    }
+    assert_eq!(node.shm_opened(), 3);
+}

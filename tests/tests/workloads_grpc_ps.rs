@@ -5,6 +5,7 @@
 //! counters must show that its connections used shared memory (and, without
 //! the library, that they did not).
 
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
@@ -107,7 +108,7 @@ impl Cluster {
     fn train(&self, preload: bool, port: u16) -> Vec<Value> {
         let addr = format!("{}:{port}", self.pod(0).1);
         let n = |v: usize| v.to_string();
-        let server = self.python(
+        let mut server = self.python(
             0,
             preload,
             &[
@@ -120,6 +121,18 @@ impl Cluster {
                 n(WORKERS),
             ],
         );
+        // Workers start once the server listens: a connect before that is
+        // refused, and the daemon counts it as a fallback (no listener).
+        let mut server_out = BufReader::new(server.stdout.take().unwrap());
+        let mut line = String::new();
+        server_out.read_line(&mut line).unwrap();
+        if !line.contains("listening") {
+            let out = server.wait_with_output().unwrap();
+            panic!(
+                "grpc server did not start: {line} {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
         let workers: Vec<Child> = (0..WORKERS)
             .map(|rank| {
                 self.python(
@@ -152,9 +165,11 @@ impl Cluster {
             results.push(serde_json::from_slice(&out.stdout).expect("worker JSON"));
         }
         let out = server.wait_with_output().unwrap();
+        let mut rest = String::new();
+        server_out.read_to_string(&mut rest).unwrap();
         assert!(
             out.status.success(),
-            "grpc server: {}",
+            "grpc server: {rest} {}",
             String::from_utf8_lossy(&out.stderr)
         );
         results
@@ -182,9 +197,6 @@ fn assert_trained(results: &[Value]) {
 }
 
 #[test]
-#[ignore = "flaky over the shm lane (about 1 run in 3 on an idle machine: a grpc worker \
-            exits with no output or the job hangs until the 120 s deadline); a lane bug \
-            under grpcio's epoll/threads, tracked in issue 3. Run with --ignored."]
 fn grpcio_parameter_server_trains_over_the_shared_memory_lane() {
     let c = Cluster::up();
 

@@ -581,7 +581,13 @@ pub unsafe extern "C" fn accept4(
 fn forget(fd: c_int) {
     EPOLL_SEEN.set(fd, false);
     setup::listener_closed(fd);
-    drop(state::remove_epoll(fd));
+    state::forget_waker(fd);
+    let (regs, waker) = state::remove_epoll(fd);
+    drop(regs);
+    if let Some(w) = waker {
+        // SAFETY: closing the wake eventfd the library made for this set.
+        unsafe { real::close(w) };
+    }
     let (c, regs) = state::remove(fd);
     drop(regs);
     if let Some(c) = c {
@@ -593,7 +599,11 @@ fn forget(fd: c_int) {
 }
 
 fn tracked(fd: c_int) -> bool {
-    CONN_FDS.get(fd) || LISTEN_FDS.get(fd) || EPOLL_FDS.get(fd) || EPOLL_SEEN.get(fd)
+    CONN_FDS.get(fd)
+        || LISTEN_FDS.get(fd)
+        || EPOLL_FDS.get(fd)
+        || EPOLL_SEEN.get(fd)
+        || state::WAKE_FDS.get(fd)
 }
 
 #[no_mangle]
@@ -988,11 +998,12 @@ pub unsafe extern "C" fn epoll_wait(
     max: c_int,
     timeout: c_int,
 ) -> c_int {
-    if !EPOLL_FDS.get(epfd) {
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::epoll_wait(epfd, ev, max, timeout) };
-    }
-    guard(|| unsafe { wait::epoll_wait(epfd, ev, max, timeout, None) })
+    // SAFETY: forwards the caller's arguments (same C contract).
+    guard(|| unsafe {
+        wait::epoll_entry(epfd, ev, max, timeout, None, || {
+            real::epoll_wait(epfd, ev, max, timeout)
+        })
+    })
 }
 
 #[no_mangle]
@@ -1003,9 +1014,27 @@ pub unsafe extern "C" fn epoll_pwait(
     timeout: c_int,
     mask: *const libc::sigset_t,
 ) -> c_int {
-    if !EPOLL_FDS.get(epfd) {
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::epoll_pwait(epfd, ev, max, timeout, mask) };
-    }
-    guard(|| unsafe { wait::epoll_wait(epfd, ev, max, timeout, Some(mask)) })
+    // SAFETY: forwards the caller's arguments (same C contract).
+    guard(|| unsafe {
+        wait::epoll_entry(epfd, ev, max, timeout, Some(mask), || {
+            real::epoll_pwait(epfd, ev, max, timeout, mask)
+        })
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait2(
+    epfd: c_int,
+    ev: *mut libc::epoll_event,
+    max: c_int,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: forwards the caller's arguments (same C contract); the
+    // library's loop works in milliseconds (rounded up).
+    guard(|| unsafe {
+        wait::epoll_entry(epfd, ev, max, ts_ms(ts), Some(mask), || {
+            real::epoll_pwait2(epfd, ev, max, ts, mask)
+        })
+    })
 }

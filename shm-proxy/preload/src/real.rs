@@ -72,6 +72,7 @@ real_fns! {
     fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int;
     fn epoll_wait(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int) -> c_int;
     fn epoll_pwait(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int, mask: *const libc::sigset_t) -> c_int;
+    fn epoll_pwait2(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
     fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int;
     fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int;
     fn ioctl(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int;

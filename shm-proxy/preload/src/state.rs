@@ -54,6 +54,9 @@ pub static EPOLL_FDS: FdBits = FdBits::new();
 /// sockets: such a socket must not switch to the ring later (its epoll
 /// registration would no longer see the data).
 pub static EPOLL_SEEN: FdBits = FdBits::new();
+/// Eventfds the library added to epoll sets to wake their sleepers (see
+/// `wait::kick`); an application close of one is noticed (and forgotten).
+pub static WAKE_FDS: FdBits = FdBits::new();
 /// Live connection objects in this process (fast "nothing to do" test).
 pub static LIVE: AtomicUsize = AtomicUsize::new(0);
 /// Incremented on both sides of every fork.
@@ -86,6 +89,8 @@ pub struct Tables {
     pub conns: HashMap<i32, Arc<Conn>>,
     pub listeners: HashMap<i32, Listener>,
     pub epolls: HashMap<i32, Vec<Reg>>,
+    /// Per epoll set: the eventfd that wakes its sleepers.
+    pub wakers: HashMap<i32, i32>,
 }
 
 struct Locked {
@@ -225,14 +230,46 @@ pub fn remove_listener(fd: i32) -> Option<Listener> {
     })
 }
 
-/// Forgets everything about an epoll set (it was closed).
-pub fn remove_epoll(epfd: i32) -> Option<Vec<Reg>> {
+/// Forgets everything about an epoll set (it was closed): its
+/// registrations and its wake eventfd (for the caller to close).
+pub fn remove_epoll(epfd: i32) -> (Option<Vec<Reg>>, Option<i32>) {
     if !EPOLL_FDS.get(epfd) {
-        return None;
+        return (None, None);
     }
     with(|t| {
         EPOLL_FDS.set(epfd, false);
-        t.epolls.remove(&epfd)
+        let waker = t.wakers.remove(&epfd);
+        if let Some(w) = waker {
+            WAKE_FDS.set(w, false);
+        }
+        (t.epolls.remove(&epfd), waker)
+    })
+}
+
+/// The wake eventfd of `epfd`, if it has one.
+pub fn waker(epfd: i32) -> Option<i32> {
+    with(|t| t.wakers.get(&epfd).copied())
+}
+
+/// Records `efd` as the wake eventfd of `epfd` unless another thread was
+/// first; returns the one in use.
+pub fn set_waker(epfd: i32, efd: i32) -> i32 {
+    with(|t| {
+        let w = *t.wakers.entry(epfd).or_insert(efd);
+        WAKE_FDS.set(w, true);
+        w
+    })
+}
+
+/// The application closed a wake eventfd: no epoll set uses it any more
+/// (the kernel dropped it from the set), so a new one is made on demand.
+pub fn forget_waker(efd: i32) {
+    if !WAKE_FDS.get(efd) {
+        return;
+    }
+    with(|t| {
+        WAKE_FDS.set(efd, false);
+        t.wakers.retain(|_, w| *w != efd);
     })
 }
 

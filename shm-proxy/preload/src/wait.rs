@@ -13,7 +13,7 @@ use crate::real;
 use crate::setup;
 use crate::state::{self, Reg};
 use libc::{c_int, epoll_event, pollfd, sigset_t};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,42 @@ use std::time::{Duration, Instant};
 /// fd in the kernel (low 32 bits: the fd). Application data never looks
 /// like this in practice (user-space pointers are below 2^47).
 pub const TAG: u64 = 0xF10A_7E5E_0000_0000;
+
+/// High 32 bits of the epoll_data of an epoll set's wake eventfd (low 32
+/// bits: the eventfd); see `kick`.
+pub const WAKE_TAG: u64 = 0xF10A_7E5F_0000_0000;
+
+const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
+
+/// Whether a kernel epoll event carries one of the library's data words.
+fn is_lib_event(data: u64) -> bool {
+    matches!(data & TAG_MASK, TAG | WAKE_TAG)
+}
+
+/// Threads of this process inside an epoll wait right now (either path).
+/// A thread that registers a connection fd while this is non-zero kicks
+/// the set, so that a sleeper re-evaluates it (see `kick`).
+static EPOLL_WAITERS: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts the calling thread in EPOLL_WAITERS while it lives.
+struct Waiting;
+
+impl Waiting {
+    fn enter() -> Waiting {
+        EPOLL_WAITERS.fetch_add(1, Ordering::SeqCst);
+        // Dekker with `epoll_ctl_conn`: either it sees this thread counted
+        // (and kicks), or this thread sees its EPOLL_FDS bit (and takes
+        // the library's path, which sees its registration).
+        fence(Ordering::SeqCst);
+        Waiting
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        EPOLL_WAITERS.fetch_sub(1, Ordering::Release);
+    }
+}
 
 /// The deadline for a millisecond timeout (-1 = none).
 fn deadline(timeout_ms: c_int) -> Option<Instant> {
@@ -448,8 +484,71 @@ pub unsafe fn epoll_ctl_conn(
             armed: true,
         };
         drop(state::epoll_put(epfd, reg));
+        // A thread may already sleep in this set: in the kernel without the
+        // library (the set held no connection when it went to sleep), or in
+        // the library's loop without a doorbell request for this fd. The
+        // kernel wakes sleepers when a ready fd is added; so does the kick.
+        fence(Ordering::SeqCst);
+        if EPOLL_WAITERS.load(Ordering::SeqCst) > 0 {
+            let saved = crate::conn::errno();
+            kick(epfd);
+            set_errno(saved);
+        }
     }
     r
+}
+
+/// Wakes the threads sleeping in `epfd` through its wake eventfd, made on
+/// first use and kept in the set (level-triggered, drained by the woken
+/// thread in `filter_kernel`). A woken thread finds no application event
+/// in the kernel's answer and goes round the library's loop, which
+/// evaluates (and requests doorbells for) every registration.
+fn kick(epfd: c_int) {
+    let one: u64 = 1;
+    let signal = |efd: c_int| {
+        // SAFETY: an 8-byte write from a local to an eventfd we created.
+        unsafe { real::write(efd, (&one as *const u64).cast(), 8) };
+    };
+    if let Some(efd) = state::waker(epfd) {
+        signal(efd);
+        return;
+    }
+    // Created signalled: adding it to the set wakes the sleepers.
+    // SAFETY: plain eventfd creation.
+    let efd = unsafe { libc::eventfd(1, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if efd < 0 {
+        return;
+    }
+    let close = |fd: c_int| {
+        // SAFETY: closing an eventfd this function created.
+        unsafe { real::close(fd) };
+    };
+    if efd as usize >= state::MAX_FD {
+        close(efd);
+        return;
+    }
+    let mut ev = epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: WAKE_TAG | efd as u32 as u64,
+    };
+    // SAFETY: registering our eventfd with a valid local event.
+    if unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, efd, &mut ev) } != 0 {
+        close(efd);
+        return;
+    }
+    let used = state::set_waker(epfd, efd);
+    if used != efd {
+        // Another thread made one first (closing ours drops it from the set).
+        close(efd);
+        signal(used);
+    }
+}
+
+/// Resets a wake eventfd after it woke this thread.
+fn drain_waker(efd: c_int) {
+    let mut v = 0u64;
+    // SAFETY: an 8-byte read into a local from a non-blocking eventfd.
+    unsafe { real::read(efd, (&mut v as *mut u64).cast(), 8) };
 }
 
 fn kernel_events(conn: &Conn, app: u32) -> u32 {
@@ -559,7 +658,9 @@ fn filter_kernel(epfd: c_int, buf: &mut [epoll_event], n: usize) -> usize {
     let mut k = 0;
     for i in 0..n {
         let e = buf[i];
-        if e.u64 & 0xFFFF_FFFF_0000_0000 == TAG {
+        if e.u64 & TAG_MASK == WAKE_TAG {
+            drain_waker(e.u64 as u32 as c_int);
+        } else if e.u64 & TAG_MASK == TAG {
             let fd = e.u64 as u32 as c_int;
             let reg = state::with(|t| {
                 t.epolls
@@ -610,6 +711,53 @@ fn kernel_wait(
         return n;
     }
     filter_kernel(epfd, buf, n as usize) as c_int
+}
+
+/// Every epoll_wait/epoll_pwait/epoll_pwait2 of the process comes here.
+/// A set the library knows (it watches a connection fd) goes through the
+/// library's loop. Any other set goes straight to the kernel (`raw`), but
+/// its answer is still checked for the library's data words: a connection
+/// may have been registered in the set while this thread slept in it.
+/// Such entries are handled and never reach the application; if nothing
+/// else is left, the wait continues in the library's loop.
+///
+/// # Safety
+/// `events` must be valid for `max` entries; `raw` is the real call with
+/// the caller's arguments.
+pub unsafe fn epoll_entry(
+    epfd: c_int,
+    events: *mut epoll_event,
+    max: c_int,
+    timeout_ms: c_int,
+    mask: Option<*const sigset_t>,
+    raw: impl FnOnce() -> c_int,
+) -> c_int {
+    let _w = Waiting::enter();
+    if state::EPOLL_FDS.get(epfd) {
+        // SAFETY: forwarded caller contract.
+        return unsafe { epoll_wait(epfd, events, max, timeout_ms, mask) };
+    }
+    let start = Instant::now();
+    let n = raw();
+    if n <= 0 || events.is_null() {
+        return n;
+    }
+    // SAFETY: the kernel filled `n` <= `max` entries of the caller's array.
+    let out = unsafe { std::slice::from_raw_parts_mut(events, n as usize) };
+    if !out.iter().any(|e| is_lib_event(e.u64)) {
+        return n;
+    }
+    let k = filter_kernel(epfd, out, n as usize);
+    if k > 0 {
+        return k as c_int;
+    }
+    let left = if timeout_ms < 0 {
+        -1
+    } else {
+        (timeout_ms as u128).saturating_sub(start.elapsed().as_millis()) as c_int
+    };
+    // SAFETY: forwarded caller contract.
+    unsafe { epoll_wait(epfd, events, max, left, mask) }
 }
 
 /// epoll_wait/epoll_pwait on a set that watches connection fds.
