@@ -615,17 +615,16 @@ fn iperf3_through_the_relay() {
     let (a, b) = (&n0.pods[0], &n1.pods[0]);
     let ip = b.ip.to_string();
     let mut figures = Vec::new();
-    for (label, preload, reverse) in [
-        ("tcp", false, false),
-        ("relay", true, false),
-        ("relay -R", true, true),
+    for (label, preload, extra) in [
+        ("tcp", false, None),
+        ("relay", true, None),
+        ("relay -R", true, Some("-R")),
+        ("relay --bidir", true, Some("--bidir")),
     ] {
         let _srv = Bg::spawn(n1.cmd(b, preload, &["iperf3", "-s", "-1", "-p", "7531"]));
         wait_listening(b, 7531);
         let mut argv = vec!["iperf3", "-c", &ip, "-p", "7531", "-t", "3", "-J"];
-        if reverse {
-            argv.push("-R");
-        }
+        argv.extend(extra);
         let out = run_ok(n0.cmd(a, preload, &argv), T, "iperf3 client");
         let v: serde_json::Value = serde_json::from_str(&out).expect("iperf3 -J output");
         let bps = v["end"]["sum_received"]["bits_per_second"]
@@ -644,6 +643,65 @@ fn iperf3_through_the_relay() {
         figures[1].1 / figures[0].1
     );
     let (opened, _, _) = n0.relay();
-    // iperf3 opens a control and a data connection per run.
-    assert!(opened >= 4, "iperf3 did not use the relay: {}", c.logs());
+    // iperf3 opens a control and a data connection (two with --bidir) per run.
+    assert!(opened >= 7, "iperf3 did not use the relay: {}", c.logs());
+}
+
+fn sockperf_p50(out: &str) -> Option<f64> {
+    out.lines()
+        .find(|l| l.contains("percentile 50.000"))
+        .and_then(|l| l.split('=').nth(1))
+        .and_then(|x| x.trim().parse().ok())
+}
+
+/// sockperf ping-pong in its epoll mode through the relay (the server and
+/// the client sleep in epoll_wait between messages, so every message needs
+/// the cross-node doorbell path), plain TCP in the same run for comparison.
+#[test]
+fn sockperf_epoll_ping_pong_through_the_relay() {
+    let _g = serial();
+    let c = Cluster::new(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let mut p50s = Vec::new();
+    for (i, (label, preload)) in [("tcp", false), ("relay", true)].into_iter().enumerate() {
+        let port = 7541 + i as u16;
+        // sockperf takes its I/O multiplexer (-F) only with a feed file.
+        let feed = c.dir.join(format!("feed-{i}"));
+        std::fs::write(&feed, format!("T:{}:{port}\n", b.ip)).unwrap();
+        let feed = feed.to_str().unwrap();
+        let _srv = Bg::spawn(n1.cmd(b, preload, &["sockperf", "server", "-f", feed, "-F", "e"]));
+        wait_listening(b, port);
+        let before = n0.relay().0;
+        let out = run_ok(
+            n0.cmd(
+                a,
+                preload,
+                &[
+                    "sockperf",
+                    "ping-pong",
+                    "-f",
+                    feed,
+                    "-F",
+                    "e",
+                    "-t",
+                    "2",
+                    "-m",
+                    "64",
+                    "--mps",
+                    "100000",
+                ],
+            ),
+            T,
+            "sockperf ping-pong",
+        );
+        let p50 = sockperf_p50(&out).unwrap_or_else(|| panic!("no latency in: {out}"));
+        if preload {
+            assert!(n0.relay().0 > before, "sockperf did not use the relay");
+        }
+        p50s.push((label, p50));
+    }
+    for (label, p50) in &p50s {
+        eprintln!("sockperf epoll ping-pong 64 B, {label}: one-way p50 {p50:.1} us");
+    }
 }
