@@ -353,6 +353,26 @@ fn the_node_agent_is_complete_and_least_privileged() {
         &release_dir().join("flowlaned"),
         daemon.args.as_ref().unwrap(),
     );
+    // The cross-node view: flowlaned reads the Nodes from the API and knows
+    // which one it runs on from NODE_NAME = spec.nodeName (downward API).
+    assert!(
+        daemon.args.iter().flatten().any(|a| a == "--kubernetes"),
+        "flowlaned builds its node table from the API"
+    );
+    let node_name = daemon
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "NODE_NAME")
+        .expect("flowlaned gets NODE_NAME");
+    assert_eq!(
+        node_name
+            .value_from
+            .as_ref()
+            .and_then(|v| v.field_ref.as_ref())
+            .map(|f| f.field_path.as_str()),
+        Some("spec.nodeName")
+    );
 
     let install = container(spec, "install");
     let isc = install.security_context.as_ref().unwrap();

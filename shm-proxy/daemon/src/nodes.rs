@@ -19,7 +19,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
@@ -114,6 +114,7 @@ pub struct Nodes {
     node_name: String,
     source: Source,
     directory: Arc<dyn NodeDirectory>,
+    local: RwLock<LocalRdma>,
 }
 
 impl Nodes {
@@ -126,6 +127,23 @@ impl Nodes {
                 Destination::Unknown
             }
         }
+    }
+
+    /// This node's RDMA lane as discovery found it at the last refresh
+    /// (the GID selected for this node's address), `None` without one.
+    #[allow(dead_code)] // for the relay's RDMA transport (opens the device of this lane)
+    pub fn local_rdma(&self) -> Option<RdmaLane> {
+        self.local
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .lane
+            .clone()
+    }
+
+    /// This node's entry in the current node table, if listed.
+    #[allow(dead_code)] // for the relay's RDMA transport
+    pub fn this_node(&self) -> Option<NodeEntry> {
+        self.directory.view().ok()?.node(&self.node_name).cloned()
     }
 }
 
@@ -144,6 +162,9 @@ fn route_in(view: &ClusterView, me: &str, ip: IpAddr) -> Destination {
         }),
     }
 }
+
+/// How long `start` waits for the first round (list, discovery, publish).
+const FIRST_ROUND_LIMIT: Duration = Duration::from_secs(10);
 
 /// Builds the view from the flags and starts its refresher on the current
 /// tokio runtime. `None` when neither `--nodes-file` nor `--kubernetes` is
@@ -183,6 +204,7 @@ pub async fn start(
         node_name,
         source,
         directory,
+        local: RwLock::new(LocalRdma::default()),
     });
     tracing::info!(
         node = %nodes.node_name,
@@ -190,7 +212,7 @@ pub async fn start(
         sysfs = %flags.sysfs_root.display(),
         "cross-node view enabled"
     );
-    let refresher = Refresher {
+    let mut refresher = Refresher {
         nodes: nodes.clone(),
         kube,
         sysfs_root: flags.sysfs_root.clone(),
@@ -198,6 +220,18 @@ pub async fn start(
         status_file: state_dir.join("daemon").join("nodes.json"),
         last_logged: None,
     };
+    // The first round before the daemon serves, so that callers find this
+    // node's discovery and (usually) the table at once; bounded, because a
+    // hanging API server must not keep the node's pods from their daemon.
+    if tokio::time::timeout(FIRST_ROUND_LIMIT, refresher.cycle())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            limit = ?FIRST_ROUND_LIMIT,
+            "the first node table round did not finish in time; serving, retrying in the background"
+        );
+    }
     tokio::spawn(refresher.run(Duration::from_secs_f64(flags.nodes_refresh)));
     Ok(Some(nodes))
 }
@@ -234,7 +268,8 @@ struct Status<'a> {
 
 impl Refresher {
     async fn run(mut self, every: Duration) {
-        let mut tick = tokio::time::interval(every);
+        // `start` did the first round; the next one is a period later.
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
@@ -277,6 +312,7 @@ impl Refresher {
                 ..LocalRdma::default()
             });
         self.log_discovery(&local, me.as_ref());
+        *self.nodes.local.write().unwrap_or_else(|p| p.into_inner()) = local.clone();
 
         // 3. Kubernetes: publish this node's lane when the API shows another.
         let publish = match (&self.kube, fresh, &me) {

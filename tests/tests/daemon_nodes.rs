@@ -1,0 +1,750 @@
+//! `flowlaned`'s cross-node view, end to end with the real daemon binary:
+//!
+//! - with `--nodes-file` (the local cluster's static table): the daemon's
+//!   view (`<state-dir>/daemon/nodes.json`) lists the table, finds this
+//!   node by `--node-name`, shows RDMA discovery on a fake sysfs tree, and
+//!   follows edits of the file (also a broken one, and its repair);
+//! - with `--kubernetes` against a local fake API server (plain HTTP on
+//!   127.0.0.1, the only fake: Kubernetes cannot run here) that answers
+//!   with responses in the API server's format and applies merge patches to
+//!   its Node objects: the daemon lists the Nodes, publishes its RDMA lane
+//!   (GID, device, lane port) by a JSON merge patch of the
+//!   `flowlane.io/rdma-lane` annotation, removes a stale one on a node
+//!   without RDMA, patches only on change, and rides out API errors (500)
+//!   by logging and retrying.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flowlane_e2e::binaries::workspace_artifact;
+use flowlane_e2e::fsutil::TempDir;
+use flowlane_e2e::process::ChildGuard;
+use flowlane_e2e::wait;
+use flowlane_lane::client::DaemonClient;
+use serde_json::{json, Value};
+
+const LIVENESS: Duration = Duration::from_secs(60);
+const ANNOTATION: &str = "flowlane.io/rdma-lane";
+
+fn fixture_tree(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../rdma/tests/fixtures")
+        .join(name)
+}
+
+/// A running `flowlaned` with its own state dir, socket and log.
+struct Daemon {
+    dir: TempDir,
+    child: Option<ChildGuard>,
+}
+
+impl Daemon {
+    fn spawn(tag: &str, args: &[String], env: &[(&str, String)]) -> (TempDir, ChildGuard) {
+        let dir = TempDir::new(tag);
+        let log = std::fs::File::create(dir.join("flowlaned.log")).expect("log file");
+        let mut cmd = Command::new(workspace_artifact("flowlaned"));
+        cmd.arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--socket")
+            .arg(dir.join("flowlaned.sock"))
+            .args(["--log-level", "info,flowlaned=debug"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        // Nothing from the test's own environment may steer the client.
+        for var in [
+            "NODE_NAME",
+            "KUBECONFIG",
+            "KUBERNETES_SERVICE_HOST",
+            "KUBERNETES_SERVICE_PORT",
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+            "http_proxy",
+            "https_proxy",
+            "ALL_PROXY",
+            "all_proxy",
+        ] {
+            cmd.env_remove(var);
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = ChildGuard::new(cmd.spawn().expect("spawn flowlaned"));
+        (dir, child)
+    }
+
+    /// Starts the daemon and waits until it answers on its socket.
+    fn start(tag: &str, args: &[String], env: &[(&str, String)]) -> Daemon {
+        let (dir, child) = Daemon::spawn(tag, args, env);
+        let mut d = Daemon {
+            dir,
+            child: Some(child),
+        };
+        let socket = d.dir.join("flowlaned.sock");
+        let up = wait::until(LIVENESS, || {
+            assert!(d.alive(), "flowlaned exited early; log:\n{}", d.log());
+            DaemonClient::connect(&socket, Duration::from_secs(5))
+                .and_then(|mut c| c.stats())
+                .is_ok()
+        });
+        assert!(up, "flowlaned did not come up; log:\n{}", d.log());
+        d
+    }
+
+    fn alive(&mut self) -> bool {
+        matches!(
+            self.child.as_mut().map(|c| c.child.try_wait()),
+            Some(Ok(None))
+        )
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("flowlaned.log")).unwrap_or_default()
+    }
+
+    /// The daemon's node view, once it has written one.
+    fn view(&self) -> Option<Value> {
+        let text = std::fs::read(self.dir.join("state/daemon/nodes.json")).ok()?;
+        serde_json::from_slice(&text).ok()
+    }
+
+    /// Waits until the view satisfies `ok`; panics with the view and log otherwise.
+    fn wait_view(&self, what: &str, mut ok: impl FnMut(&Value) -> bool) -> Value {
+        let mut last = None;
+        let got = wait::for_some(LIVENESS, || {
+            let v = self.view()?;
+            let hit = ok(&v);
+            last = Some(v.clone());
+            hit.then_some(v)
+        });
+        got.unwrap_or_else(|| {
+            panic!(
+                "{what}: not seen; last view: {}\nlog:\n{}",
+                last.map(|v| v.to_string()).unwrap_or("none".into()),
+                self.log()
+            )
+        })
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.terminate(Duration::from_secs(10));
+        }
+    }
+}
+
+/// The entries of a view, by node name.
+fn nodes_of(view: &Value) -> BTreeMap<String, Value> {
+    view["nodes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|n| (n["name"].as_str().unwrap_or("").to_string(), n.clone()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn rxe_lane(ip: &str) -> Value {
+    json!({"device": "rxe0", "port": 1, "gidIndex": 1, "gid": format!("::ffff:{ip}"),
+           "linkLayer": "Ethernet", "activeMtu": 1024})
+}
+
+#[test]
+fn nodes_file_view_follows_the_file() {
+    let tmp = TempDir::new("kbnf");
+    let table = tmp.join("nodes.json");
+    std::fs::write(
+        &table,
+        serde_json::to_vec_pretty(&json!({"nodes": [
+            {"name": "kb-n1", "podCIDRs": ["10.172.1.0/24"], "underlay": "192.0.2.1",
+             "rdma": rxe_lane("192.0.2.1"), "lanePort": 7401},
+            {"name": "kb-n2", "podCIDRs": ["10.172.2.0/24"], "underlay": "10.172.0.2"}
+        ]}))
+        .unwrap(),
+    )
+    .unwrap();
+    let args: Vec<String> = [
+        "--nodes-file",
+        table.to_str().unwrap(),
+        "--sysfs-root",
+        fixture_tree("rxe").to_str().unwrap(),
+        "--nodes-refresh",
+        "0.2",
+    ]
+    .map(String::from)
+    .to_vec();
+    // The node name from the environment, as the downward API gives it.
+    let d = Daemon::start("kbnf1", &args, &[("NODE_NAME", "kb-n1".into())]);
+
+    let v = d.wait_view("the table's two nodes", |v| nodes_of(v).len() == 2);
+    assert_eq!(v["node"], "kb-n1");
+    assert_eq!(v["listed"], true);
+    assert!(v["source"].as_str().unwrap().starts_with("file "), "{v}");
+    assert_eq!(v["lanePort"], 7401, "this node's lane port from the table");
+    assert_eq!(v["error"], Value::Null);
+    assert_eq!(
+        v["publish"],
+        Value::Null,
+        "nothing is published from a file"
+    );
+    let n = nodes_of(&v);
+    assert_eq!(n["kb-n2"]["podCIDRs"], json!(["10.172.2.0/24"]));
+    assert_eq!(n["kb-n2"]["underlay"], "10.172.0.2");
+    assert_eq!(n["kb-n1"]["rdma"]["device"], "rxe0");
+    // Discovery on the fake rxe tree: rxe0 holds this node's address as a
+    // RoCE v2 GID.
+    assert_eq!(v["rdma"]["devices"], json!(["rxe0"]));
+    assert_eq!(v["rdma"]["lane"], rxe_lane("192.0.2.1"), "{v}");
+    assert_eq!(v["rdma"]["noLane"], Value::Null);
+
+    // A node joins and another gets a lane port: the daemon follows.
+    std::fs::write(
+        &table,
+        serde_json::to_vec_pretty(&json!({"nodes": [
+            {"name": "kb-n1", "podCIDRs": ["10.172.1.0/24"], "underlay": "192.0.2.1",
+             "rdma": rxe_lane("192.0.2.1"), "lanePort": 7401},
+            {"name": "kb-n2", "podCIDRs": ["10.172.2.0/24"], "underlay": "10.172.0.2",
+             "lanePort": 7402},
+            {"name": "kb-n3", "podCIDRs": ["10.172.3.0/24", "fd00:172:3::/64"],
+             "underlay": "10.172.0.3"}
+        ]}))
+        .unwrap(),
+    )
+    .unwrap();
+    let v = d.wait_view("the joined node", |v| nodes_of(v).len() == 3);
+    let n = nodes_of(&v);
+    assert_eq!(n["kb-n2"]["lanePort"], 7402);
+    assert_eq!(
+        n["kb-n3"]["podCIDRs"],
+        json!(["10.172.3.0/24", "fd00:172:3::/64"])
+    );
+
+    // A broken table is reported, the daemon keeps running, a fixed one is used again.
+    std::fs::write(&table, "{\"nodes\": [ {\"name\": ").unwrap();
+    let v = d.wait_view("the parse error", |v| v["error"].is_string());
+    assert!(
+        v["error"].as_str().unwrap().contains("nodes.json"),
+        "the error names the file: {v}"
+    );
+    assert!(d.log().contains("node table unreadable"), "{}", d.log());
+    std::fs::write(
+        &table,
+        serde_json::to_vec(&json!({"nodes": [
+            {"name": "kb-n1", "podCIDRs": ["10.172.1.0/24"], "underlay": "198.51.100.1"}
+        ]}))
+        .unwrap(),
+    )
+    .unwrap();
+    let v = d.wait_view("the repaired table", |v| {
+        v["error"].is_null() && nodes_of(v).len() == 1
+    });
+    // This node's address moved off the rxe GID table: no lane, and why.
+    assert_eq!(v["rdma"]["lane"], Value::Null);
+    let why = v["rdma"]["noLane"].as_str().unwrap_or_default();
+    assert!(why.contains("198.51.100.1"), "{v}");
+    assert_eq!(v["lanePort"], Value::Null);
+}
+
+#[test]
+fn a_view_needs_this_nodes_name() {
+    let tmp = TempDir::new("kbnn");
+    let table = tmp.join("nodes.json");
+    std::fs::write(&table, r#"{"nodes": []}"#).unwrap();
+    let (dir, mut child) = Daemon::spawn(
+        "kbnn1",
+        &["--nodes-file".into(), table.display().to_string()],
+        &[],
+    );
+    let exited = wait::for_some(LIVENESS, || child.child.try_wait().ok().flatten())
+        .expect("flowlaned without a node name must stop");
+    assert!(!exited.success());
+    let log = std::fs::read_to_string(dir.join("flowlaned.log")).unwrap();
+    assert!(
+        log.contains("--node-name") && log.contains("NODE_NAME"),
+        "says what is missing: {log}"
+    );
+}
+
+// ---------------------------------------------------------------------
+// A fake Kubernetes API server: HTTP/1.1 on 127.0.0.1, one request per
+// connection (it answers `Connection: close`), Node objects held in memory.
+
+/// One request the fake received.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    path: String,
+    query: String,
+    headers: BTreeMap<String, String>,
+    body: Value,
+    /// The status code the fake answered.
+    code: u16,
+}
+
+#[derive(Default)]
+struct ApiState {
+    nodes: Vec<Value>,
+    /// The next N node lists answer 500.
+    fail_lists: usize,
+    /// The next N patches answer 500.
+    fail_patches: usize,
+    seen: Vec<Seen>,
+}
+
+struct FakeApi {
+    addr: SocketAddr,
+    state: Arc<Mutex<ApiState>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+fn status_body(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code})
+}
+
+/// RFC 7386 JSON merge patch.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    match patch {
+        Value::Object(p) => {
+            if !target.is_object() {
+                *target = json!({});
+            }
+            let t = target.as_object_mut().unwrap();
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        other => *target = other.clone(),
+    }
+}
+
+impl FakeApi {
+    fn start(nodes: Vec<Value>) -> FakeApi {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(Mutex::new(ApiState {
+            nodes,
+            ..ApiState::default()
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (state, stop) = (state.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let state = state.clone();
+                    std::thread::spawn(move || {
+                        let _ = serve_one(conn, &state);
+                    });
+                }
+            })
+        };
+        FakeApi {
+            addr,
+            state,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.state.lock().unwrap().seen.clone()
+    }
+
+    /// The patches of `node` the fake applied (answered 200).
+    fn patches_of(&self, node: &str) -> Vec<Seen> {
+        let path = format!("/api/v1/nodes/{node}");
+        self.seen()
+            .into_iter()
+            .filter(|s| s.method == "PATCH" && s.path == path && s.code == 200)
+            .collect()
+    }
+
+    fn lists(&self) -> usize {
+        self.seen()
+            .iter()
+            .filter(|s| s.method == "GET" && s.path == "/api/v1/nodes")
+            .count()
+    }
+
+    fn kubeconfig(&self, dir: &TempDir) -> PathBuf {
+        let path = dir.join("kubeconfig");
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{}\n\
+                 contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: flowlane-node\n\
+                 current-context: fake\nusers:\n- name: flowlane-node\n  user:\n    token: kb-test-token\n",
+                self.addr
+            ),
+        )
+        .unwrap();
+        path
+    }
+}
+
+impl Drop for FakeApi {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(self.addr);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_one(conn: TcpStream, state: &Mutex<ApiState>) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut reader = BufReader::new(conn.try_clone()?);
+    let mut line = String::new();
+    if reader.read_line(&mut line)? == 0 {
+        return Ok(());
+    }
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or("").to_string();
+    let target = parts.next().unwrap_or("").to_string();
+    let mut headers = BTreeMap::new();
+    loop {
+        let mut h = String::new();
+        reader.read_line(&mut h)?;
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+        }
+    }
+    let body = if let Some(len) = headers.get("content-length") {
+        let mut b = vec![0; len.parse().unwrap_or(0)];
+        reader.read_exact(&mut b)?;
+        b
+    } else if headers.get("transfer-encoding").map(String::as_str) == Some("chunked") {
+        let mut b = Vec::new();
+        loop {
+            let mut size = String::new();
+            reader.read_line(&mut size)?;
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            let mut chunk = vec![0; n + 2];
+            reader.read_exact(&mut chunk)?;
+            if n == 0 {
+                break;
+            }
+            b.extend_from_slice(&chunk[..n]);
+        }
+        b
+    } else {
+        Vec::new()
+    };
+    let (path, query) = match target.split_once('?') {
+        Some((p, q)) => (p.to_string(), q.to_string()),
+        None => (target.clone(), String::new()),
+    };
+    let seen = Seen {
+        method: method.clone(),
+        path: path.clone(),
+        query,
+        headers,
+        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+        code: 0,
+    };
+    let (code, answer) = {
+        let mut st = state.lock().unwrap();
+        let (code, answer) = answer(&mut st, &seen);
+        st.seen.push(Seen { code, ..seen });
+        (code, answer)
+    };
+    let body = serde_json::to_vec(&answer).unwrap();
+    let reason = match code {
+        200 => "OK",
+        404 => "Not Found",
+        _ => "Internal Server Error",
+    };
+    let mut out = conn;
+    write!(
+        out,
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    out.write_all(&body)?;
+    out.flush()
+}
+
+fn answer(st: &mut ApiState, req: &Seen) -> (u16, Value) {
+    if req.method == "GET" && req.path == "/api/v1/nodes" {
+        if st.fail_lists > 0 {
+            st.fail_lists -= 1;
+            return (
+                500,
+                status_body(500, "InternalError", "etcdserver: request timed out"),
+            );
+        }
+        return (
+            200,
+            json!({"kind": "NodeList", "apiVersion": "v1",
+                   "metadata": {"resourceVersion": "5000"}, "items": st.nodes}),
+        );
+    }
+    if let (true, Some(name)) = (
+        req.method == "PATCH",
+        req.path.strip_prefix("/api/v1/nodes/"),
+    ) {
+        if st.fail_patches > 0 {
+            st.fail_patches -= 1;
+            return (
+                500,
+                status_body(500, "InternalError", "etcdserver: leader changed"),
+            );
+        }
+        let Some(node) = st.nodes.iter_mut().find(|n| n["metadata"]["name"] == name) else {
+            return (
+                404,
+                status_body(404, "NotFound", &format!("nodes \"{name}\" not found")),
+            );
+        };
+        merge_patch(node, &req.body);
+        return (200, node.clone());
+    }
+    (
+        404,
+        status_body(
+            404,
+            "NotFound",
+            "the server could not find the requested resource",
+        ),
+    )
+}
+
+/// A Node as `GET /api/v1/nodes` lists it.
+fn node_object(name: &str, cidrs: &[&str], ip: &str, lane: Option<Value>) -> Value {
+    let mut node = json!({
+        "metadata": {"name": name, "uid": format!("uid-{name}"), "resourceVersion": "4000",
+                     "labels": {"kubernetes.io/hostname": name}, "annotations": {
+                        "node.alpha.kubernetes.io/ttl": "0"}},
+        "spec": {},
+        "status": {"addresses": [{"type": "InternalIP", "address": ip},
+                                 {"type": "Hostname", "address": name}],
+                   "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}
+    });
+    if !cidrs.is_empty() {
+        node["spec"]["podCIDR"] = cidrs[0].into();
+        node["spec"]["podCIDRs"] = json!(cidrs);
+    }
+    if let Some(l) = lane {
+        node["metadata"]["annotations"][ANNOTATION] = l.to_string().into();
+    }
+    node
+}
+
+/// A free TCP port on 127.0.0.1 for a daemon's lane listener.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn kubernetes_view_publishes_lanes_and_survives_api_errors() {
+    let mut stale = rxe_lane("10.172.0.2");
+    stale["device"] = "mlx5_0".into();
+    stale["lanePort"] = 7402.into();
+    let mut c_lane = rxe_lane("10.172.0.3");
+    c_lane["lanePort"] = 7403.into();
+    let api = FakeApi::start(vec![
+        // kb-a: this test's RDMA node (the rxe fixture holds 192.0.2.1).
+        node_object("kb-a", &["10.172.1.0/24"], "192.0.2.1", None),
+        // kb-b: had a lane once; its daemon now finds no RDMA.
+        node_object("kb-b", &["10.172.2.0/24"], "10.172.0.2", Some(stale)),
+        // kb-c: another node with a lane (no daemon here).
+        node_object(
+            "kb-c",
+            &["10.172.3.0/24", "fd00:172:3::/64"],
+            "10.172.0.3",
+            Some(c_lane.clone()),
+        ),
+        // kb-new: no pod CIDR allocated yet.
+        node_object("kb-new", &[], "10.172.0.4", None),
+    ]);
+    // The first patch fails: it must be retried.
+    api.state.lock().unwrap().fail_patches = 1;
+    let tmp = TempDir::new("kbkube");
+    let kubeconfig = api.kubeconfig(&tmp);
+    let no_rdma = tmp.join("empty-sysfs");
+    std::fs::create_dir_all(&no_rdma).unwrap();
+    let env = [("KUBECONFIG", kubeconfig.display().to_string())];
+    let lane_port = free_port();
+    let args = |node: &str, sysfs: &Path, lane: Option<u16>| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "--kubernetes",
+            "--node-name",
+            node,
+            "--sysfs-root",
+            sysfs.to_str().unwrap(),
+            "--nodes-refresh",
+            "0.3",
+        ]
+        .map(String::from)
+        .to_vec();
+        if let Some(p) = lane {
+            a.extend(["--lane-listen".to_string(), format!("127.0.0.1:{p}")]);
+        }
+        a
+    };
+    let a = Daemon::start(
+        "kbka",
+        &args("kb-a", &fixture_tree("rxe"), Some(lane_port)),
+        &env,
+    );
+    let b = Daemon::start("kbkb", &args("kb-b", &no_rdma, None), &env);
+
+    // kb-a publishes its lane (the first patch of the two daemons failed).
+    let patches_a = wait::for_some(LIVENESS, || {
+        let p = api.patches_of("kb-a");
+        (!p.is_empty()).then_some(p)
+    })
+    .unwrap_or_else(|| panic!("no PATCH of kb-a; seen {:?}\nlog:\n{}", api.seen(), a.log()));
+    assert_eq!(patches_a.len(), 1, "{patches_a:?}");
+    let patch = patches_a.last().unwrap();
+    assert_eq!(
+        patch.headers.get("content-type").map(String::as_str),
+        Some("application/merge-patch+json")
+    );
+    assert!(
+        patch.query.contains("fieldManager=flowlaned"),
+        "{}",
+        patch.query
+    );
+    assert_eq!(
+        patch.headers.get("authorization").map(String::as_str),
+        Some("Bearer kb-test-token"),
+        "the kubeconfig's credentials are used"
+    );
+    assert_eq!(
+        patch.body.as_object().unwrap().keys().collect::<Vec<_>>(),
+        vec!["metadata"],
+        "only metadata is patched: {}",
+        patch.body
+    );
+    let annotations = patch.body["metadata"]["annotations"].as_object().unwrap();
+    assert_eq!(annotations.len(), 1, "only our annotation: {}", patch.body);
+    let published: Value =
+        serde_json::from_str(annotations[ANNOTATION].as_str().expect("a JSON string")).unwrap();
+    let mut want = rxe_lane("192.0.2.1");
+    want["lanePort"] = lane_port.into();
+    assert_eq!(published, want, "GID, device and lane port of kb-a");
+
+    // kb-b has no RDMA: its stale annotation is removed (null in a merge patch).
+    let patches_b = wait::for_some(LIVENESS, || {
+        let p = api.patches_of("kb-b");
+        (!p.is_empty()).then_some(p)
+    })
+    .unwrap_or_else(|| panic!("no PATCH of kb-b; log:\n{}", b.log()));
+    let last_b = patches_b.last().unwrap();
+    assert!(
+        last_b.body["metadata"]["annotations"][ANNOTATION].is_null()
+            && last_b.body["metadata"]["annotations"]
+                .as_object()
+                .unwrap()
+                .contains_key(ANNOTATION),
+        "{}",
+        last_b.body
+    );
+    assert!(b.log().contains("no usable GID"), "{}", b.log());
+    // One of the two first patches failed with 500, was logged and retried.
+    let failures = a.log().matches("publishing the RDMA lane failed").count()
+        + b.log().matches("publishing the RDMA lane failed").count();
+    assert_eq!(failures, 1, "a:\n{}\nb:\n{}", a.log(), b.log());
+    assert!(a.log().contains("leader changed") || b.log().contains("leader changed"));
+
+    // Each daemon's view: every node with a pod CIDR, with CIDRs and lanes as
+    // published (kb-a's own lane read back from the API).
+    let v = a.wait_view("kb-a's lane read back", |v| {
+        nodes_of(v)
+            .get("kb-a")
+            .is_some_and(|n| n["lanePort"] == lane_port)
+    });
+    let n = nodes_of(&v);
+    assert_eq!(
+        n.keys().map(String::as_str).collect::<Vec<_>>(),
+        vec!["kb-a", "kb-b", "kb-c"],
+        "kb-new has no pod CIDR yet: {v}"
+    );
+    assert_eq!(
+        n["kb-c"]["podCIDRs"],
+        json!(["10.172.3.0/24", "fd00:172:3::/64"])
+    );
+    assert_eq!(n["kb-c"]["underlay"], "10.172.0.3");
+    assert_eq!(n["kb-c"]["lanePort"], 7403);
+    assert_eq!(n["kb-c"]["rdma"]["gid"], "::ffff:10.172.0.3");
+    assert_eq!(v["source"], "kubernetes");
+    assert_eq!(v["rdma"]["lane"], rxe_lane("192.0.2.1"));
+    let vb = b.wait_view("kb-b without a lane", |v| {
+        nodes_of(v)
+            .get("kb-b")
+            .is_some_and(|n| n.get("rdma").is_none())
+    });
+    assert!(vb["rdma"]["noLane"].is_string(), "{vb}");
+
+    // Patches only on change: more rounds, no more patches.
+    let (pa, pb) = (api.patches_of("kb-a").len(), api.patches_of("kb-b").len());
+    let lists = api.lists();
+    assert!(wait::until(LIVENESS, || api.lists() >= lists + 6));
+    assert_eq!(api.patches_of("kb-a").len(), pa, "unchanged lane, no patch");
+    assert_eq!(api.patches_of("kb-b").len(), pb);
+    let v = a.view().unwrap();
+    assert_eq!(v["publish"], "unchanged", "{v}");
+
+    // The API server fails lists for a while: logged and retried, the last
+    // table kept, both daemons keep running and recover.
+    api.state.lock().unwrap().fail_lists = 4;
+    assert!(wait::until(LIVENESS, || api
+        .state
+        .lock()
+        .unwrap()
+        .fail_lists
+        == 0));
+    let logs = || format!("{}\n{}", a.log(), b.log());
+    assert!(
+        wait::until(LIVENESS, || logs().contains("node table refresh failed")
+            && logs().contains("etcdserver: request timed out")),
+        "{}",
+        logs()
+    );
+    for v in [a.view().unwrap(), b.view().unwrap()] {
+        assert_eq!(nodes_of(&v).len(), 3, "the last good table is kept: {v}");
+    }
+    a.wait_view("recovery", |v| {
+        v["error"].is_null() && nodes_of(v).len() == 3
+    });
+    b.wait_view("recovery", |v| {
+        v["error"].is_null() && nodes_of(v).len() == 3
+    });
+    let (mut a, mut b) = (a, b);
+    assert!(a.alive() && b.alive());
+
+    // Every list asked the watch cache (resourceVersion=0).
+    for s in api.seen().iter().filter(|s| s.method == "GET") {
+        assert_eq!(s.path, "/api/v1/nodes", "{s:?}");
+        assert!(s.query.contains("resourceVersion=0"), "{s:?}");
+    }
+}
