@@ -503,6 +503,45 @@ fn no_lane_on_the_peer_node_stays_on_tcp() {
     assert_eq!(c.nodes[0].relay().0, 1, "{}", c.logs());
 }
 
+/// A client pod without the library talking to a server pod with it, and
+/// the reverse, across nodes: both stay on plain TCP with correct bytes,
+/// without waiting for a relay that cannot happen.
+#[test]
+fn mixed_pairs_across_nodes_stay_on_tcp() {
+    let _g = serial();
+    let c = Cluster::new(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let ip = b.ip.to_string();
+    for (i, (client_lib, server_lib)) in [(false, true), (true, false)].into_iter().enumerate() {
+        let port = (7561 + i as u16).to_string();
+        let _srv = Bg::spawn(n1.cmd(b, server_lib, &[PYTHON, "-c", ECHO_SERVER, &port, "1"]));
+        wait_listening(b, 7561 + i as u16);
+        let t0 = Instant::now();
+        let out = run_ok(
+            n0.cmd(
+                a,
+                client_lib,
+                &[PYTHON, "-c", ECHO_CLIENT, &ip, &port, "3000000", "5"],
+            ),
+            T,
+            "echo client",
+        );
+        assert!(out.starts_with("ok 3000000"), "{out}");
+        eprintln!(
+            "client lib {client_lib}, server lib {server_lib}: TCP, {:?}",
+            t0.elapsed()
+        );
+    }
+    assert_eq!(n0.relay().0, 0, "{}", c.logs());
+    assert_eq!(n1.relay().0, 0, "{}", c.logs());
+    let st = n0.stats();
+    assert!(
+        st.fallbacks.get("no-listener").copied().unwrap_or(0) >= 1,
+        "the client's daemon must learn that the server pod has no flowlane listener: {st:?}"
+    );
+}
+
 /// `peer_kill.py server PORT` reads until EOF/error; `peer_kill.py client
 /// IP PORT` writes until an error. Each prints how it ended.
 const PEER_KILL: &str = r#"

@@ -360,6 +360,24 @@ impl Broker {
             || (self.reload_if_changed() && self.pods.owner_of(ip).is_some())
     }
 
+    /// True when `dst` is a pod of this node with a live flowlane listener
+    /// accepting it (the relay's server side asks before it registers a
+    /// stream, so clients of pods without the library stay on TCP at once).
+    pub fn has_flowlane_listener(&mut self, dst: SocketAddr) -> bool {
+        let dst = canonical(dst);
+        let pod = match self.pods.owner_of(dst.ip()) {
+            Some(p) => p.id,
+            None => {
+                self.reload_if_changed();
+                match self.pods.owner_of(dst.ip()) {
+                    Some(p) => p.id,
+                    None => return false,
+                }
+            }
+        };
+        self.has_listener(pod, dst)
+    }
+
     /// The relay's client-side checks (the same rules as an intent): the
     /// caller is a pod, owns `src` (or `src` is unspecified and the pod has
     /// an address facing `dst`), the region is within bounds. Returns the

@@ -1,7 +1,12 @@
 //! The relay's framing inside one lane stream (one pod connection).
 //!
 //! ```text
-//! set-up (first byte each way, before anything else):
+//! set-up (first bytes each way, before anything else):
+//!   server daemon -> client daemon   REGISTERED  the stream waits for the server pod's
+//!                                                claim (sent before the client pod's TCP
+//!                                                connect, so a claim never waits for it)
+//!                                    NO_LISTENER (instead) the server pod has no flowlane
+//!                                                listener there: the client stays on TCP
 //!   server daemon -> client daemon   CLAIMED     the server pod claimed the connection
 //!   client daemon -> server daemon   ATTACHED    the client pod is on the ring: go
 //!                                    REFUSED     it is not (gave up / never mapped): TCP
@@ -21,6 +26,8 @@ use std::io;
 
 use flowlane_rdma::LaneStream;
 
+pub const REGISTERED: u8 = 0xB1;
+pub const NO_LISTENER: u8 = 0xB0;
 pub const CLAIMED: u8 = 0xC1;
 pub const ATTACHED: u8 = 0xA1;
 pub const REFUSED: u8 = 0xA0;

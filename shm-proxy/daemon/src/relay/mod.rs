@@ -13,7 +13,10 @@
 //!    and maps A's region, opens a lane stream keyed by (A's address, B's
 //!    address) and answers the channel. A connects over TCP as usual and
 //!    waits for the attach word (the library's own handshake).
-//! 2. Daemon 2 accepts the stream and keeps it until B's claim.
+//! 2. Daemon 2 accepts the stream, keeps it for B's claim and answers
+//!    REGISTERED; daemon 1 answers A only then, so when B accepts A's
+//!    connection its claim finds the stream at once (a claim for a
+//!    connection no daemon announced never waits).
 //! 3. B's `relayable-claim` for a peer on another node: daemon 2 pairs it
 //!    with the stream, sends CLAIMED; daemon 1 checks that A mapped its
 //!    channel and sets A's attach word (this is where A's lane is decided,
@@ -33,7 +36,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use flowlane_lane::proto::{ErrorCode, LaneStats, NoChannelReason, Request, Response};
@@ -46,12 +49,12 @@ use crate::memfd;
 use crate::server::Shared;
 use carried::{Carried, Region};
 
-/// How long a claim waits for the client daemon's stream to arrive (it is
-/// opened before the client's TCP connect, so it is normally there first).
-const STREAM_WAIT: Duration = Duration::from_millis(200);
-/// How long a claim waits for the client daemon's ATTACHED/REFUSED. Both
-/// waits together stay below the library's 500 ms daemon timeout.
-const HANDSHAKE_WAIT: Duration = Duration::from_millis(250);
+/// How long the client daemon waits for the server daemon's REGISTERED
+/// (within the pod's 500 ms daemon timeout for its intent).
+const REGISTER_WAIT: Duration = Duration::from_millis(300);
+/// How long a claim waits for the client daemon's ATTACHED/REFUSED (within
+/// the pod's 500 ms daemon timeout for its claim).
+const HANDSHAKE_WAIT: Duration = Duration::from_millis(300);
 /// How long the client daemon waits for its pod to map the channel (it
 /// does right after its connect returns).
 const MAP_WAIT: Duration = Duration::from_millis(150);
@@ -83,7 +86,6 @@ pub struct Relay {
     shared: Shared,
     /// Streams peer daemons opened, waiting for our pod's claim.
     accepted: Mutex<HashMap<StreamKey, Accepted>>,
-    accepted_cv: Condvar,
     /// Client-side set-ups waiting for the peer's CLAIMED, by channel id.
     setups: Mutex<HashMap<u64, Arc<dyn LaneStream>>>,
     active: Mutex<HashMap<u64, Arc<Carried>>>,
@@ -110,7 +112,6 @@ impl Relay {
             lane,
             shared,
             accepted: Mutex::new(HashMap::new()),
-            accepted_cv: Condvar::new(),
             setups: Mutex::new(HashMap::new()),
             active: Mutex::new(HashMap::new()),
             opened: AtomicU64::new(0),
@@ -122,6 +123,14 @@ impl Relay {
             .name("relay-accept".into())
             .spawn(move || r.accept_loop())
             .expect("spawning the relay accept thread");
+        let r = relay.clone();
+        std::thread::Builder::new()
+            .name("relay-sweep".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_secs(5));
+                r.sweep();
+            })
+            .expect("spawning the relay sweep thread");
         relay
     }
 
@@ -131,19 +140,22 @@ impl Relay {
                 Ok((key, stream)) => {
                     let key = canonical_key(key);
                     tracing::debug!(client = %key.client, server = %key.server, "lane stream accepted");
-                    let mut acc = lock(&self.accepted);
+                    if !self.shared.lock().has_flowlane_listener(key.server) {
+                        tracing::debug!(server = %key.server, "relay: no flowlane listener there");
+                        let _ = frames::send_all(&*stream, &[frames::NO_LISTENER]);
+                        let _ = stream.shutdown_send();
+                        continue;
+                    }
                     let now = Instant::now();
-                    acc.retain(|_, (s, at)| {
-                        let keep = now.duration_since(*at) < UNCLAIMED_TTL;
-                        if !keep {
-                            s.reset();
-                        }
-                        keep
-                    });
-                    if let Some((old, _)) = acc.insert(key, (Arc::from(stream), now)) {
+                    let mut acc = lock(&self.accepted);
+                    let stream: Arc<dyn LaneStream> = Arc::from(stream);
+                    if let Some((old, _)) = acc.insert(key, (stream.clone(), now)) {
                         old.reset(); // the same client port again: the earlier attempt is dead
                     }
-                    self.accepted_cv.notify_all();
+                    drop(acc);
+                    if frames::send_all(&*stream, &[frames::REGISTERED]).is_err() {
+                        lock(&self.accepted).remove(&key);
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "lane accept failed");
@@ -307,6 +319,17 @@ impl Relay {
                 return self.fallback(NoChannelReason::NotLocalPod, relay_reason::LANE_UNREACHABLE);
             }
         };
+        match recv_byte_within(&stream, REGISTER_WAIT) {
+            Ok(frames::REGISTERED) => {}
+            Ok(frames::NO_LISTENER) => {
+                return self.fallback(NoChannelReason::NoListener, reason::NO_LISTENER);
+            }
+            other => {
+                tracing::info!(%peer_daemon, answer = ?other, "relay: peer daemon did not register the stream; TCP");
+                stream.reset();
+                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::LANE_UNREACHABLE);
+            }
+        }
         lock(&self.setups).insert(id, stream.clone());
         let r = self.clone();
         let spawned = std::thread::Builder::new()
@@ -446,21 +469,23 @@ impl Relay {
         }
     }
 
-    /// The stream a peer daemon opened for `key`, waiting briefly for it.
+    /// The stream a peer daemon opened for `key` (registered before the
+    /// client pod's connect, so it is there or not coming).
     fn take_accepted(&self, key: &StreamKey) -> Option<Arc<dyn LaneStream>> {
-        let deadline = Instant::now() + STREAM_WAIT;
-        let mut acc = lock(&self.accepted);
-        loop {
-            if let Some((s, _)) = acc.remove(key) {
-                return Some(s);
+        lock(&self.accepted).remove(key).map(|(s, _)| s)
+    }
+
+    /// Drops accepted streams nobody claimed in time (the server pod has no
+    /// library, or its claim failed).
+    fn sweep(&self) {
+        let now = Instant::now();
+        lock(&self.accepted).retain(|_, (s, at)| {
+            let keep = now.duration_since(*at) < UNCLAIMED_TTL;
+            if !keep {
+                s.reset();
             }
-            let left = deadline.checked_duration_since(Instant::now())?;
-            acc = self
-                .accepted_cv
-                .wait_timeout(acc, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+            keep
+        });
     }
 
     /// Registers a carried connection and starts its two pumps.
@@ -506,14 +531,27 @@ impl Relay {
 }
 
 /// Server daemon: CLAIMED, then the client daemon's verdict within
-/// `HANDSHAKE_WAIT` (a watchdog resets the stream, which ends the wait).
+/// `HANDSHAKE_WAIT`.
 fn handshake(stream: &Arc<dyn LaneStream>) -> std::io::Result<bool> {
     frames::send_all(&**stream, &[frames::CLAIMED])?;
+    match recv_byte_within(stream, HANDSHAKE_WAIT)? {
+        frames::ATTACHED => Ok(true),
+        frames::REFUSED => Ok(false),
+        other => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("bad set-up answer {other:#x}"),
+        )),
+    }
+}
+
+/// One byte from the stream within `wait`; a watchdog resets the stream
+/// when the wait runs out (the blocking `recv` has no timeout of its own).
+fn recv_byte_within(stream: &Arc<dyn LaneStream>, wait: Duration) -> std::io::Result<u8> {
     // (answered, timed out): whoever comes second knows what happened.
     let state = Arc::new(Mutex::new((false, false)));
     let (st, s) = (state.clone(), stream.clone());
     std::thread::spawn(move || {
-        std::thread::sleep(HANDSHAKE_WAIT);
+        std::thread::sleep(wait);
         let mut g = lock(&st);
         if !g.0 {
             g.1 = true;
@@ -531,12 +569,8 @@ fn handshake(stream: &Arc<dyn LaneStream>) -> std::io::Result<bool> {
         return Err(std::io::ErrorKind::TimedOut.into());
     }
     match r? {
-        1 if b[0] == frames::ATTACHED => Ok(true),
-        1 if b[0] == frames::REFUSED => Ok(false),
-        _ => Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "bad or missing set-up answer",
-        )),
+        1 => Ok(b[0]),
+        _ => Err(std::io::ErrorKind::UnexpectedEof.into()),
     }
 }
 
