@@ -644,6 +644,74 @@ fn peer_killed_mid_stream_ends_the_other_side() {
     }
 }
 
+/// One daemon killed (SIGKILL) mid-stream: the relayed connection ends for
+/// both pods (end-of-stream or an error), never a hang, and the surviving
+/// daemon closes its side.
+#[test]
+fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
+    let _g = serial();
+    let mut c = Cluster::new(1);
+    let port = 7571u16;
+    let mut srv = {
+        let (n1, b) = (&c.nodes[1], &c.nodes[1].pods[0]);
+        let srv = Bg::spawn(n1.cmd(
+            b,
+            true,
+            &[PYTHON, "-c", PEER_KILL, "server", &port.to_string()],
+        ));
+        wait_listening(b, port);
+        srv
+    };
+    let mut cli = {
+        let (n0, a, b) = (&c.nodes[0], &c.nodes[0].pods[0], &c.nodes[1].pods[0]);
+        Bg::spawn(n0.cmd(
+            a,
+            true,
+            &[
+                PYTHON,
+                "-c",
+                PEER_KILL,
+                "client",
+                &b.ip.to_string(),
+                &port.to_string(),
+            ],
+        ))
+    };
+    assert!(first_line(&mut cli).starts_with("connected"));
+    assert!(first_line(&mut srv).starts_with("accepted"));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(c.nodes[0].relay().0, 1, "{}", c.logs());
+    let mut d = c.nodes[1].daemon.take().expect("daemon of n1");
+    d.kill().unwrap();
+    d.wait().unwrap();
+    let t0 = Instant::now();
+    let (st, out, err) = cli.finish(Duration::from_secs(30));
+    let (sst, sout, serr) = srv.finish(Duration::from_secs(30));
+    let took = t0.elapsed();
+    assert!(
+        st.is_some() && out.contains("ended"),
+        "the client hung after the server's daemon died: {out} {err}\n{}",
+        c.logs()
+    );
+    assert!(
+        sst.is_some() && sout.contains("ended"),
+        "the server hung after its daemon died: {sout} {serr}\n{}",
+        c.logs()
+    );
+    eprintln!(
+        "daemon killed: both pods ended within {took:?}: client {}, server {}",
+        out.lines().last().unwrap_or(""),
+        sout.lines().last().unwrap_or("")
+    );
+    let t0 = Instant::now();
+    while c.nodes[0].relay().1 < 1 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let file = c.nodes_file();
+    c.nodes[1].start_daemon(&file);
+}
+
 /// iperf3 through the relay (both directions), with plain TCP between the
 /// same pods in the same run for comparison (figures printed, not asserted).
 #[test]
