@@ -530,6 +530,24 @@ impl RdmaRig {
         Ok(())
     }
 
+    /// Node `n`'s `flowlaned` counters (`flowlane status --json` in the guest).
+    pub fn daemon_stats(&self, node: u8) -> Result<flowlane_lane::proto::Stats> {
+        let out = self.run(
+            node,
+            "$FLOWLANE_BIN_DIR/flowlane status --json",
+            Duration::from_secs(60),
+        )?;
+        if !out.success() {
+            bail!(
+                "flowlane status on node{node}: {}{}",
+                out.stdout,
+                out.stderr
+            );
+        }
+        serde_json::from_str(&out.stdout)
+            .with_context(|| format!("flowlane status --json on node{node}: {}", out.stdout))
+    }
+
     /// Kills both QEMUs (by the pids this rig started) and removes the run
     /// dir, unless a test failed while holding the rig or
     /// `FLOWLANE_RDMA_RIG_KEEP` is set (then its path is printed).

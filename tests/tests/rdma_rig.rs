@@ -115,6 +115,9 @@ fn rxe_port_is_active_with_an_ipv4_roce_v2_gid_and_diag_reports_it() {
             .map(|f| f.iter().filter(|f| f["severity"] == "error").collect())
             .unwrap_or_default();
         assert!(rdma_errors.is_empty(), "node{node}: {rdma_errors:?}");
+        let stats = rig.daemon_stats(node).expect("flowlaned answers");
+        assert_eq!(stats.daemon.socket, "/run/flowlane/flowlaned.sock");
+        assert_eq!(stats.daemon.state_dir, "/var/lib/flowlane");
         // The node's daemon runs with the arguments nodes_up gave it, and the
         // other node reaches it over the underlay.
         let metrics = rig
@@ -153,9 +156,18 @@ fn pod_on_node1_reaches_pod_on_node2_over_tcp_across_the_underlay() {
         pod_cidr(2)
     );
 
+    // Each daemon learnt its pod from the registry the plugin wrote.
+    for node in NODES {
+        let pods = rig
+            .daemon_stats(node)
+            .expect("flowlaned answers")
+            .daemon
+            .pods;
+        assert!(pods >= 1, "node{node}'s flowlaned knows {pods} pods");
+    }
     rig.run_ok(
         2,
-        "ip netns exec tcp-srv iperf3 -s -1 -D --logfile /tmp/iperf3-srv.log
+        "pod-exec.sh tcp-srv iperf3 -s -1 -D --logfile /tmp/iperf3-srv.log
          for _ in $(seq 1 300); do ip netns exec tcp-srv ss -ltn | grep -q ':5201 ' && exit 0; sleep 0.1; done
          exit 1",
         T,
@@ -163,7 +175,7 @@ fn pod_on_node1_reaches_pod_on_node2_over_tcp_across_the_underlay() {
     let tx_before = link_counter(&rig, 1, "eth0", "tx_bytes");
     let out = rig.run_ok(
         1,
-        &format!("ip netns exec tcp-cli iperf3 -c {server_ip} -t 3 -J"),
+        &format!("pod-exec.sh tcp-cli iperf3 -c {server_ip} -t 3 -J"),
         Duration::from_secs(90),
     );
     let tx_after = link_counter(&rig, 1, "eth0", "tx_bytes");

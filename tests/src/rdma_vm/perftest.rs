@@ -168,25 +168,60 @@ echo "{tool} server did not listen on 18515"; exit 1"#
     Ok(client.stdout)
 }
 
+/// perftest converts CPU cycles to time with a clock rate it measures at
+/// start (a linear fit of cycles against gettimeofday). On a loaded host a
+/// TCG guest's clocks jitter, the fit fails (perftest warns "Correlation
+/// coefficient r^2 ... < 0.9") and every figure of that run reads 0. Such a
+/// run is repeated, up to this many runs in all.
+const CLOCK_FIT_ATTEMPTS: usize = 3;
+
+/// Runs a pair until `parse` yields figures that are not all zero.
+fn run_measured<T>(
+    rig: &RdmaRig,
+    tool: &str,
+    args: &str,
+    timeout: Duration,
+    parse: impl Fn(&str) -> Result<T>,
+    valid: impl Fn(&T) -> bool,
+) -> Result<T> {
+    let mut last = String::new();
+    for _ in 0..CLOCK_FIT_ATTEMPTS {
+        let out = run_pair(rig, tool, args, timeout)?;
+        let figures = parse(&out).with_context(|| format!("{tool} output:\n{out}"))?;
+        if valid(&figures) {
+            return Ok(figures);
+        }
+        last = out;
+    }
+    bail!("{tool} measured nothing in {CLOCK_FIT_ATTEMPTS} runs (clock-rate fit failed?); last output:\n{last}")
+}
+
 /// `ib_write_bw` for `seconds` with `msg_bytes` messages, node 1 → node 2.
 pub fn ib_write_bw(rig: &RdmaRig, msg_bytes: u32, seconds: u32) -> Result<WriteBw> {
     let gid = ipv4_gid_index(rig)?;
     let args = format!("-d rxe0 -x {gid} -F -s {msg_bytes} -D {seconds} --report_gbits");
-    let out = run_pair(
+    run_measured(
         rig,
         "ib_write_bw",
         &args,
         Duration::from_secs(u64::from(seconds) + 90),
-    )?;
-    parse_write_bw(&out).with_context(|| format!("ib_write_bw output:\n{out}"))
+        parse_write_bw,
+        |r| r.iterations > 0 && r.avg_gbit_s > 0.0,
+    )
 }
 
 /// `ib_send_lat` with `iterations` ping-pongs of `msg_bytes`, node 1 ↔ node 2.
 pub fn ib_send_lat(rig: &RdmaRig, msg_bytes: u32, iterations: u32) -> Result<SendLat> {
     let gid = ipv4_gid_index(rig)?;
     let args = format!("-d rxe0 -x {gid} -F -s {msg_bytes} -n {iterations}");
-    let out = run_pair(rig, "ib_send_lat", &args, Duration::from_secs(120))?;
-    parse_send_lat(&out).with_context(|| format!("ib_send_lat output:\n{out}"))
+    run_measured(
+        rig,
+        "ib_send_lat",
+        &args,
+        Duration::from_secs(120),
+        parse_send_lat,
+        |r| r.min_us > 0.0 && r.typical_us > 0.0,
+    )
 }
 
 #[cfg(test)]
