@@ -748,3 +748,98 @@ fn kubernetes_view_publishes_lanes_and_survives_api_errors() {
         assert!(s.query.contains("resourceVersion=0"), "{s:?}");
     }
 }
+
+// ---------------------------------------------------------------------
+// The local cluster launcher gives every node's daemon the node table.
+
+/// Runs `flowlane cluster down` and removes the run root on drop.
+struct LocalCluster {
+    name: String,
+    root: PathBuf,
+}
+
+impl LocalCluster {
+    fn flowlane(args: &[&str]) -> std::process::Output {
+        Command::new(workspace_artifact("flowlane"))
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run flowlane")
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        let out = LocalCluster::flowlane(&[
+            "cluster",
+            "down",
+            "--name",
+            &self.name,
+            "--run-root",
+            self.root.to_str().unwrap(),
+        ]);
+        if !out.status.success() {
+            eprintln!("cluster down: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+#[test]
+fn cluster_up_gives_each_daemon_the_node_table_and_its_name() {
+    let cluster = LocalCluster {
+        name: format!("kb{:05x}", std::process::id() & 0xfffff),
+        root: PathBuf::from(format!("/run/flc-kb-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&cluster.root).unwrap();
+    let out = LocalCluster::flowlane(&[
+        "cluster",
+        "up",
+        "--name",
+        &cluster.name,
+        "--nodes",
+        "2",
+        "--pods",
+        "1",
+        "--pod-network",
+        "10.172.0.0",
+        "--run-root",
+        cluster.root.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "cluster up: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = cluster.root.join(&cluster.name);
+    for (me, other) in [("n0", "n1"), ("n1", "n0")] {
+        let file = run.join("nodes").join(me).join("state/daemon/nodes.json");
+        let view: Value = wait::for_some(LIVENESS, || {
+            serde_json::from_slice(&std::fs::read(&file).ok()?).ok()
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "{} not written; log:\n{}",
+                file.display(),
+                std::fs::read_to_string(run.join("nodes").join(me).join("flowlaned.log"))
+                    .unwrap_or_default()
+            )
+        });
+        assert_eq!(view["node"], me, "{view}");
+        assert_eq!(view["listed"], true, "{view}");
+        assert_eq!(view["error"], Value::Null, "{view}");
+        assert_eq!(
+            view["source"],
+            format!("file {}", run.join("nodes.json").display())
+        );
+        let n = nodes_of(&view);
+        assert_eq!(n.len(), 2, "{view}");
+        let i = &other[1..];
+        assert_eq!(n[other]["podCIDRs"], json!([format!("10.172.{i}.0/24")]));
+        assert!(n[other]["underlay"].is_string());
+        // No RDMA here: the node has no lane, and says why.
+        assert_eq!(view["rdma"]["lane"], Value::Null);
+        assert!(view["rdma"]["noLane"].is_string(), "{view}");
+    }
+}

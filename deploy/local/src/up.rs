@@ -237,8 +237,11 @@ fn start_daemon(
         .arg(dir.join("state"))
         .arg("--socket")
         .arg(&node.daemon_socket)
-        .env("FLOWLANE_NODES", spec.run_dir().join(NODES_FILE))
-        .env("FLOWLANE_NODE_NAME", &node.name)
+        // The cross-node view: the cluster's node table, and which entry is this node.
+        .arg("--nodes-file")
+        .arg(spec.run_dir().join(NODES_FILE))
+        .arg("--node-name")
+        .arg(&node.name)
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log2);
