@@ -15,6 +15,7 @@ pub mod gid;
 pub mod lane_stream;
 pub mod sysfs;
 pub mod topology;
+pub mod transport;
 
 pub use discovery::{discover, Device, GidEntry, GidType, Inventory, LinkLayer, Port, PortState};
 pub use gid::{select_gid, NoGidReason, NoUsableGid, NodeAddress, SelectedGid};
@@ -22,3 +23,4 @@ pub use lane_stream::{LaneStream, LaneTransport, StreamKey};
 pub use sysfs::Sysfs;
 pub use topology::kubernetes::KubeNodeDirectory;
 pub use topology::{ClusterView, NodeDirectory, NodeEntry, RdmaLane, StaticNodeFile};
+pub use transport::{RdmaOptions, RdmaTransport};

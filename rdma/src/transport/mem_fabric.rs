@@ -1,0 +1,202 @@
+//! An in-process [`Fabric`]: two halves in one process exchange messages
+//! through memory, with the verbs' rules enforced (a write into a ring
+//! without a posted receive is an error, as RNR would be, and so is a
+//! message larger than a slot), so host tests catch credit bugs.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    io,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Condvar, Mutex, OnceLock, Weak,
+    },
+    time::Duration,
+};
+
+use super::fabric::{Completion, Fabric, FabricProvider, Geometry};
+
+/// Halves waiting to be joined, by token.
+fn registry() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
+    static R: OnceLock<Mutex<HashMap<u64, Weak<Endpoint>>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+struct Endpoint {
+    geometry: Geometry,
+    ring: Vec<Mutex<Vec<u8>>>,
+    state: Mutex<EndpointState>,
+    cv: Condvar,
+    peer: OnceLock<Weak<Endpoint>>,
+}
+
+#[derive(Default)]
+struct EndpointState {
+    completions: VecDeque<Completion>,
+    posted_recvs: u32,
+    broken: bool,
+}
+
+impl Endpoint {
+    fn push(&self, c: Completion) {
+        self.state.lock().unwrap().completions.push_back(c);
+        self.cv.notify_all();
+    }
+
+    fn break_with(&self, why: &str) {
+        let mut st = self.state.lock().unwrap();
+        if !st.broken {
+            st.broken = true;
+            st.completions
+                .push_back(Completion::Failed(why.to_string()));
+        }
+        self.cv.notify_all();
+    }
+}
+
+/// Provider of in-process fabrics (for tests).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MemProvider;
+
+pub struct MemHalf(Arc<Endpoint>);
+
+impl FabricProvider for MemProvider {
+    type Half = MemHalf;
+
+    fn name(&self) -> &'static str {
+        "mem"
+    }
+
+    fn prepare(&self, geometry: Geometry) -> io::Result<(MemHalf, serde_json::Value)> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let token = NEXT.fetch_add(1, Ordering::Relaxed);
+        let ep = Arc::new(Endpoint {
+            geometry,
+            ring: (0..geometry.slots)
+                .map(|_| Mutex::new(vec![0u8; geometry.slot_size as usize]))
+                .collect(),
+            state: Mutex::new(EndpointState {
+                posted_recvs: geometry.slots,
+                ..Default::default()
+            }),
+            cv: Condvar::new(),
+            peer: OnceLock::new(),
+        });
+        registry()
+            .lock()
+            .unwrap()
+            .insert(token, Arc::downgrade(&ep));
+        Ok((MemHalf(ep), serde_json::json!({ "token": token })))
+    }
+
+    fn connect(&self, half: MemHalf, peer: &serde_json::Value) -> io::Result<Box<dyn Fabric>> {
+        let token = peer["token"]
+            .as_u64()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no mem fabric token"))?;
+        let peer = registry()
+            .lock()
+            .unwrap()
+            .remove(&token)
+            .and_then(|w| w.upgrade())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "peer half is gone"))?;
+        if peer.geometry != half.0.geometry {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "geometry mismatch",
+            ));
+        }
+        let _ = half.0.peer.set(Arc::downgrade(&peer));
+        Ok(Box::new(MemFabric(half.0)))
+    }
+}
+
+struct MemFabric(Arc<Endpoint>);
+
+impl Drop for MemFabric {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Fabric for MemFabric {
+    fn post(&self, slot: u32, header: &[u8], payload: &[u8], imm: u32) -> io::Result<()> {
+        let me = &self.0;
+        let len = header.len() + payload.len();
+        if me.state.lock().unwrap().broken {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "fabric broken",
+            ));
+        }
+        let Some(peer) = me.peer.get().and_then(Weak::upgrade) else {
+            me.break_with("peer gone");
+            return Err(io::Error::new(io::ErrorKind::ConnectionReset, "peer gone"));
+        };
+        if slot >= me.geometry.slots || len > me.geometry.slot_size as usize {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "bad slot or length",
+            ));
+        }
+        {
+            let mut st = peer.state.lock().unwrap();
+            if st.broken {
+                drop(st);
+                me.break_with("peer broken");
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    "peer broken",
+                ));
+            }
+            if st.posted_recvs == 0 {
+                // What RNR retries exhausted would do on a real queue pair.
+                drop(st);
+                peer.break_with("write with no posted receive");
+                me.break_with("receiver not ready");
+                return Ok(());
+            }
+            st.posted_recvs -= 1;
+            let mut s = peer.ring[slot as usize].lock().unwrap();
+            s[..header.len()].copy_from_slice(header);
+            s[header.len()..len].copy_from_slice(payload);
+            st.completions.push_back(Completion::Received {
+                imm,
+                len: len as u32,
+            });
+        }
+        peer.cv.notify_all();
+        me.push(Completion::Sent);
+        Ok(())
+    }
+
+    fn read_slot(&self, slot: u32, len: usize, f: &mut dyn FnMut(&[u8])) {
+        let s = self.0.ring[slot as usize].lock().unwrap();
+        f(&s[..len]);
+    }
+
+    fn repost_recv(&self) -> io::Result<()> {
+        let mut st = self.0.state.lock().unwrap();
+        if st.posted_recvs >= self.0.geometry.slots {
+            return Err(io::Error::other("more receives than slots"));
+        }
+        st.posted_recvs += 1;
+        Ok(())
+    }
+
+    fn poll(&self, out: &mut Vec<Completion>, timeout: Duration) -> io::Result<()> {
+        let st = self.0.state.lock().unwrap();
+        let (mut st, _) = self
+            .0
+            .cv
+            .wait_timeout_while(st, timeout, |s| s.completions.is_empty())
+            .unwrap();
+        out.extend(st.completions.drain(..));
+        Ok(())
+    }
+
+    fn shutdown(&self) {
+        self.0.break_with("shut down");
+        if let Some(peer) = self.0.peer.get().and_then(Weak::upgrade) {
+            peer.break_with("peer shut down");
+        }
+    }
+}

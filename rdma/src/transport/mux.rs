@@ -1,0 +1,414 @@
+//! The transport: listens for peer daemons on the lane port, sets up one
+//! link per peer (TCP control connection + fabric handshake), and opens and
+//! accepts streams over the links.
+
+use std::{
+    collections::HashMap,
+    io::{self, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    os::fd::AsRawFd,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        mpsc, Arc, Mutex, Weak,
+    },
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+
+use super::fabric::{FabricProvider, Geometry};
+use super::link::{AcceptSender, Link, LinkConfig};
+use super::RdmaOptions;
+use crate::lane_stream::{LaneStream, LaneTransport, StreamKey};
+
+/// Bumped when the link protocol changes; peers with another version are
+/// refused at the handshake (the daemon then keeps those pods on TCP).
+const PROTOCOL: u32 = 1;
+const MAX_HELLO: usize = 64 * 1024;
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Hello {
+    protocol: u32,
+    /// Where the sender's transport listens: the key the other side files
+    /// the link under, so its own opens to us reuse it.
+    lane: SocketAddr,
+    geometry: Geometry,
+    window: u32,
+    fabric: serde_json::Value,
+}
+
+/// Counters for the daemon's metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct TransportStats {
+    pub links_up: u64,
+    pub links_failed: u64,
+    pub streams_open: u64,
+    pub streams_opened: u64,
+    pub streams_accepted: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub messages_sent: u64,
+    pub messages_received: u64,
+}
+
+struct Inner<P: FabricProvider> {
+    provider: P,
+    opts: RdmaOptions,
+    local: SocketAddr,
+    /// Healthy link per peer lane address.
+    links: Mutex<HashMap<SocketAddr, Arc<Link>>>,
+    /// Every link ever started (for shutdown and counters).
+    all: Mutex<Vec<Weak<Link>>>,
+    retired: Mutex<TransportStats>,
+    connecting: Mutex<()>,
+    accept_tx: AcceptSender,
+    accept_rx: Mutex<mpsc::Receiver<(StreamKey, Box<dyn LaneStream>)>>,
+    closed: AtomicBool,
+    links_failed: AtomicU64,
+}
+
+/// A [`LaneTransport`] over any [`FabricProvider`]: [`super::RdmaTransport`]
+/// with verbs, or the in-process fabric in tests.
+pub struct MuxTransport<P: FabricProvider> {
+    inner: Arc<Inner<P>>,
+}
+
+impl<P: FabricProvider> MuxTransport<P> {
+    /// Binds the lane port and starts accepting peer daemons.
+    pub fn start(provider: P, listen: SocketAddr, opts: RdmaOptions) -> io::Result<Self> {
+        opts.validate()?;
+        let listener = TcpListener::bind(listen)?;
+        let local = listener.local_addr()?;
+        let (accept_tx, accept_rx) = mpsc::channel();
+        let inner = Arc::new(Inner {
+            provider,
+            opts,
+            local,
+            links: Mutex::new(HashMap::new()),
+            all: Mutex::new(Vec::new()),
+            retired: Mutex::new(TransportStats::default()),
+            connecting: Mutex::new(()),
+            accept_tx,
+            accept_rx: Mutex::new(accept_rx),
+            closed: AtomicBool::new(false),
+            links_failed: AtomicU64::new(0),
+        });
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("rdma-lane-listen".into())
+            .spawn(move || listen_loop(listener, weak))?;
+        Ok(MuxTransport { inner })
+    }
+
+    /// The lane address actually bound (resolves port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local
+    }
+
+    pub fn stats(&self) -> TransportStats {
+        let mut s = *self.inner.retired.lock().unwrap();
+        s.links_failed = self.inner.links_failed.load(Ordering::Relaxed);
+        for l in self
+            .inner
+            .all
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(Weak::upgrade)
+        {
+            if !l.is_failed() {
+                s.links_up += 1;
+            }
+            s.streams_open += l.stream_count() as u64;
+            let st = &l.stats;
+            s.streams_opened += st.streams_opened.load(Ordering::Relaxed);
+            s.streams_accepted += st.streams_accepted.load(Ordering::Relaxed);
+            s.bytes_sent += st.bytes_sent.load(Ordering::Relaxed);
+            s.bytes_received += st.bytes_received.load(Ordering::Relaxed);
+            s.messages_sent += st.messages_sent.load(Ordering::Relaxed);
+            s.messages_received += st.messages_received.load(Ordering::Relaxed);
+        }
+        s
+    }
+
+    /// One line per link with its flow-control state (diagnostics).
+    pub fn describe_links(&self) -> Vec<String> {
+        let all = self.inner.all.lock().unwrap();
+        all.iter()
+            .filter_map(Weak::upgrade)
+            .map(|l| l.describe())
+            .collect()
+    }
+
+    /// Fails every link (peers see their streams reset) and stops listening.
+    pub fn shutdown(&self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        let links: Vec<_> = self
+            .inner
+            .all
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for l in links {
+            l.fail("local transport shut down");
+        }
+        self.inner.links.lock().unwrap().clear();
+    }
+
+    /// Fails the link to `peer` as if the fabric had broken (tests, and the
+    /// daemon when it learns the peer's node is gone).
+    pub fn fail_link(&self, peer: SocketAddr, why: &str) -> bool {
+        let l = self.inner.links.lock().unwrap().remove(&peer);
+        match l {
+            Some(l) => {
+                l.fail(why);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn link_to(&self, peer: SocketAddr) -> io::Result<Arc<Link>> {
+        let inner = &self.inner;
+        if let Some(l) = healthy(inner, peer) {
+            return Ok(l);
+        }
+        let _one_at_a_time = inner.connecting.lock().unwrap();
+        if let Some(l) = healthy(inner, peer) {
+            return Ok(l);
+        }
+        let sock = TcpStream::connect_timeout(&peer, inner.opts.connect_timeout)?;
+        let (lane, link) = handshake(inner, sock, true)?;
+        if lane != peer {
+            tracing::debug!(%peer, %lane, "peer announces another lane address");
+        }
+        register(inner, peer, &link);
+        Ok(link)
+    }
+}
+
+impl<P: FabricProvider> Drop for MuxTransport<P> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl<P: FabricProvider> LaneTransport for MuxTransport<P> {
+    fn name(&self) -> &'static str {
+        self.inner.provider.name()
+    }
+
+    fn open(&self, peer: SocketAddr, key: StreamKey) -> io::Result<Box<dyn LaneStream>> {
+        if self.inner.closed.load(Ordering::SeqCst) {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "transport shut down",
+            ));
+        }
+        let link = self.link_to(peer)?;
+        Ok(Box::new(link.open_stream(key)?))
+    }
+
+    fn accept(&self) -> io::Result<(StreamKey, Box<dyn LaneStream>)> {
+        let rx = self.inner.accept_rx.lock().unwrap();
+        loop {
+            match rx.recv_timeout(Duration::from_millis(250)) {
+                Ok(s) => return Ok(s),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if self.inner.closed.load(Ordering::SeqCst) {
+                        return Err(io::Error::new(
+                            io::ErrorKind::NotConnected,
+                            "transport shut down",
+                        ));
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::NotConnected,
+                        "transport shut down",
+                    ))
+                }
+            }
+        }
+    }
+}
+
+fn healthy<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr) -> Option<Arc<Link>> {
+    let mut links = inner.links.lock().unwrap();
+    match links.get(&peer) {
+        Some(l) if !l.is_failed() => Some(Arc::clone(l)),
+        Some(_) => {
+            links.remove(&peer);
+            None
+        }
+        None => None,
+    }
+}
+
+fn register<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr, link: &Arc<Link>) {
+    let mut all = inner.all.lock().unwrap();
+    // Fold the counters of links that are gone into `retired`.
+    all.retain(|w| {
+        let Some(l) = w.upgrade() else { return false };
+        if l.is_failed() && l.stream_count() == 0 {
+            inner.links_failed.fetch_add(1, Ordering::Relaxed);
+            let mut r = inner.retired.lock().unwrap();
+            let st = &l.stats;
+            r.streams_opened += st.streams_opened.load(Ordering::Relaxed);
+            r.streams_accepted += st.streams_accepted.load(Ordering::Relaxed);
+            r.bytes_sent += st.bytes_sent.load(Ordering::Relaxed);
+            r.bytes_received += st.bytes_received.load(Ordering::Relaxed);
+            r.messages_sent += st.messages_sent.load(Ordering::Relaxed);
+            r.messages_received += st.messages_received.load(Ordering::Relaxed);
+            return false;
+        }
+        true
+    });
+    all.push(Arc::downgrade(link));
+    drop(all);
+    let mut links = inner.links.lock().unwrap();
+    match links.get(&peer) {
+        // Both daemons connected at once: keep the first, the second still
+        // carries the streams opened over it.
+        Some(l) if !l.is_failed() => {}
+        _ => {
+            links.insert(peer, Arc::clone(link));
+        }
+    }
+    if inner.closed.load(Ordering::SeqCst) {
+        link.fail("local transport shut down");
+    }
+}
+
+fn listen_loop<P: FabricProvider>(listener: TcpListener, inner: Weak<Inner<P>>) {
+    let fd = listener.as_raw_fd();
+    loop {
+        // Wake every 250 ms to notice shutdown; no CPU is used in between.
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is a valid pollfd for the duration of the call and
+        // `fd` stays open: `listener` lives until this function returns.
+        let n = unsafe { libc::poll(&mut pfd, 1, 250) };
+        let Some(inner) = inner.upgrade() else { return };
+        if inner.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        if n <= 0 {
+            continue;
+        }
+        let Ok((sock, from)) = listener.accept() else {
+            continue;
+        };
+        let inner2 = Arc::clone(&inner);
+        let spawned = std::thread::Builder::new()
+            .name("rdma-lane-hs".into())
+            .spawn(move || match handshake(&inner2, sock, false) {
+                Ok((lane, link)) => register(&inner2, lane, &link),
+                Err(e) => tracing::warn!(%from, error = %e, "RDMA lane handshake failed"),
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a handshake thread");
+        }
+    }
+}
+
+fn write_msg(sock: &mut TcpStream, v: &impl Serialize) -> io::Result<()> {
+    let body = serde_json::to_vec(v).map_err(io::Error::other)?;
+    let mut msg = (body.len() as u32).to_le_bytes().to_vec();
+    msg.extend_from_slice(&body);
+    sock.write_all(&msg)
+}
+
+fn read_msg<T: for<'de> Deserialize<'de>>(sock: &mut TcpStream) -> io::Result<T> {
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_HELLO {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "handshake message too large",
+        ));
+    }
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body)?;
+    serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+/// Exchanges hellos, joins the fabric halves, and waits until both sides
+/// are ready to receive before any message may flow.
+fn handshake<P: FabricProvider>(
+    inner: &Inner<P>,
+    mut sock: TcpStream,
+    initiator: bool,
+) -> io::Result<(SocketAddr, Arc<Link>)> {
+    sock.set_read_timeout(Some(inner.opts.connect_timeout.max(Duration::from_secs(5))))?;
+    sock.set_nodelay(true)?;
+    let geometry = inner.opts.geometry();
+    let (half, desc) = inner.provider.prepare(geometry)?;
+    // Announce where we listen; an unspecified bind address is announced as
+    // the address this connection uses.
+    let mut lane = inner.local;
+    if lane.ip().is_unspecified() {
+        lane.set_ip(sock.local_addr()?.ip());
+    }
+    write_msg(
+        &mut sock,
+        &Hello {
+            protocol: PROTOCOL,
+            lane,
+            geometry,
+            window: inner.opts.stream_window,
+            fabric: desc,
+        },
+    )?;
+    let peer: Hello = read_msg(&mut sock)?;
+    if peer.protocol != PROTOCOL {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "peer speaks lane protocol {}, we speak {PROTOCOL}",
+                peer.protocol
+            ),
+        ));
+    }
+    if peer.geometry != geometry {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "peer ring {:?} differs from ours {:?}",
+                peer.geometry, geometry
+            ),
+        ));
+    }
+    let fabric = inner.provider.connect(half, &peer.fabric)?;
+    sock.write_all(b"R")?;
+    let mut ready = [0u8; 1];
+    sock.read_exact(&mut ready)?;
+    if &ready != b"R" {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "bad ready byte"));
+    }
+    sock.set_read_timeout(None)?;
+    let cfg = LinkConfig {
+        geometry,
+        recv_window: inner.opts.stream_window,
+        send_window: peer.window,
+        checksums: inner.opts.checksums,
+        keepalive: inner.opts.keepalive,
+        dead_after: inner.opts.dead_after,
+        idle_credit: Duration::from_millis(20),
+        odd_ids: initiator,
+    };
+    let key = if initiator {
+        sock.peer_addr()?
+    } else {
+        peer.lane
+    };
+    let link = Link::start(key, fabric, cfg, inner.accept_tx.clone(), sock)?;
+    tracing::info!(peer = %key, initiator, "RDMA lane link up");
+    Ok((peer.lane, link))
+}

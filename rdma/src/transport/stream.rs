@@ -1,0 +1,269 @@
+//! One carried pod connection: the stream state both the link's poller
+//! (arrivals) and the relay's pump threads (send/recv) touch.
+//!
+//! Lock order: a link's state lock may be held while a stream's lock is
+//! taken, never the other way round, so stream code calls into the link only
+//! after dropping its own lock.
+
+use std::{
+    collections::VecDeque,
+    io,
+    sync::{Arc, Condvar, Mutex, Weak},
+    time::Duration,
+};
+
+use super::credit::{RecvWindow, WindowOverrun};
+use super::link::{Link, Outgoing};
+use super::wire::Kind;
+use crate::lane_stream::LaneStream;
+
+pub(crate) struct StreamShared {
+    pub(crate) id: u32,
+    link: Weak<Link>,
+    st: Mutex<StreamState>,
+    cv: Condvar,
+}
+
+struct StreamState {
+    rx: VecDeque<Vec<u8>>,
+    /// Bytes of `rx[0]` already read.
+    rx_off: usize,
+    window: RecvWindow,
+    rx_eof: bool,
+    /// Bytes the peer's window still lets us send.
+    tx_window: u64,
+    tx_shut: bool,
+    /// Why the stream is dead in both directions (peer reset, local reset,
+    /// link failure).
+    reset: Option<String>,
+}
+
+fn reset_error(why: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionReset, why.to_string())
+}
+
+impl StreamShared {
+    pub(crate) fn new(id: u32, link: Weak<Link>, recv_window: u32, send_window: u32) -> Arc<Self> {
+        Arc::new(StreamShared {
+            id,
+            link,
+            st: Mutex::new(StreamState {
+                rx: VecDeque::new(),
+                rx_off: 0,
+                window: RecvWindow::new(recv_window),
+                rx_eof: false,
+                tx_window: send_window as u64,
+                tx_shut: false,
+                reset: None,
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// Bytes arrived. An overrun is the peer breaking the protocol: the
+    /// caller fails the whole link.
+    pub(crate) fn on_data(&self, payload: Vec<u8>) -> Result<(), WindowOverrun> {
+        let mut st = self.st.lock().unwrap();
+        if st.reset.is_some() || st.rx_eof {
+            return Ok(()); // a reset stream drops late bytes, as TCP does
+        }
+        st.window.on_data(payload.len() as u64)?;
+        if !payload.is_empty() {
+            st.rx.push_back(payload);
+        }
+        self.cv.notify_all();
+        Ok(())
+    }
+
+    /// The peer half-closed; returns whether both directions are now done.
+    pub(crate) fn on_fin(&self) -> bool {
+        let mut st = self.st.lock().unwrap();
+        st.rx_eof = true;
+        self.cv.notify_all();
+        st.tx_shut
+    }
+
+    pub(crate) fn on_window(&self, n: u32) {
+        let mut st = self.st.lock().unwrap();
+        st.tx_window += n as u64;
+        self.cv.notify_all();
+    }
+
+    /// The peer reset the stream or the link failed.
+    pub(crate) fn on_reset(&self, why: &str) {
+        let mut st = self.st.lock().unwrap();
+        if st.reset.is_none() {
+            st.reset = Some(why.to_string());
+        }
+        st.rx.clear();
+        self.cv.notify_all();
+    }
+
+    fn link(&self) -> io::Result<Arc<Link>> {
+        self.link
+            .upgrade()
+            .ok_or_else(|| reset_error("the RDMA link is gone"))
+    }
+}
+
+/// The [`LaneStream`] handed to the relay.
+pub(crate) struct RdmaStream {
+    pub(crate) shared: Arc<StreamShared>,
+    pub(crate) max_payload: usize,
+}
+
+/// How long a blocked call sleeps before re-checking (wake-ups normally
+/// come from the condition variable; this only bounds a missed one).
+const RECHECK: Duration = Duration::from_secs(1);
+
+impl LaneStream for RdmaStream {
+    fn send(&self, buf: &[u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let s = &self.shared;
+        let link = s.link()?;
+        let mut done = 0;
+        while done < buf.len() {
+            // Reserve window for one message.
+            let n = {
+                let mut st = s.st.lock().unwrap();
+                loop {
+                    if let Some(why) = &st.reset {
+                        return if done > 0 {
+                            Ok(done)
+                        } else {
+                            Err(reset_error(why))
+                        };
+                    }
+                    if st.tx_shut {
+                        return Err(io::Error::new(
+                            io::ErrorKind::BrokenPipe,
+                            "send after shutdown_send",
+                        ));
+                    }
+                    let n = (st.tx_window as usize)
+                        .min(buf.len() - done)
+                        .min(self.max_payload);
+                    if n > 0 {
+                        st.tx_window -= n as u64;
+                        break n;
+                    }
+                    if done > 0 {
+                        return Ok(done);
+                    }
+                    st = s.cv.wait_timeout(st, RECHECK).unwrap().0;
+                }
+            };
+            match link.send_data(s.id, &buf[done..done + n], done == 0) {
+                Ok(true) => done += n,
+                Ok(false) => {
+                    s.st.lock().unwrap().tx_window += n as u64;
+                    return Ok(done);
+                }
+                Err(e) => {
+                    s.st.lock().unwrap().tx_window += n as u64;
+                    return if done > 0 { Ok(done) } else { Err(e) };
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let s = &self.shared;
+        let (n, grant) = {
+            let mut st = s.st.lock().unwrap();
+            loop {
+                if let Some(why) = &st.reset {
+                    return Err(reset_error(why));
+                }
+                if !st.rx.is_empty() {
+                    let mut n = 0;
+                    while n < buf.len() {
+                        let off = st.rx_off;
+                        let Some(front) = st.rx.front() else { break };
+                        let k = (front.len() - off).min(buf.len() - n);
+                        buf[n..n + k].copy_from_slice(&front[off..off + k]);
+                        n += k;
+                        if off + k == front.len() {
+                            st.rx.pop_front();
+                            st.rx_off = 0;
+                        } else {
+                            st.rx_off += k;
+                        }
+                    }
+                    let grant = st.window.on_consumed(n as u64);
+                    break (n, grant);
+                }
+                if st.rx_eof {
+                    return Ok(0);
+                }
+                st = s.cv.wait_timeout(st, RECHECK).unwrap().0;
+            }
+        };
+        if grant > 0 {
+            if let Ok(link) = s.link() {
+                link.post_control(Outgoing::new(Kind::Window, s.id, grant));
+            }
+        }
+        Ok(n)
+    }
+
+    fn shutdown_send(&self) -> io::Result<()> {
+        let s = &self.shared;
+        let both_done = {
+            let mut st = s.st.lock().unwrap();
+            if let Some(why) = &st.reset {
+                return Err(reset_error(why));
+            }
+            if st.tx_shut {
+                return Ok(());
+            }
+            st.tx_shut = true;
+            st.rx_eof
+        };
+        let link = s.link()?;
+        link.post_control(Outgoing::new(Kind::Fin, s.id, 0));
+        if both_done {
+            link.forget(s.id);
+        }
+        Ok(())
+    }
+
+    fn reset(&self) {
+        let s = &self.shared;
+        {
+            let mut st = s.st.lock().unwrap();
+            if st.reset.is_some() {
+                return;
+            }
+            st.reset = Some("stream reset locally".into());
+            st.rx.clear();
+            s.cv.notify_all();
+        }
+        if let Ok(link) = s.link() {
+            link.post_control(Outgoing::new(Kind::Reset, s.id, 0));
+            link.forget(s.id);
+        }
+    }
+}
+
+impl Drop for RdmaStream {
+    /// Dropping a stream that is not closed both ways aborts it, so the peer
+    /// never waits for bytes that will not come.
+    fn drop(&mut self) {
+        let clean = {
+            let st = self.shared.st.lock().unwrap();
+            st.reset.is_some() || (st.tx_shut && st.rx_eof)
+        };
+        if !clean {
+            self.reset();
+        } else if let Ok(link) = self.shared.link() {
+            link.forget(self.shared.id);
+        }
+    }
+}

@@ -1,0 +1,403 @@
+//! The stream multiplexer over the in-process fabric: everything above the
+//! verbs (handshake over real TCP on loopback, credits, windows, half-close,
+//! resets, link failure). The same code over Soft-RoCE is tested in
+//! tests/tests/rdma_transport.rs.
+
+use std::{
+    io::{ErrorKind, Write},
+    net::{SocketAddr, TcpStream},
+    sync::Arc,
+    thread,
+    time::{Duration, Instant},
+};
+
+use flowlane_rdma::transport::exercise::{check_receive, exchange, ExchangeSpec, Pattern};
+use flowlane_rdma::transport::{MemProvider, MemTransport, RdmaOptions};
+use flowlane_rdma::{LaneStream, LaneTransport, StreamKey};
+
+fn small_opts() -> RdmaOptions {
+    // A tiny ring and window so credits and windows run out constantly.
+    RdmaOptions {
+        slots: 8,
+        slot_size: 4096,
+        stream_window: 16 * 1024,
+        checksums: true,
+        keepalive: Duration::from_millis(200),
+        dead_after: Duration::from_secs(5),
+        ..RdmaOptions::default()
+    }
+}
+
+fn start(opts: &RdmaOptions) -> Arc<MemTransport> {
+    Arc::new(
+        MemTransport::start(MemProvider, "127.0.0.1:0".parse().unwrap(), opts.clone()).unwrap(),
+    )
+}
+
+fn key(i: u16) -> StreamKey {
+    StreamKey {
+        client: SocketAddr::from(([10, 1, 0, 2], 40000 + i)),
+        server: SocketAddr::from(([10, 2, 0, 3], 5201)),
+    }
+}
+
+fn spec(i: u64, opener: bool) -> ExchangeSpec {
+    let (a_bytes, b_bytes) = (200_000 + i * 3, 50_000 + i * 7919);
+    if opener {
+        ExchangeSpec {
+            send_seed: i,
+            recv_seed: 1000 + i,
+            send_bytes: a_bytes,
+            recv_bytes: b_bytes,
+            max_msg: 20_000,
+        }
+    } else {
+        ExchangeSpec {
+            send_seed: 1000 + i,
+            recv_seed: i,
+            send_bytes: b_bytes,
+            recv_bytes: a_bytes,
+            max_msg: 9000,
+        }
+    }
+}
+
+/// Waits for `f` to hold, up to a generous bound (liveness only).
+fn eventually(what: &str, f: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn many_streams_random_sizes_both_directions_arrive_intact() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let n = 12u16;
+    let b2 = Arc::clone(&b);
+    let acceptor = thread::spawn(move || {
+        let workers: Vec<_> = (0..n)
+            .map(|_| {
+                let (k, s) = b2.accept().unwrap();
+                let i = (k.client.port() - 40000) as u64;
+                thread::spawn(move || exchange(Arc::from(s), spec(i, false)).unwrap())
+            })
+            .collect();
+        workers.into_iter().for_each(|w| {
+            w.join().unwrap();
+        });
+    });
+    let workers: Vec<_> = (0..n)
+        .map(|i| {
+            let s = a.open(b.local_addr(), key(i)).unwrap();
+            thread::spawn(move || exchange(Arc::from(s), spec(i as u64, true)).unwrap())
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    acceptor.join().unwrap();
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!(sa.bytes_sent, sb.bytes_received);
+    assert_eq!(sb.bytes_sent, sa.bytes_received);
+    assert_eq!(sa.streams_opened, n as u64);
+    assert_eq!(sb.streams_accepted, n as u64);
+    assert_eq!(sa.links_up, 1, "all streams share one link");
+    eventually("streams forgotten after both sides closed", || {
+        a.stats().streams_open == 0 && b.stats().streams_open == 0
+    });
+}
+
+#[test]
+fn half_close_delivers_eof_after_the_data_and_the_other_direction_keeps_working() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let sa = a.open(b.local_addr(), key(1)).unwrap();
+    let (k, sb) = b.accept().unwrap();
+    assert_eq!(k, key(1));
+    let mut data = vec![0u8; 100_000];
+    Pattern::new(7).fill(&mut data);
+    let sa: Arc<dyn LaneStream> = Arc::from(sa);
+    // The data is several windows long: the reader must run meanwhile.
+    let writer = {
+        let (sa, data) = (Arc::clone(&sa), data.clone());
+        thread::spawn(move || {
+            let mut off = 0;
+            while off < data.len() {
+                off += sa.send(&data[off..]).unwrap();
+            }
+            sa.shutdown_send().unwrap();
+            assert_eq!(sa.send(b"x").unwrap_err().kind(), ErrorKind::BrokenPipe);
+        })
+    };
+    let mut got = Vec::new();
+    let mut buf = [0u8; 3000];
+    loop {
+        let n = sb.recv(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    writer.join().unwrap();
+    assert_eq!(got, data);
+    assert_eq!(sb.recv(&mut buf).unwrap(), 0, "EOF stays EOF");
+    // The reverse direction is still open.
+    assert_eq!(sb.send(b"reply").unwrap(), 5);
+    sb.shutdown_send().unwrap();
+    let mut r = [0u8; 16];
+    assert_eq!(sa.recv(&mut r).unwrap(), 5);
+    assert_eq!(&r[..5], b"reply");
+    assert_eq!(sa.recv(&mut r).unwrap(), 0);
+}
+
+#[test]
+fn reset_reaches_the_peer_as_connection_reset() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let sa = a.open(b.local_addr(), key(2)).unwrap();
+    let (_, sb) = b.accept().unwrap();
+    let sb: Arc<dyn LaneStream> = Arc::from(sb);
+    let reader = {
+        let sb = Arc::clone(&sb);
+        thread::spawn(move || {
+            let mut buf = [0u8; 100];
+            loop {
+                match sb.recv(&mut buf) {
+                    Ok(0) => return Err("EOF instead of reset".to_string()),
+                    Ok(_) => continue,
+                    Err(e) => return Ok(e.kind()),
+                }
+            }
+        })
+    };
+    sa.send(b"some bytes").unwrap();
+    sa.reset();
+    assert_eq!(reader.join().unwrap(), Ok(ErrorKind::ConnectionReset));
+    assert_eq!(
+        sb.send(b"x").unwrap_err().kind(),
+        ErrorKind::ConnectionReset
+    );
+    assert_eq!(
+        sa.send(b"x").unwrap_err().kind(),
+        ErrorKind::ConnectionReset
+    );
+    // Other streams on the link are unaffected.
+    let s2 = a.open(b.local_addr(), key(3)).unwrap();
+    let (_, t2) = b.accept().unwrap();
+    s2.send(b"ok").unwrap();
+    let mut buf = [0u8; 2];
+    assert_eq!(t2.recv(&mut buf).unwrap(), 2);
+}
+
+#[test]
+fn dropping_an_open_stream_resets_it_for_the_peer() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let sa = a.open(b.local_addr(), key(4)).unwrap();
+    let (_, sb) = b.accept().unwrap();
+    drop(sa);
+    let mut buf = [0u8; 8];
+    assert_eq!(
+        sb.recv(&mut buf).unwrap_err().kind(),
+        ErrorKind::ConnectionReset
+    );
+}
+
+#[test]
+fn a_slow_reader_stalls_only_its_own_stream() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let stalled = a.open(b.local_addr(), key(5)).unwrap();
+    let (_, _never_read) = b.accept().unwrap();
+    // Fill the stalled stream's window: its next send must block, so do it
+    // on a thread and check it is still blocked afterwards.
+    let stalled: Arc<dyn LaneStream> = Arc::from(stalled);
+    let blocked = {
+        let s = Arc::clone(&stalled);
+        thread::spawn(move || {
+            let buf = vec![1u8; 64 * 1024];
+            let mut sent = 0usize;
+            while sent < buf.len() {
+                match s.send(&buf[sent..]) {
+                    Ok(n) => sent += n,
+                    Err(_) => return sent,
+                }
+            }
+            sent
+        })
+    };
+    // Meanwhile another stream moves 20 windows' worth.
+    let s2 = a.open(b.local_addr(), key(6)).unwrap();
+    let (_, t2) = b.accept().unwrap();
+    let total = 20 * opts.stream_window as u64;
+    let sender = thread::spawn(move || {
+        exchange(
+            Arc::from(s2),
+            ExchangeSpec {
+                send_seed: 9,
+                recv_seed: 10,
+                send_bytes: total,
+                recv_bytes: 0,
+                max_msg: 5000,
+            },
+        )
+    });
+    let check = check_receive(&*t2, 9, total, 4096);
+    t2.shutdown_send().unwrap();
+    assert_eq!(check.unwrap(), total);
+    assert_eq!(sender.join().unwrap().unwrap().sent, total);
+    assert!(
+        !blocked.is_finished(),
+        "the stalled stream cannot have sent more than its window"
+    );
+    stalled.reset(); // unblocks the sender with an error
+    let sent = blocked.join().unwrap();
+    assert!(
+        sent <= opts.stream_window as usize,
+        "sent {sent} past a {} window",
+        opts.stream_window
+    );
+}
+
+#[test]
+fn peer_death_resets_streams_and_new_opens_fail_until_it_is_back() {
+    let opts = small_opts();
+    let a = start(&opts);
+    let b = start(&opts);
+    let b_addr = b.local_addr();
+    let sa = a.open(b_addr, key(7)).unwrap();
+    let (_, _sb) = b.accept().unwrap();
+    let sa: Arc<dyn LaneStream> = Arc::from(sa);
+    let reader = {
+        let sa = Arc::clone(&sa);
+        thread::spawn(move || sa.recv(&mut [0u8; 10]).map_err(|e| e.kind()))
+    };
+    drop(_sb);
+    // "Kill" the peer daemon: its transport goes away, closing the control
+    // connection and the fabric.
+    drop(b);
+    let r = reader.join().unwrap();
+    assert_eq!(r, Err(ErrorKind::ConnectionReset), "got {r:?}");
+    assert_eq!(
+        sa.send(b"x").unwrap_err().kind(),
+        ErrorKind::ConnectionReset
+    );
+    eventually("link counted as down", || a.stats().links_up == 0);
+    let e = a.open(b_addr, key(8)).map(|_| ()).unwrap_err();
+    assert!(
+        matches!(
+            e.kind(),
+            ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset
+        ),
+        "{e}"
+    );
+    // The peer comes back on the same port: opens work again.
+    let b2 = Arc::new(MemTransport::start(MemProvider, b_addr, opts.clone()).unwrap());
+    let s = a.open(b_addr, key(9)).unwrap();
+    let (k, t) = b2.accept().unwrap();
+    assert_eq!(k, key(9));
+    s.send(b"back").unwrap();
+    let mut buf = [0u8; 4];
+    assert_eq!(t.recv(&mut buf).unwrap(), 4);
+}
+
+#[test]
+fn a_fabric_failure_resets_every_stream_of_that_peer() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let streams: Vec<_> = (10..14)
+        .map(|i| a.open(b.local_addr(), key(i)).unwrap())
+        .collect();
+    let accepted: Vec<_> = (0..4).map(|_| b.accept().unwrap().1).collect();
+    assert!(a.fail_link(b.local_addr(), "simulated QP error"));
+    for s in &streams {
+        assert_eq!(s.send(b"x").unwrap_err().kind(), ErrorKind::ConnectionReset);
+    }
+    let mut buf = [0u8; 4];
+    for t in &accepted {
+        assert_eq!(
+            t.recv(&mut buf).unwrap_err().kind(),
+            ErrorKind::ConnectionReset
+        );
+    }
+    // A new link is made for the next open.
+    let s = a.open(b.local_addr(), key(20)).unwrap();
+    let (_, t) = b.accept().unwrap();
+    s.send(b"new!").unwrap();
+    assert_eq!(t.recv(&mut buf).unwrap(), 4);
+}
+
+#[test]
+fn garbage_on_the_lane_port_is_refused_and_the_listener_keeps_working() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    for junk in [
+        &b"GET / HTTP/1.1\r\n\r\n"[..],
+        &[0xff, 0xff, 0xff, 0x7f][..],
+        b"",
+    ] {
+        let mut c = TcpStream::connect(b.local_addr()).unwrap();
+        c.write_all(junk).unwrap();
+        drop(c);
+    }
+    let s = a.open(b.local_addr(), key(30)).unwrap();
+    let (_, t) = b.accept().unwrap();
+    s.send(b"fine").unwrap();
+    let mut buf = [0u8; 4];
+    assert_eq!(t.recv(&mut buf).unwrap(), 4);
+    assert_eq!(b.stats().links_up, 1);
+}
+
+#[test]
+fn idle_links_stay_up_on_keepalives() {
+    let opts = RdmaOptions {
+        keepalive: Duration::from_millis(50),
+        dead_after: Duration::from_millis(600),
+        ..small_opts()
+    };
+    let (a, b) = (start(&opts), start(&opts));
+    let s = a.open(b.local_addr(), key(40)).unwrap();
+    let (_, t) = b.accept().unwrap();
+    thread::sleep(Duration::from_millis(2000));
+    s.send(b"still here").unwrap();
+    let mut buf = [0u8; 10];
+    assert_eq!(t.recv(&mut buf).unwrap(), 10);
+    assert!(
+        a.stats().messages_sent > 10,
+        "pings were sent: {:?}",
+        a.stats()
+    );
+}
+
+#[test]
+fn bad_options_are_refused() {
+    for o in [
+        RdmaOptions {
+            slots: 6,
+            ..RdmaOptions::default()
+        },
+        RdmaOptions {
+            slots: 2,
+            ..RdmaOptions::default()
+        },
+        RdmaOptions {
+            slot_size: 40,
+            ..RdmaOptions::default()
+        },
+        RdmaOptions {
+            stream_window: 0,
+            ..RdmaOptions::default()
+        },
+    ] {
+        let e = MemTransport::start(MemProvider, "127.0.0.1:0".parse().unwrap(), o)
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    }
+}
