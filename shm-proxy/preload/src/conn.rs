@@ -87,6 +87,23 @@ pub struct Conn {
     pub app_nodelay: std::sync::atomic::AtomicI32,
     pub app_cork: std::sync::atomic::AtomicI32,
     spinner: crate::spin::Spinner,
+    /// Hand-off counters (logged at close with FLOWLANE_LOG=debug).
+    pub counts: Counts,
+}
+
+/// How often the two ends handed off through the kernel: the cost the
+/// lane tries to keep per megabyte, not per message.
+#[derive(Default)]
+pub struct Counts {
+    pub read_sleeps: AtomicU64,
+    pub write_sleeps: AtomicU64,
+    pub spins_won: AtomicU64,
+    pub spins_lost: AtomicU64,
+    pub bells: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -148,6 +165,7 @@ impl Conn {
             app_nodelay: std::sync::atomic::AtomicI32::new(0),
             app_cork: std::sync::atomic::AtomicI32::new(0),
             spinner: crate::spin::Spinner::new(),
+            counts: Counts::default(),
         })
     }
 
@@ -197,6 +215,7 @@ impl Conn {
 
     /// Sends one doorbell byte on the TCP socket.
     pub fn ring_bell(&self, fd: c_int) {
+        bump(&self.counts.bells);
         let b = 0u8;
         // SAFETY: one byte from a local.
         unsafe {
@@ -263,7 +282,13 @@ impl Conn {
 
     /// Spins up to the configured budget until `ready()`; true if it became ready.
     fn spin(&self, ready: impl FnMut() -> bool) -> bool {
-        self.spinner.spin(ready)
+        let won = self.spinner.spin(ready);
+        bump(if won {
+            &self.counts.spins_won
+        } else {
+            &self.counts.spins_lost
+        });
+        won
     }
 
     fn peer_closed(&self) -> bool {
@@ -435,6 +460,7 @@ impl Conn {
                     if self.spin(|| probe.rx_state() != ReadState::Empty) {
                         continue;
                     }
+                    bump(&self.counts.read_sleeps);
                     rx.wait_data(FUTEX_SLICE_MS);
                     if rx.state() == ReadState::Empty {
                         self.check_tcp(fd);
@@ -509,6 +535,7 @@ impl Conn {
             if self.spin(|| probe.tx_free() > 0 || probe.tx_peer_gone()) {
                 continue;
             }
+            bump(&self.counts.write_sleeps);
             tx.wait_room(FUTEX_SLICE_MS);
             if tx.free() == 0 {
                 self.check_tcp(fd);
@@ -665,6 +692,20 @@ impl Conn {
     /// precisely (write side closed, read side gone) and drain doorbells so
     /// the kernel closes with FIN rather than RST.
     pub fn finish(&self, fd: c_int) {
+        let c = &self.counts;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        crate::log::log_at!(
+            4,
+            "channel {}: sent {} received {}; sleeps read {} write {}; spins won {} lost {}; doorbells {}",
+            self.id,
+            n(&self.sent),
+            n(&self.received),
+            n(&c.read_sleeps),
+            n(&c.write_sleeps),
+            n(&c.spins_won),
+            n(&c.spins_lost),
+            n(&c.bells)
+        );
         if self.fork_gen != crate::state::FORK_GEN.load(Ordering::Relaxed) {
             return; // other processes may still use the socket: the kernel decides
         }

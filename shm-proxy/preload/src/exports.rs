@@ -98,6 +98,22 @@ fn efault() -> ssize_t {
     -1
 }
 
+/// One-buffer receive (read/recv/recvfrom): no allocation on the hot path.
+fn conn_recv1(c: &Conn, fd: c_int, buf: Option<&mut [u8]>, flags: c_int) -> ssize_t {
+    match buf {
+        Some(b) => ret(c.recv(fd, &mut [b], flags), flags, false),
+        None => efault(),
+    }
+}
+
+/// One-buffer send (write/send/sendto): no allocation on the hot path.
+fn conn_send1(c: &Conn, fd: c_int, buf: Option<&[u8]>, flags: c_int) -> ssize_t {
+    match buf {
+        Some(b) => ret(c.send(fd, &[IoSlice::new(b)], flags), flags, true),
+        None => efault(),
+    }
+}
+
 fn conn_recv(c: &Conn, fd: c_int, bufs: Option<Vec<&mut [u8]>>, flags: c_int) -> ssize_t {
     match bufs {
         Some(mut b) => ret(c.recv(fd, &mut b, flags), flags, false),
@@ -138,7 +154,7 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t
     }
     guard(|| match active(fd, 0) {
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        Some(c) => conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), 0),
+        Some(c) => conn_recv1(&c, fd, unsafe { buf_mut(buf, n) }, 0),
         None => unsafe { real::read(fd, buf, n) },
     })
 }
@@ -165,7 +181,7 @@ pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_i
     }
     guard(|| match active(fd, flags) {
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        Some(c) => conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), flags),
+        Some(c) => conn_recv1(&c, fd, unsafe { buf_mut(buf, n) }, flags),
         None => unsafe { real::recv(fd, buf, n, flags) },
     })
 }
@@ -201,7 +217,7 @@ pub unsafe extern "C" fn recvfrom(
     guard(|| match active(fd, flags) {
         Some(c) => {
             // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            let r = conn_recv(&c, fd, unsafe { buf_mut(buf, n) }.map(|b| vec![b]), flags);
+            let r = conn_recv1(&c, fd, unsafe { buf_mut(buf, n) }, flags);
             if r >= 0 && !len.is_null() {
                 // TCP does not report a source address.
                 // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
@@ -283,11 +299,11 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
         return unsafe { real::write(fd, buf, n) };
     }
     guard(|| match active(fd, 0) {
-        Some(c) => conn_send(
+        Some(c) => conn_send1(
             &c,
             fd,
             // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]),
+            unsafe { buf_ref(buf, n) },
             0,
         ),
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
@@ -302,11 +318,11 @@ pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c
         return unsafe { real::send(fd, buf, n, flags) };
     }
     guard(|| match active(fd, flags) {
-        Some(c) => conn_send(
+        Some(c) => conn_send1(
             &c,
             fd,
             // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]),
+            unsafe { buf_ref(buf, n) },
             flags,
         ),
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
@@ -329,11 +345,11 @@ pub unsafe extern "C" fn sendto(
     }
     guard(|| match active(fd, flags) {
         // A connected TCP socket ignores the address.
-        Some(c) => conn_send(
+        Some(c) => conn_send1(
             &c,
             fd,
             // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            unsafe { buf_ref(buf, n) }.map(|b| vec![IoSlice::new(b)]),
+            unsafe { buf_ref(buf, n) },
             flags,
         ),
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
