@@ -4,8 +4,9 @@
 //!   view (`<state-dir>/daemon/nodes.json`) lists the table, finds this
 //!   node by `--node-name`, shows RDMA discovery on a fake sysfs tree, and
 //!   follows edits of the file (also a broken one, and its repair);
-//! - with `--kubernetes` against a local fake API server (plain HTTP on
-//!   127.0.0.1, the only fake: Kubernetes cannot run here) that answers
+//! - with `--kubernetes` against a local fake API server (HTTPS on
+//!   127.0.0.1 with a throwaway CA named in the kubeconfig, as a real
+//!   cluster's; the only fake: Kubernetes cannot run here) that answers
 //!   with responses in the API server's format and applies merge patches to
 //!   its Node objects: the daemon lists the Nodes, publishes its RDMA lane
 //!   (GID, device, lane port) by a JSON merge patch of the
@@ -276,7 +277,8 @@ fn a_view_needs_this_nodes_name() {
 }
 
 // ---------------------------------------------------------------------
-// A fake Kubernetes API server: HTTP/1.1 on 127.0.0.1, one request per
+// A fake Kubernetes API server: HTTP/1.1 over TLS on 127.0.0.1 (a
+// certificate for the IP, signed by a throwaway CA), one request per
 // connection (it answers `Connection: close`), Node objects held in memory.
 
 /// One request the fake received.
@@ -303,6 +305,8 @@ struct ApiState {
 
 struct FakeApi {
     addr: SocketAddr,
+    /// The CA that signed the server's certificate (PEM).
+    ca_pem: String,
     state: Arc<Mutex<ApiState>>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -335,6 +339,7 @@ fn merge_patch(target: &mut Value, patch: &Value) {
 
 impl FakeApi {
     fn start(nodes: Vec<Value>) -> FakeApi {
+        let (tls, ca_pem) = tls_config();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(Mutex::new(ApiState {
@@ -351,14 +356,20 @@ impl FakeApi {
                     }
                     let Ok(conn) = conn else { continue };
                     let state = state.clone();
+                    let tls = tls.clone();
                     std::thread::spawn(move || {
-                        let _ = serve_one(conn, &state);
+                        let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+                        let Ok(server) = rustls::ServerConnection::new(tls) else {
+                            return;
+                        };
+                        let _ = serve_one(rustls::StreamOwned::new(server, conn), &state);
                     });
                 }
             })
         };
         FakeApi {
             addr,
+            ca_pem,
             state,
             stop,
             thread: Some(thread),
@@ -387,13 +398,16 @@ impl FakeApi {
 
     fn kubeconfig(&self, dir: &TempDir) -> PathBuf {
         let path = dir.join("kubeconfig");
+        let ca = dir.join("ca.pem");
+        std::fs::write(&ca, &self.ca_pem).unwrap();
         std::fs::write(
             &path,
             format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{}\n\
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: https://{}\n    certificate-authority: {}\n\
                  contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: flowlane-node\n\
                  current-context: fake\nusers:\n- name: flowlane-node\n  user:\n    token: kb-test-token\n",
-                self.addr
+                self.addr,
+                ca.display()
             ),
         )
         .unwrap();
@@ -411,9 +425,43 @@ impl Drop for FakeApi {
     }
 }
 
-fn serve_one(conn: TcpStream, state: &Mutex<ApiState>) -> std::io::Result<()> {
-    conn.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let mut reader = BufReader::new(conn.try_clone()?);
+/// A server certificate for 127.0.0.1 signed by a fresh CA: the TLS
+/// config and the CA's PEM (for the kubeconfig).
+fn tls_config() -> (Arc<rustls::ServerConfig>, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "kb fake apiserver CA");
+    ca_params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca, &ca_key)
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .unwrap();
+    (Arc::new(config), ca.pem())
+}
+
+fn serve_one(
+    conn: rustls::StreamOwned<rustls::ServerConnection, TcpStream>,
+    state: &Mutex<ApiState>,
+) -> std::io::Result<()> {
+    let mut reader = BufReader::new(conn);
     let mut line = String::new();
     if reader.read_line(&mut line)? == 0 {
         return Ok(());
@@ -478,13 +526,14 @@ fn serve_one(conn: TcpStream, state: &Mutex<ApiState>) -> std::io::Result<()> {
         404 => "Not Found",
         _ => "Internal Server Error",
     };
-    let mut out = conn;
+    let out = reader.get_mut();
     write!(
         out,
         "HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     )?;
     out.write_all(&body)?;
+    out.conn.send_close_notify();
     out.flush()
 }
 
@@ -842,4 +891,53 @@ fn cluster_up_gives_each_daemon_the_node_table_and_its_name() {
         assert_eq!(view["rdma"]["lane"], Value::Null);
         assert!(view["rdma"]["noLane"].is_string(), "{view}");
     }
+}
+
+#[test]
+fn an_api_server_with_another_ca_is_refused_and_the_daemon_keeps_serving() {
+    let api = FakeApi::start(vec![node_object(
+        "kb-x",
+        &["10.172.9.0/24"],
+        "192.0.2.1",
+        None,
+    )]);
+    let tmp = TempDir::new("kbca");
+    let kubeconfig = api.kubeconfig(&tmp);
+    // The kubeconfig names a CA that did not sign the server's certificate.
+    let (_, other_ca) = tls_config();
+    std::fs::write(tmp.join("ca.pem"), other_ca).unwrap();
+    let args: Vec<String> = [
+        "--kubernetes",
+        "--node-name",
+        "kb-x",
+        "--sysfs-root",
+        fixture_tree("rxe").to_str().unwrap(),
+        "--nodes-refresh",
+        "0.3",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut d = Daemon::start(
+        "kbca1",
+        &args,
+        &[("KUBECONFIG", kubeconfig.display().to_string())],
+    );
+    let v = d.wait_view("the refused list", |v| v["error"].is_string());
+    assert!(nodes_of(&v).is_empty(), "{v}");
+    assert!(
+        v["publish"].as_str().unwrap_or("").starts_with("skipped"),
+        "{v}"
+    );
+    assert!(d.log().contains("node table refresh failed"), "{}", d.log());
+    assert!(
+        d.log().contains("invalid peer certificate"),
+        "the log says why the connection failed: {}",
+        d.log()
+    );
+    assert!(d.alive());
+    assert!(
+        api.seen().is_empty(),
+        "no request got through TLS: {:?}",
+        api.seen()
+    );
 }

@@ -65,8 +65,25 @@ fn api_error(what: &str, e: kube::Error) -> TopologyError {
                 r.message, r.code, r.reason
             ))
         }
-        _ => TopologyError::Kubernetes(format!("{what}: {e}")),
+        _ => TopologyError::Kubernetes(format!("{what}: {}", with_causes(&e))),
     }
+}
+
+/// An error and its sources, `a: b: c`: kube's transport errors say only
+/// "client error (Connect)" at the top, the reason (refused, certificate
+/// not trusted, DNS) is further down the chain.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let s = c.to_string();
+        if !out.contains(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+        cur = c.source();
+    }
+    out
 }
 
 /// Lists all Nodes and builds the node table (one request).
