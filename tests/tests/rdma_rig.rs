@@ -13,13 +13,18 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(60);
 
 /// Both nodes made flowlane nodes once per binary (flowlaned + CNI config).
-/// Each daemon serves its metrics on its own underlay address: `$RIG_ADDR`
-/// expands per guest.
+/// Each daemon reads the rig's node table and serves its metrics on its own
+/// underlay address (`$RIG_ADDR` expands per guest).
 fn nodes_up(rig: &RdmaRig) {
     static UP: OnceLock<Result<(), String>> = OnceLock::new();
     UP.get_or_init(|| {
-        rig.nodes_up(&["--metrics-addr", "$RIG_ADDR:9464"])
-            .map_err(|e| format!("{e:#}"))
+        rig.nodes_up(&[
+            "--nodes-file",
+            "/etc/flowlane/nodes.json",
+            "--metrics-addr",
+            "$RIG_ADDR:9464",
+        ])
+        .map_err(|e| format!("{e:#}"))
     })
     .as_ref()
     .expect("node-up.sh on both guests");
@@ -118,6 +123,24 @@ fn rxe_port_is_active_with_an_ipv4_roce_v2_gid_and_diag_reports_it() {
         let stats = rig.daemon_stats(node).expect("flowlaned answers");
         assert_eq!(stats.daemon.socket, "/run/flowlane/flowlaned.sock");
         assert_eq!(stats.daemon.state_dir, "/var/lib/flowlane");
+        // The daemon's own discovery (its cross-node view, refreshed from
+        // sysfs) found the same lane on this node.
+        let view = rig
+            .run_ok(
+                node,
+                "for _ in $(seq 1 100); do [ -s /var/lib/flowlane/daemon/nodes.json ] && break; sleep 0.2; done
+                 cat /var/lib/flowlane/daemon/nodes.json",
+                T,
+            )
+            .stdout;
+        let view = json(&view, "flowlaned's node view");
+        assert_eq!(view["node"], format!("node{node}"), "{view}");
+        assert_eq!(view["rdma"]["lane"]["device"], "rxe0", "{view}");
+        assert_eq!(
+            view["rdma"]["lane"]["gid"],
+            format!("::ffff:{addr}"),
+            "{view}"
+        );
         // The node's daemon runs with the arguments nodes_up gave it, and the
         // other node reaches it over the underlay.
         let metrics = rig

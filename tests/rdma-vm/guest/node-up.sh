@@ -6,7 +6,8 @@
 #   /opt/cni/bin/flowlane                 -> $FLOWLANE_BIN_DIR/flowlane
 #   /etc/flowlane/nodes.json              the two-node table (podCIDRs, underlay, rdma, lanePort)
 #   /var/lib/flowlane                     state dir (pod registry), IPAM in /var/lib/flowlane/ipam
-#   /run/flowlane/flowlaned.sock          flowlaned's socket; its pid in /run/flowlane/flowlaned.pid
+#   /run/flowlane/flowlaned.sock          flowlaned's socket; its pid in /run/flowlane/flowlaned.pid;
+#                                         NODE_NAME=node<N> in its environment (its name in nodes.json)
 #   $RIG_NODE_DIR/logs/flowlaned.log      the daemon's log (readable on the host)
 # Run as a rig job (the agent exports RIG_*). Environment:
 #   FLOWLANE_BIN_DIR  (required) the host's <target>/release, same path in the guest
@@ -89,7 +90,7 @@ fi
 
 # setsid: the daemon outlives this job (and its timeout's process group).
 eval "extra=(${FLOWLANED_ARGS:-})"
-FLOWLANE_LOG=${FLOWLANE_LOG:-info} setsid "$BIN/flowlaned" --state-dir "$STATE" --socket "$SOCK" "${extra[@]}" \
+NO_COLOR=1 NODE_NAME=node$RIG_NODE FLOWLANE_LOG=${FLOWLANE_LOG:-info} setsid "$BIN/flowlaned" --state-dir "$STATE" --socket "$SOCK" "${extra[@]}" \
   >>"$RIG_NODE_DIR/logs/flowlaned.log" 2>&1 </dev/null &
 pid=$!
 echo "$pid" > "$RUNDIR/flowlaned.pid"
