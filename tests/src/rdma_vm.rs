@@ -254,7 +254,11 @@ impl RdmaRig {
             down: AtomicBool::new(false),
         };
         rig.start_guests(cfg, &artifacts)?;
-        rig.wait_ready(cfg.boot_timeout)?;
+        if let Err(e) = rig.wait_ready(cfg.boot_timeout) {
+            // Dropping the rig kills the guests; keep their consoles and logs.
+            rig.keep.store(true, Ordering::Release);
+            return Err(e.context(format!("run dir kept: {}", rig.run_dir.display())));
+        }
         rig.boot_time = started.elapsed();
         Ok(rig)
     }
