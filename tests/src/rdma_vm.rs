@@ -748,3 +748,71 @@ fn tail(s: &str, lines: usize) -> String {
     let all: Vec<&str> = s.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What bash makes of `words` (one word per line).
+    fn bash_words(words: &str) -> Vec<String> {
+        let out = Command::new("bash")
+            .arg("-c")
+            .arg(format!("for w in {words}; do echo \"$w\"; done"))
+            .env("RIG_ADDR", "192.168.47.1")
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn quoted_words_reach_bash_intact() {
+        let tricky = [
+            "a b",
+            "it's",
+            "$HOME",
+            "\"q\"",
+            "back\\slash",
+            "`date`",
+            "*",
+        ];
+        let quoted: Vec<String> = tricky.iter().map(|w| shell_quote(w)).collect();
+        assert_eq!(bash_words(&quoted.join(" ")), tricky);
+    }
+
+    #[test]
+    fn expanding_quotes_expand_variables_and_nothing_else() {
+        let args = [
+            "--lane-listen",
+            "$RIG_ADDR:7471",
+            "a b",
+            "`date`",
+            "\"q\"",
+            "*",
+        ];
+        let quoted: Vec<String> = args.iter().map(|a| shell_quote_expanding(a)).collect();
+        assert_eq!(
+            bash_words(&quoted.join(" ")),
+            [
+                "--lane-listen",
+                "192.168.47.1:7471",
+                "a b",
+                "`date`",
+                "\"q\"",
+                "*"
+            ]
+        );
+    }
+
+    #[test]
+    fn node_numbering() {
+        assert_eq!(underlay_addr(2), Ipv4Addr::new(192, 168, 47, 2));
+        assert_eq!(pod_cidr(1), "10.47.1.0/24");
+        assert_eq!(peer(1), 2);
+        assert_eq!(peer(2), 1);
+        assert!(std::panic::catch_unwind(|| peer(3)).is_err());
+    }
+}
