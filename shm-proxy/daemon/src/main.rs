@@ -145,7 +145,27 @@ fn start_relay(
             relay::tcp_test::TcpTestTransport::bind(listen)
                 .with_context(|| format!("listening for lane streams on {listen}"))?,
         ),
-        other => anyhow::bail!("--lane-transport {other}: unknown (tcp-test)"),
+        "rdma" => {
+            // The device and GID discovery chose (else this node's entry in
+            // the node table).
+            let lane = nodes
+                .local_rdma()
+                .or_else(|| nodes.this_node().and_then(|n| n.rdma))
+                .context("--lane-transport rdma: this node has no RDMA lane (no active port with a usable GID)")?;
+            let provider =
+                flowlane_rdma::transport::VerbsProvider::from_lane(&lane).with_context(|| {
+                    format!("opening RDMA device {} port {}", lane.device, lane.port)
+                })?;
+            Arc::new(
+                flowlane_rdma::RdmaTransport::start(
+                    provider,
+                    listen,
+                    flowlane_rdma::RdmaOptions::default(),
+                )
+                .with_context(|| format!("starting the RDMA lane on {listen}"))?,
+            )
+        }
+        other => anyhow::bail!("--lane-transport {other}: unknown (tcp-test, rdma)"),
     };
     let router = relay::route::Router::new(nodes, transport.name() == "rdma");
     let name = transport.name();

@@ -131,7 +131,6 @@ impl Nodes {
 
     /// This node's RDMA lane as discovery found it at the last refresh
     /// (the GID selected for this node's address), `None` without one.
-    #[allow(dead_code)] // for the relay's RDMA transport (opens the device of this lane)
     pub fn local_rdma(&self) -> Option<RdmaLane> {
         self.local
             .read()
@@ -141,7 +140,6 @@ impl Nodes {
     }
 
     /// This node's entry in the current node table, if listed.
-    #[allow(dead_code)] // for the relay's RDMA transport
     pub fn this_node(&self) -> Option<NodeEntry> {
         self.directory.view().ok()?.node(&self.node_name).cloned()
     }
