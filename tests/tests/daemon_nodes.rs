@@ -106,6 +106,17 @@ impl Daemon {
         )
     }
 
+    /// `flowlane status --json` against this daemon.
+    fn status_json(&self) -> Value {
+        let out = Command::new(workspace_artifact("flowlane"))
+            .args(["status", "--json", "--socket"])
+            .arg(self.dir.join("flowlaned.sock"))
+            .output()
+            .expect("run flowlane status");
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout).expect("status --json")
+    }
+
     fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("flowlaned.log")).unwrap_or_default()
     }
@@ -207,6 +218,11 @@ fn nodes_file_view_follows_the_file() {
     assert_eq!(v["rdma"]["devices"], json!(["rxe0"]));
     assert_eq!(v["rdma"]["lane"], rxe_lane("192.0.2.1"), "{v}");
     assert_eq!(v["rdma"]["noLane"], Value::Null);
+    // The same view through the daemon's socket.
+    let st = d.status_json();
+    assert_eq!(st["nodes"]["node"], "kb-n1", "{st}");
+    assert_eq!(nodes_of(&st["nodes"]), nodes_of(&v));
+    assert_eq!(st["nodes"]["rdma"], v["rdma"]);
 
     // A node joins and another gets a lane port: the daemon follows.
     std::fs::write(
@@ -223,6 +239,10 @@ fn nodes_file_view_follows_the_file() {
     )
     .unwrap();
     let v = d.wait_view("the joined node", |v| nodes_of(v).len() == 3);
+    assert!(
+        wait::until(LIVENESS, || nodes_of(&d.status_json()["nodes"]).len() == 3),
+        "status follows the file"
+    );
     let n = nodes_of(&v);
     assert_eq!(n["kb-n2"]["lanePort"], 7402);
     assert_eq!(

@@ -174,10 +174,15 @@ pub struct Broker {
     started: Instant,
     /// The cross-node relay's lane counters (`relay/`), when it runs.
     relay_stats: Option<RelayStatsFn>,
+    /// The cross-node view (`nodes.rs`) for stats answers, when it runs.
+    nodes_view: Option<NodesViewFn>,
 }
 
 /// Reports the relay lane's name and counters for stats answers.
 pub type RelayStatsFn = Box<dyn Fn() -> (String, LaneStats) + Send>;
+
+/// Reports the cross-node view (JSON) for stats answers.
+pub type NodesViewFn = Box<dyn Fn() -> serde_json::Value + Send>;
 
 impl Broker {
     /// A broker for the node whose registry lives in `facts.state_dir`;
@@ -207,6 +212,7 @@ impl Broker {
             facts,
             started: Instant::now(),
             relay_stats: None,
+            nodes_view: None,
         };
         b.reload_registry();
         let mut restored = 0;
@@ -334,6 +340,11 @@ impl Broker {
     /// Lets stats answers include the relay lane's counters.
     pub fn set_relay_stats(&mut self, f: RelayStatsFn) {
         self.relay_stats = Some(f);
+    }
+
+    /// Lets stats answers include the cross-node view.
+    pub fn set_nodes_view(&mut self, f: NodesViewFn) {
+        self.nodes_view = Some(f);
     }
 
     /// A fresh channel id (the relay's connections share the id space).
@@ -1047,6 +1058,7 @@ impl Broker {
                 .collect(),
             connections,
             listeners,
+            nodes: self.nodes_view.as_ref().map(|f| f()),
         }
     }
 }

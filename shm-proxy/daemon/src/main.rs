@@ -202,6 +202,12 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         args.lane_listen.map(|a| a.port()),
     )
     .await?;
+    if let Some(n) = &nodes {
+        let n = n.clone();
+        shared
+            .lock()
+            .set_nodes_view(Box::new(move || n.view_json()));
+    }
     let relay = start_relay(&args, &shared, nodes.clone())?;
     let listener = server::bind(&args.socket)?;
     tracing::info!(

@@ -115,6 +115,9 @@ pub struct Nodes {
     source: Source,
     directory: Arc<dyn NodeDirectory>,
     local: RwLock<LocalRdma>,
+    /// The last round's view, as `<state-dir>/daemon/nodes.json` holds it
+    /// (for stats answers: `flowlane status --json`).
+    last_view: RwLock<serde_json::Value>,
 }
 
 impl Nodes {
@@ -142,6 +145,15 @@ impl Nodes {
     /// This node's entry in the current node table, if listed.
     pub fn this_node(&self) -> Option<NodeEntry> {
         self.directory.view().ok()?.node(&self.node_name).cloned()
+    }
+
+    /// The last round's view (JSON, as in `<state-dir>/daemon/nodes.json`);
+    /// `null` before the first round.
+    pub fn view_json(&self) -> serde_json::Value {
+        self.last_view
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
@@ -203,6 +215,7 @@ pub async fn start(
         source,
         directory,
         local: RwLock::new(LocalRdma::default()),
+        last_view: RwLock::new(serde_json::Value::Null),
     });
     tracing::info!(
         node = %nodes.node_name,
@@ -344,6 +357,12 @@ impl Refresher {
             error,
             nodes: view.nodes(),
         };
+        let json = serde_json::to_value(&status).unwrap_or_default();
+        *self
+            .nodes
+            .last_view
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = json;
         if let Err(e) = write_atomically(&self.status_file, &status) {
             tracing::debug!(file = %self.status_file.display(), error = %e, "cannot write the node view");
         }

@@ -274,6 +274,12 @@ pub struct Stats {
     /// request to answer (socket I/O excluded; absent in older daemons).
     #[serde(default)]
     pub request_handling: LatencyHistogram,
+    /// The daemon's cross-node view (which node owns which pod CIDR, this
+    /// node's RDMA lane, what it published), as `<state-dir>/daemon/nodes.json`
+    /// holds it; absent when the daemon runs without one (no
+    /// `--nodes-file`/`--kubernetes`) and in older daemons.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<serde_json::Value>,
 }
 
 /// Upper bounds (nanoseconds) of the latency buckets the daemon uses:
