@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use flowlane_e2e::shm::{build_dir, preload_lib, run_ok, Bg};
-use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PYTHON};
+use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PYTHON, SEMANTICS};
 use flowlane_lane::client::DaemonClient;
 use flowlane_lane::proto::Stats;
 
@@ -478,6 +478,56 @@ fn relay_carries_checksummed_echo_both_ways_between_nodes() {
         assert!(relay.bytes >= 5 * 2 * bytes, "{}: {st:?}", node.name);
         assert_eq!(st.lanes["shm"].connections_opened, 0);
         eprintln!("{}: relay lane {relay:?}", node.name);
+    }
+}
+
+/// The shared-memory lane's socket-semantics cases, run across nodes
+/// through the relay: MSG_PEEK/WAITALL/DONTWAIT, FIONREAD and socket names;
+/// poll, select and edge-triggered epoll readiness; a pre-fork server
+/// accepting in children; dup2; non-blocking connect and I/O; splice.
+/// Each case checks what a TCP program expects at both ends.
+#[test]
+fn socket_semantics_hold_across_the_relay() {
+    let _g = serial();
+    let c = Cluster::new(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let ip = b.ip.to_string();
+    let mut expected = 0;
+    for (i, (case, conns)) in [
+        ("flags", 1),
+        ("waits", 1),
+        ("prefork", 4),
+        ("dup2", 1),
+        ("nonblocking", 1),
+        ("splice", 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let port = 7581 + i as u16;
+        let p = port.to_string();
+        let srv = Bg::spawn(n1.cmd(b, true, &[PYTHON, "-c", SEMANTICS, "server", &p, case]));
+        wait_listening(b, port);
+        let out = run_ok(
+            n0.cmd(a, true, &[PYTHON, "-c", SEMANTICS, "client", &ip, &p, case]),
+            T,
+            case,
+        );
+        assert!(out.contains(&format!("ok {case}")), "{out}\n{}", c.logs());
+        let (st, sout, serr) = srv.finish(T);
+        assert!(
+            st.is_some_and(|s| s.success()),
+            "server {case}: {sout} {serr}\n{}",
+            c.logs()
+        );
+        expected += conns;
+        assert_eq!(
+            n0.relay().0,
+            expected,
+            "{case}: connections carried by the relay\n{}",
+            c.logs()
+        );
     }
 }
 

@@ -153,3 +153,142 @@ fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
     let _ = rig.del_pod(1, "rrcli");
     let _ = rig.del_pod(2, "rrsrv");
 }
+
+/// The project's ring all-reduce (2 ranks, one pod per node; every sum is
+/// checked by the workers) over the RDMA relay.
+#[test]
+fn ring_allreduce_across_nodes_over_the_rdma_relay() {
+    let Some(rig) = rdma_vm::shared() else { return };
+    let rig = rig.lock();
+    relay_nodes_up(&rig);
+    let ip1 = rig.add_pod(1, "rrar0").expect("rank 0 pod on node1");
+    let ip2 = rig.add_pod(2, "rrar1").expect("rank 1 pod on node2");
+    let before = rdma_lane(&rig, 1).0;
+    let worker = |rank: u32, me: std::net::Ipv4Addr, next: std::net::Ipv4Addr, pod: &str| {
+        format!(
+            "pod-exec.sh --lane {pod} $FLOWLANE_BIN_DIR/flowlane-train allreduce-worker \
+             --listen {me}:7621 --next {next}:7621 --rank {rank} --workers 2 \
+             --elements 262144 --steps 5 --warmup 1 --start-delay-ms 2000"
+        )
+    };
+    let r1 = rig
+        .spawn(2, &worker(1, ip2, ip1, "rrar1"), T)
+        .expect("rank 1");
+    let r0 = rig
+        .run(1, &worker(0, ip1, ip2, "rrar0"), T)
+        .expect("rank 0 ran");
+    let r1 = r1.wait().expect("rank 1 ran");
+    for r in [&r0, &r1] {
+        assert!(
+            r.success() && r.stdout.contains("allreduce-worker"),
+            "all-reduce rank on node{}: {}{}\n{}",
+            r.node,
+            r.stdout,
+            r.stderr,
+            logs(&rig)
+        );
+    }
+    let v: Value = serde_json::from_str(r0.stdout.trim().lines().last().unwrap()).unwrap();
+    eprintln!(
+        "ring all-reduce over the RDMA relay: {} B tensor, {} steps in {:.2} s",
+        v["tensor_bytes"], v["steps"], v["wall_s"]
+    );
+    assert!(
+        rdma_lane(&rig, 1).0 >= before + 2,
+        "the ring's connections did not use the RDMA relay\n{}",
+        logs(&rig)
+    );
+    let _ = rig.del_pod(1, "rrar0");
+    let _ = rig.del_pod(2, "rrar1");
+}
+
+/// `peer_kill.py server PORT` reads until EOF/error; `peer_kill.py client
+/// IP PORT` writes until an error. Each prints how it ended.
+const PEER_KILL: &str = r#"
+import socket, sys, time
+if sys.argv[1] == "server":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(('0.0.0.0', int(sys.argv[2]))); s.listen(8)
+    c, _ = s.accept(); print("accepted", flush=True); n = 0
+    try:
+        while True:
+            d = c.recv(65536)
+            if not d:
+                print("ended eof", n, flush=True); break
+            n += len(d)
+    except OSError as e:
+        print("ended", type(e).__name__, n, flush=True)
+else:
+    c = socket.create_connection((sys.argv[2], int(sys.argv[3])))
+    print("connected", flush=True); buf = b"x" * 65536; n = 0
+    try:
+        while True:
+            c.sendall(buf); n += len(buf)
+    except OSError as e:
+        print("ended", type(e).__name__, n, flush=True)
+"#;
+
+/// The server node's daemon killed mid-stream over the RDMA relay: both
+/// pods see their connection end (error or EOF), neither hangs.
+#[test]
+fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
+    let Some(rig) = rdma_vm::shared() else { return };
+    let rig = rig.lock();
+    relay_nodes_up(&rig);
+    rig.add_pod(1, "rrkcli").expect("client pod on node1");
+    let srv_ip = rig.add_pod(2, "rrksrv").expect("server pod on node2");
+    let before = rdma_lane(&rig, 1).0;
+    let quoted = shell_quote(PEER_KILL);
+    let server = rig
+        .spawn(
+            2,
+            &format!("pod-exec.sh --lane rrksrv python3 -c {quoted} server 7631"),
+            Duration::from_secs(120),
+        )
+        .expect("server");
+    wait_listening(&rig, 2, "rrksrv", 7631);
+    let client = rig
+        .spawn(
+            1,
+            &format!("pod-exec.sh --lane rrkcli python3 -c {quoted} client {srv_ip} 7631"),
+            Duration::from_secs(120),
+        )
+        .expect("client");
+    // Bytes flow through the relay before the kill.
+    let t0 = std::time::Instant::now();
+    while rdma_lane(&rig, 1).0 <= before {
+        assert!(t0.elapsed() < Duration::from_secs(60), "{}", logs(&rig));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    rig.run_ok(2, "kill -9 $(cat /run/flowlane/flowlaned.pid)", T);
+    let killed = std::time::Instant::now();
+    let c = client.wait().expect("client job");
+    let s = server.wait().expect("server job");
+    eprintln!(
+        "daemon killed over RDMA: client {:?} / server {:?} after {:.1?}",
+        c.stdout.lines().last(),
+        s.stdout.lines().last(),
+        killed.elapsed()
+    );
+    assert!(
+        c.stdout.contains("ended"),
+        "the client hung or failed (exit {}): {}{}\n{}",
+        c.status,
+        c.stdout,
+        c.stderr,
+        logs(&rig)
+    );
+    assert!(
+        s.stdout.contains("ended"),
+        "the server hung or failed (exit {}): {}{}\n{}",
+        s.status,
+        s.stdout,
+        s.stderr,
+        logs(&rig)
+    );
+    // Restart the killed daemon for the other tests.
+    relay_nodes_up(&rig);
+    let _ = rig.del_pod(1, "rrkcli");
+    let _ = rig.del_pod(2, "rrksrv");
+}
