@@ -119,8 +119,9 @@ if [ ! -s "$INITRD" ]; then
   # Uncompressed: under TCG, decompressing in the guest costs more than reading a bigger file.
   (cd "$IRD" && find . | cpio -o -H newc --quiet) > "$INITRD.tmp" && mv "$INITRD.tmp" "$INITRD"
   rm -rf "$IRD"
-  # Older initramfs builds of this kernel are no longer used.
-  for old in "$CACHE/initramfs-$KVER-"*.cpio; do [ "$old" = "$INITRD" ] || rm -f "$old"; done
+  # Older initramfs builds of this kernel (another guest/init) are no longer used; leave the
+  # ones from the last hour to rigs of another checkout that may be booting right now.
+  find "$CACHE" -maxdepth 1 -name "initramfs-$KVER-*.cpio" ! -path "$INITRD" -mmin +60 -delete
 fi
 echo "KVER=$KVER"
 echo "KERNEL=$KERNEL"
