@@ -23,6 +23,9 @@ use super::stream::{RdmaStream, StreamShared};
 use super::wire::{self, Header, Kind, FLAG_CHECKSUM, FLAG_NEED_CREDIT, HEADER_LEN};
 use crate::lane_stream::{LaneStream, StreamKey};
 
+/// How often an idle poller wakes to notice a closed control connection.
+const PEER_CLOSED_CHECK: Duration = Duration::from_millis(100);
+
 pub(crate) type AcceptSender = mpsc::Sender<(StreamKey, Box<dyn LaneStream>)>;
 
 #[derive(Debug, Clone)]
@@ -92,6 +95,9 @@ pub(crate) struct Link {
     accept: AcceptSender,
     control: TcpStream,
     weak_self: std::sync::Weak<Link>,
+    /// Set by the control watcher when the peer's control connection
+    /// closed: the poller drains what already arrived, then fails the link.
+    peer_closed: Mutex<Option<String>>,
     pub(crate) stats: LinkStats,
 }
 
@@ -113,6 +119,7 @@ impl Link {
         let now = Instant::now();
         let link = Arc::new_cyclic(|weak_self| Link {
             weak_self: weak_self.clone(),
+            peer_closed: Mutex::new(None),
             peer,
             fabric,
             st: Mutex::new(LinkState {
@@ -241,6 +248,23 @@ impl Link {
         self.pump(&mut st);
     }
 
+    /// Waits until everything queued or posted has been delivered (the
+    /// peer's NIC acknowledged it), up to `timeout`: a graceful close.
+    pub(crate) fn drain(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.st.lock().unwrap();
+        while st.failed.is_none()
+            && (!st.outbox.is_empty() || st.credits.in_flight() > 0)
+            && Instant::now() < deadline
+        {
+            st = self
+                .can_post
+                .wait_timeout(st, Duration::from_millis(20))
+                .unwrap()
+                .0;
+        }
+    }
+
     pub(crate) fn forget(&self, id: u32) {
         self.streams.lock().unwrap().remove(&id);
     }
@@ -347,13 +371,22 @@ impl Link {
                 if st.credits.pending_return() > 0 {
                     self.cfg.idle_credit
                 } else {
-                    self.cfg.keepalive.min(Duration::from_millis(500))
+                    // Bounds how late a closed control connection is noticed.
+                    self.cfg.keepalive.min(PEER_CLOSED_CHECK)
                 }
             };
             comps.clear();
             if let Err(e) = self.fabric.poll(&mut comps, timeout) {
                 self.fail(&format!("polling completions: {e}"));
                 break;
+            }
+            let peer_closed = self.peer_closed.lock().unwrap().clone();
+            if peer_closed.is_some() {
+                // Messages the peer sent before it closed are already in the
+                // completion queue: deliver them before failing the link.
+                if let Err(e) = self.fabric.poll(&mut comps, Duration::ZERO) {
+                    tracing::debug!(error = %e, "final drain");
+                }
             }
             let mut st = self.st.lock().unwrap();
             for c in comps.drain(..) {
@@ -368,6 +401,9 @@ impl Link {
                 if let Err(why) = r {
                     self.fail_locked(&mut st, &why);
                 }
+            }
+            if let Some(why) = peer_closed {
+                self.fail_locked(&mut st, &why);
             }
             if st.failed.is_none() && st.last_received.elapsed() >= self.cfg.dead_after {
                 let why = format!(
@@ -488,7 +524,8 @@ impl Link {
 }
 
 /// Blocks on the control connection; the peer never writes to it after the
-/// handshake, so any return means it closed or broke.
+/// handshake, so any return means it closed or broke. The poller then
+/// delivers what already arrived and fails the link.
 fn watch_control(mut sock: TcpStream, link: std::sync::Weak<Link>) {
     let mut b = [0u8; 64];
     let why = match sock.read(&mut b) {
@@ -497,6 +534,9 @@ fn watch_control(mut sock: TcpStream, link: std::sync::Weak<Link>) {
         Err(e) => format!("control connection: {e}"),
     };
     if let Some(link) = link.upgrade() {
-        link.fail(&why);
+        let mut pc = link.peer_closed.lock().unwrap();
+        if pc.is_none() {
+            *pc = Some(why);
+        }
     }
 }

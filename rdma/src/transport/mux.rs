@@ -140,9 +140,12 @@ impl<P: FabricProvider> MuxTransport<P> {
             .collect()
     }
 
-    /// Fails every link (peers see their streams reset) and stops listening.
+    /// Stops listening, lets every link deliver what is queued (up to 2 s),
+    /// then fails the links: streams still open are reset on both sides.
     pub fn shutdown(&self) {
-        self.inner.closed.store(true, Ordering::SeqCst);
+        if self.inner.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
         let links: Vec<_> = self
             .inner
             .all
@@ -151,6 +154,9 @@ impl<P: FabricProvider> MuxTransport<P> {
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
+        for l in &links {
+            l.drain(Duration::from_secs(2));
+        }
         for l in links {
             l.fail("local transport shut down");
         }
