@@ -441,7 +441,18 @@ fn discover_local(sysfs_root: &Path, address: Option<IpAddr>) -> LocalRdma {
             }
         }
     };
-    let devices = inventory.devices.iter().map(|d| d.name.clone()).collect();
+    let devices: Vec<String> = inventory.devices.iter().map(|d| d.name.clone()).collect();
+    if address.is_none() && !devices.is_empty() {
+        return LocalRdma {
+            devices,
+            lane: None,
+            no_lane: Some(
+                "this node is not in the node table (no pod CIDR or address yet, or another \
+                 --node-name): its address, and so its GID, is unknown"
+                    .into(),
+            ),
+        };
+    }
     let addrs: Vec<NodeAddress> = address
         .map(|ip| NodeAddress {
             ip,
@@ -568,7 +579,11 @@ mod tests {
         assert!(got.no_lane.unwrap().contains("198.51.100.7"));
 
         let got = discover_local(&fixture("rxe"), None);
-        assert!(got.lane.is_none() && got.no_lane.is_some(), "no address");
+        assert!(got.lane.is_none());
+        assert!(
+            got.no_lane.unwrap().contains("not in the node table"),
+            "no address: says why"
+        );
 
         let empty = std::env::temp_dir().join(format!("fl-kb-sysfs-{}", std::process::id()));
         std::fs::create_dir_all(&empty).unwrap();
