@@ -384,3 +384,133 @@ fn epoll_sleeper_wakes_for_a_connection_registered_later() {
     }
     assert_eq!(node.shm_opened(), 3);
 }
+
+/// SO_RCVTIMEO / SO_SNDTIMEO set by the application bound blocking reads
+/// and writes on a shared-memory connection as on TCP: EAGAIN when nothing
+/// moved, a short count when some bytes did; getsockopt reports the value.
+const TIMEO_SERVER: &str = r#"
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()
+c, _ = s.accept()
+assert c.recv(4) == b'ping'
+c.sendall(b'pong')
+time.sleep(4)  # not reading: the client's ring fills up
+n = 0
+while True:
+    d = c.recv(1 << 20)
+    if not d: break
+    n += len(d)
+print('served', n)
+"#;
+
+const TIMEO_CLIENT: &str = r#"
+import socket, struct, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+tv = struct.pack('ll', 0, 300000)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+assert c.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == tv
+t0 = time.monotonic()
+try:
+    c.recv(10)
+    raise SystemExit('recv returned without data')
+except BlockingIOError:
+    pass
+waited = time.monotonic() - t0
+assert waited >= 0.25, f'recv gave up after {waited:.3f} s, before its SO_RCVTIMEO'
+c.sendall(b'ping')
+assert c.recv(4) == b'pong'  # a read with data still works
+c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+big = b'x' * (4 << 20)
+n = c.send(big)  # the ring takes part of it, then the timeout
+assert 0 < n < len(big), n
+try:
+    c.send(big)
+    raise SystemExit('send into a full ring returned')
+except BlockingIOError:
+    pass
+c.close()
+print('ok timeo', n)
+"#;
+
+#[test]
+fn socket_timeouts_bound_blocking_reads_and_writes() {
+    let node = Node::new("timeo", 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", TIMEO_SERVER, "7260"]));
+    wait_listening(s, 7260);
+    let ip = s.ip.to_string();
+    let out = run_ok(
+        node.cmd(c, true, &[PYTHON, "-c", TIMEO_CLIENT, &ip, "7260"]),
+        T,
+        "socket timeouts",
+    );
+    let sent = last_number(&out, "ok timeo");
+    let (st, srv_out, err) = srv.finish(T);
+    assert!(st.is_some_and(|s| s.success()), "server: {srv_out} {err}");
+    // The server received exactly the bytes the short send reported, and
+    // nothing of the send that timed out.
+    assert_eq!(last_number(&srv_out, "served"), sent, "{out} / {srv_out}");
+    assert_eq!(node.shm_opened(), 1);
+}
+
+/// The number after `tag` on the line that starts with it.
+fn last_number(out: &str, tag: &str) -> u64 {
+    out.lines()
+        .find_map(|l| l.strip_prefix(tag))
+        .and_then(|rest| rest.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no '{tag} N' line in: {out}"))
+}
+
+/// A thread of the parent is blocked in `recv` on a shared-memory
+/// connection (holding the connection's read lock) when another thread
+/// forks: the child must still be able to use the connection (here: a
+/// non-blocking recv answers EAGAIN instead of hanging on the lock).
+const FORK_CLIENT: &str = r#"
+import os, socket, sys, threading, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+got = []
+t = threading.Thread(target=lambda: got.append(c.recv(16)), daemon=True)
+t.start()
+time.sleep(0.3)  # the thread is blocked in recv now
+pid = os.fork()
+if pid == 0:
+    try:
+        c.recv(16, socket.MSG_DONTWAIT)
+        os._exit(3)
+    except BlockingIOError:
+        os._exit(0)
+deadline = time.monotonic() + 20
+while True:
+    p, status = os.waitpid(pid, os.WNOHANG)
+    if p:
+        break
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        raise SystemExit('the child hung on a lock held by a parent thread')
+    time.sleep(0.02)
+assert os.waitstatus_to_exitcode(status) == 0, status
+c.sendall(b'go')
+t.join(20)
+assert got == [b'data'], got
+c.close()
+print('ok fork')
+"#;
+
+#[test]
+fn forked_child_is_not_blocked_by_a_parent_threads_lock() {
+    let node = Node::new("fklck", 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", EPOLL_SLEEPER_SERVER, "7261", "1"]));
+    wait_listening(s, 7261);
+    let ip = s.ip.to_string();
+    let out = run_ok(
+        node.cmd(c, true, &[PYTHON, "-c", FORK_CLIENT, &ip, "7261"]),
+        T,
+        "fork with a held lock",
+    );
+    assert!(out.contains("ok fork"), "{out}");
+    let (st, out, err) = srv.finish(T);
+    assert!(st.is_some_and(|s| s.success()), "server: {out} {err}");
+    assert_eq!(node.shm_opened(), 1);
+}

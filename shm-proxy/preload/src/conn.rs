@@ -9,13 +9,13 @@
 //! doorbell, a FIN or an RST arrives (see `flowlane_lane::ring` for why no
 //! wake-up is lost).
 
+use crate::endlock::EndLock;
 use crate::real;
 use flowlane_lane::ring::{self, Attach, Consumer, Probe, Producer, ReadState, Side};
 use libc::c_int;
 use std::io::IoSlice;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Longest single kernel sleep inside the library. A doorbell is consumed by
@@ -58,8 +58,8 @@ pub fn set_errno(e: c_int) {
 pub struct Conn {
     pub id: u64,
     _map: memmap2::MmapRaw,
-    tx: Mutex<Producer>,
-    rx: Mutex<Consumer>,
+    tx: EndLock<Producer>,
+    rx: EndLock<Consumer>,
     pub probe: Probe,
     /// O_NONBLOCK of the open file description (kept in step by fcntl/ioctl).
     pub nonblock: AtomicBool,
@@ -89,6 +89,10 @@ pub struct Conn {
     spinner: crate::spin::Spinner,
     /// Hand-off counters (logged at close with FLOWLANE_LOG=debug).
     pub counts: Counts,
+    /// SO_RCVTIMEO / SO_SNDTIMEO of the socket in microseconds (0 = none):
+    /// a blocking read/write gives up with EAGAIN (or a short count) then.
+    pub rcv_timeout_us: AtomicU64,
+    pub snd_timeout_us: AtomicU64,
 }
 
 /// How often the two ends handed off through the kernel: the cost the
@@ -106,8 +110,31 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// SO_RCVTIMEO / SO_SNDTIMEO values (Linux: `_OLD` with a native
+/// timeval, `_NEW` with a 64-bit one; the same layout on 64-bit targets).
+pub const SO_RCVTIMEO_NEW: c_int = 66;
+pub const SO_SNDTIMEO_NEW: c_int = 67;
+
+/// A socket timeout option's value as microseconds (0 = none).
+pub fn timeval_us(tv: &libc::timeval) -> u64 {
+    (tv.tv_sec.max(0) as u64)
+        .saturating_mul(1_000_000)
+        .saturating_add(tv.tv_usec.clamp(0, 999_999) as u64)
+}
+
+/// How long the next futex sleep may be: a slice, cut at the deadline.
+/// `None`: the deadline has passed.
+fn slice_until(deadline: Option<Instant>) -> Option<u32> {
+    match deadline {
+        None => Some(FUTEX_SLICE_MS),
+        Some(d) => {
+            let left = d.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            Some((left.as_micros().div_ceil(1000) as u32).clamp(1, FUTEX_SLICE_MS))
+        }
+    }
 }
 
 impl Conn {
@@ -147,8 +174,8 @@ impl Conn {
         Ok(Conn {
             id,
             _map: map,
-            tx: Mutex::new(tx),
-            rx: Mutex::new(rx),
+            tx: EndLock::new(tx),
+            rx: EndLock::new(rx),
             probe,
             nonblock: AtomicBool::new(nonblock),
             tcp_eof: AtomicBool::new(false),
@@ -166,12 +193,39 @@ impl Conn {
             app_cork: std::sync::atomic::AtomicI32::new(0),
             spinner: crate::spin::Spinner::new(),
             counts: Counts::default(),
+            rcv_timeout_us: AtomicU64::new(0),
+            snd_timeout_us: AtomicU64::new(0),
         })
     }
 
     /// Takes over the socket's Nagle settings (see `app_nodelay`), keeping
     /// what the application had set for getsockopt.
     pub fn take_tcp_options(&self, fd: c_int) {
+        // Timeouts set before the connection existed (or inherited from the
+        // listener, as Linux does for accepted sockets).
+        for (opt, keep) in [
+            (libc::SO_RCVTIMEO, &self.rcv_timeout_us),
+            (libc::SO_SNDTIMEO, &self.snd_timeout_us),
+        ] {
+            let mut tv = libc::timeval {
+                tv_sec: 0,
+                tv_usec: 0,
+            };
+            let mut len = std::mem::size_of::<libc::timeval>() as libc::socklen_t;
+            // SAFETY: getsockopt into a local timeval.
+            if unsafe {
+                real::getsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&mut tv as *mut libc::timeval).cast(),
+                    &mut len,
+                )
+            } == 0
+            {
+                keep.store(timeval_us(&tv), Ordering::Relaxed);
+            }
+        }
         for (opt, keep) in [
             (libc::TCP_NODELAY, &self.app_nodelay),
             (libc::TCP_CORK, &self.app_cork),
@@ -289,6 +343,22 @@ impl Conn {
             &self.counts.spins_lost
         });
         won
+    }
+
+    /// The deadline of a blocking call that starts waiting now, from a
+    /// SO_RCVTIMEO/SO_SNDTIMEO value.
+    fn deadline(timeout_us: &AtomicU64) -> Option<Instant> {
+        match timeout_us.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(Instant::now() + Duration::from_micros(us)),
+        }
+    }
+
+    /// In a forked child: no thread holds the ring-end locks any more
+    /// (see `endlock`).
+    pub fn reset_locks_after_fork(&self) {
+        self.tx.reset_after_fork();
+        self.rx.reset_after_fork();
     }
 
     fn peer_closed(&self) -> bool {
@@ -413,9 +483,10 @@ impl Conn {
         }
         let peek = flags & libc::MSG_PEEK != 0;
         let waitall = flags & libc::MSG_WAITALL != 0 && !peek && !dontwait;
-        let mut rx = lock(&self.rx);
+        let mut rx = self.rx.lock();
         let mut got = 0usize;
         let mut drained = false;
+        let mut deadline: Option<Option<Instant>> = None;
         loop {
             match rx.state() {
                 ReadState::Data(_) => {
@@ -456,12 +527,17 @@ impl Conn {
                         }
                         return if got > 0 { Ok(got) } else { Err(libc::EAGAIN) };
                     }
+                    let d = *deadline.get_or_insert_with(|| Self::deadline(&self.rcv_timeout_us));
+                    let Some(slice) = slice_until(d) else {
+                        // SO_RCVTIMEO expired: as TCP, a short count or EAGAIN.
+                        return if got > 0 { Ok(got) } else { Err(libc::EAGAIN) };
+                    };
                     let probe = self.probe;
                     if self.spin(|| probe.rx_state() != ReadState::Empty) {
                         continue;
                     }
                     bump(&self.counts.read_sleeps);
-                    rx.wait_data(FUTEX_SLICE_MS);
+                    rx.wait_data(slice);
                     if rx.state() == ReadState::Empty {
                         self.check_tcp(fd);
                     }
@@ -484,9 +560,10 @@ impl Conn {
         if want == 0 {
             return Ok(0);
         }
-        let mut tx = lock(&self.tx);
+        let mut tx = self.tx.lock();
         let (mut idx, mut off, mut done) = (0usize, 0usize, 0usize);
         let mut drained = false;
+        let mut deadline: Option<Option<Instant>> = None;
         loop {
             if tx.peer_gone() || self.peer_closed() {
                 if done > 0 {
@@ -531,12 +608,21 @@ impl Conn {
                 }
                 return Err(libc::EAGAIN);
             }
+            let d = *deadline.get_or_insert_with(|| Self::deadline(&self.snd_timeout_us));
+            let Some(slice) = slice_until(d) else {
+                // SO_SNDTIMEO expired: as TCP, a short count or EAGAIN.
+                return if done > 0 {
+                    Ok(done)
+                } else {
+                    Err(libc::EAGAIN)
+                };
+            };
             let probe = self.probe;
             if self.spin(|| probe.tx_free() > 0 || probe.tx_peer_gone()) {
                 continue;
             }
             bump(&self.counts.write_sleeps);
-            tx.wait_room(FUTEX_SLICE_MS);
+            tx.wait_room(slice);
             if tx.free() == 0 {
                 self.check_tcp(fd);
             }
@@ -559,7 +645,7 @@ impl Conn {
         if self.pending.load(Ordering::Acquire) {
             return Err(libc::EAGAIN);
         }
-        let mut tx = lock(&self.tx);
+        let mut tx = self.tx.lock();
         let mut pos = offset.as_ref().map(|o| **o);
         let mut done = 0usize;
         let mut read_err = 0;

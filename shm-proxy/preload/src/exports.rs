@@ -847,9 +847,46 @@ pub unsafe extern "C" fn setsockopt(
             slot.store((v != 0) as c_int, std::sync::atomic::Ordering::Relaxed);
             0
         }
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        _ => unsafe { real::setsockopt(fd, level, name, val, len) },
+        _ => {
+            // SAFETY: forwards the caller's arguments unchanged (same C contract).
+            let r = unsafe { real::setsockopt(fd, level, name, val, len) };
+            if r == 0 {
+                // SAFETY: the kernel accepted `val` as this option's value.
+                unsafe { note_timeout(fd, level, name, val, len) };
+            }
+            r
+        }
     })
+}
+
+/// SO_RCVTIMEO/SO_SNDTIMEO the kernel accepted for a ring connection: the
+/// library's blocking read/write honour them (getsockopt stays native).
+///
+/// # Safety
+/// `val` must be valid for `len` bytes when the option is one of these.
+unsafe fn note_timeout(fd: c_int, level: c_int, name: c_int, val: *const c_void, len: socklen_t) {
+    use crate::conn::{SO_RCVTIMEO_NEW, SO_SNDTIMEO_NEW};
+    if level != libc::SOL_SOCKET
+        || !CONN_FDS.get(fd)
+        || val.is_null()
+        || (len as usize) < std::mem::size_of::<libc::timeval>()
+    {
+        return;
+    }
+    let Some(c) = state::conn(fd) else {
+        return;
+    };
+    let slot = match name {
+        libc::SO_RCVTIMEO | SO_RCVTIMEO_NEW => &c.rcv_timeout_us,
+        libc::SO_SNDTIMEO | SO_SNDTIMEO_NEW => &c.snd_timeout_us,
+        _ => return,
+    };
+    // SAFETY: caller contract; read unaligned from the caller's buffer.
+    let tv = unsafe { std::ptr::read_unaligned(val as *const libc::timeval) };
+    slot.store(
+        crate::conn::timeval_us(&tv),
+        std::sync::atomic::Ordering::Relaxed,
+    );
 }
 
 #[no_mangle]

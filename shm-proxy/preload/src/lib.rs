@@ -11,6 +11,7 @@
 
 mod config;
 mod conn;
+mod endlock;
 mod exports;
 mod log;
 mod real;

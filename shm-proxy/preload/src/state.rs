@@ -309,8 +309,23 @@ extern "C" fn after_fork() {
     unlock();
 }
 
+/// In the child: the forking thread is the only one left, so no lock of a
+/// connection can have a live holder; reset them all (a thread of the
+/// parent blocked in `read` left its connection's read lock taken).
+extern "C" fn after_fork_child() {
+    FORK_GEN.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: `before_fork` took the table lock in this very thread, so
+    // nothing else can reach the tables.
+    if let Some(t) = unsafe { &*STATE.tables.get() } {
+        for c in t.conns.values() {
+            c.reset_locks_after_fork();
+        }
+    }
+    unlock();
+}
+
 /// Registers the fork handlers (called once from the constructor).
 pub fn install_fork_handlers() {
     // SAFETY: three valid `extern "C" fn()` handlers that never unwind.
-    unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+    unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork_child)) };
 }
