@@ -87,26 +87,28 @@ KERNEL="$KROOT/vmlinux"
 [ -f "$KERNEL" ] || KERNEL="$KROOT/boot/vmlinuz-$KVER"
 
 # ---------------------------------------------------------------- initramfs (keyed by content)
+# The key covers everything the image is built from (the module set follows from the kernel
+# version and WANT), so a cached run never has to walk modules.dep (slow in bash on a busy host).
 WANT="virtio_pci 9pnet_virtio 9p overlay"
-declare -A DEPS=() PATHOF=() SEEN=()
-while IFS=: read -r path deps; do
-  n=$(basename "$path" .ko); n=${n//-/_}; PATHOF[$n]=$path; DEPS[$path]=$deps
-done < "$MODDIR/modules.dep"
-ORDER=()
-visit() { local p=$1 d; [ -n "${SEEN[$p]:-}" ] && return; SEEN[$p]=1
-  for d in ${DEPS[$p]}; do visit "$d"; done; ORDER+=("$p"); }
-for m in $WANT; do
-  # built into the kernel (modules.builtin) needs nothing
-  if [ -z "${PATHOF[$m]:-}" ]; then
-    grep -q "/${m//_/[-_]}.ko$" "$MODDIR/modules.builtin" 2>/dev/null || die "module $m not in $KVER"
-    continue
-  fi
-  visit "${PATHOF[$m]}"
-done
-KEY=$( { echo "$KVER"; printf '%s\n' "${ORDER[@]}"; cat "$HERE/guest/init"; sha256sum /bin/busybox; } | sha256sum | cut -c1-16)
+KEY=$( { echo "$KVER $WANT"; cat "$HERE/guest/init"; sha256sum /bin/busybox; } | sha256sum | cut -c1-16)
 INITRD="$CACHE/initramfs-$KVER-$KEY.cpio"
 if [ ! -s "$INITRD" ]; then
   log "building $(basename "$INITRD")"
+  declare -A DEPS=() PATHOF=() SEEN=()
+  while IFS=: read -r path deps; do
+    n=$(basename "$path" .ko); n=${n//-/_}; PATHOF[$n]=$path; DEPS[$path]=$deps
+  done < "$MODDIR/modules.dep"
+  ORDER=()
+  visit() { local p=$1 d; [ -n "${SEEN[$p]:-}" ] && return; SEEN[$p]=1
+    for d in ${DEPS[$p]}; do visit "$d"; done; ORDER+=("$p"); }
+  for m in $WANT; do
+    # built into the kernel (modules.builtin) needs nothing
+    if [ -z "${PATHOF[$m]:-}" ]; then
+      grep -q "/${m//_/[-_]}.ko$" "$MODDIR/modules.builtin" 2>/dev/null || die "module $m not in $KVER"
+      continue
+    fi
+    visit "${PATHOF[$m]}"
+  done
   IRD=$(mktemp -d "$CACHE/.initramfs.XXXXXX")
   mkdir -p "$IRD"/{bin,sbin,etc,proc,sys,dev,tmp,run,newroot,lower,rw,lib/modules}
   cp /bin/busybox "$IRD/bin/busybox"
