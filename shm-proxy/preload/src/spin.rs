@@ -27,11 +27,20 @@ impl Spinner {
         }
     }
 
-    /// Whether this wait should spin at all.
-    pub fn should_spin(&self) -> bool {
-        config::get().spin_us > 0
-            && (self.score.load(Ordering::Relaxed) > 0
-                || self.waits.fetch_add(1, Ordering::Relaxed) % 16 == 0)
+    /// The spin budget of this wait in microseconds (0: do not spin). A
+    /// waiter whose spins keep failing probes again only every 16th wait,
+    /// and then briefly: a failed probe holds a core the peer may need, so
+    /// its length shows up directly in the tail latency of a busy machine.
+    pub fn budget_us(&self) -> u64 {
+        let full = config::get().spin_us;
+        if full == 0 || self.score.load(Ordering::Relaxed) > 0 {
+            return full;
+        }
+        if self.waits.fetch_add(1, Ordering::Relaxed) % 16 == 0 {
+            (full / 8).max(1)
+        } else {
+            0
+        }
     }
 
     /// Records a spin's outcome.
@@ -47,8 +56,10 @@ impl Spinner {
 
     /// The spin deadline for a wait starting now, if it should spin.
     pub fn deadline(&self) -> Option<Instant> {
-        self.should_spin()
-            .then(|| Instant::now() + Duration::from_micros(config::get().spin_us))
+        match self.budget_us() {
+            0 => None,
+            us => Some(Instant::now() + Duration::from_micros(us)),
+        }
     }
 
     /// Spins until `ready()` or the budget is spent; true if ready.
