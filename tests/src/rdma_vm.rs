@@ -335,8 +335,8 @@ impl RdmaRig {
         let children = rx
             .recv()
             .map_err(|_| anyhow!("the rig keeper thread died"))??;
-        *self.qemu.lock().unwrap() = children;
-        *self.keeper.lock().unwrap() = Some((stop, keeper));
+        *self.qemu.lock().unwrap_or_else(|e| e.into_inner()) = children;
+        *self.keeper.lock().unwrap_or_else(|e| e.into_inner()) = Some((stop, keeper));
         Ok(())
     }
 
@@ -376,7 +376,7 @@ impl RdmaRig {
 
     /// The first guest whose QEMU has exited, if any.
     fn dead_guest(&self) -> Option<u8> {
-        let mut qemu = self.qemu.lock().unwrap();
+        let mut qemu = self.qemu.lock().unwrap_or_else(|e| e.into_inner());
         qemu.iter_mut()
             .find_map(|(n, c)| (!matches!(c.try_wait(), Ok(None))).then_some(*n))
     }
@@ -554,16 +554,23 @@ impl RdmaRig {
 
     /// Kills both QEMUs (by the pids this rig started) and removes the run
     /// dir, unless a test failed while holding the rig or
-    /// `FLOWLANE_RDMA_RIG_KEEP` is set (then its path is printed).
+    /// `FLOWLANE_RDMA_RIG_KEEP` is set (then its path is printed). Never
+    /// panics (it also runs from an `atexit` hook): locks poisoned by a failed
+    /// test are taken over.
     pub fn shutdown(&self) {
         if self.down.swap(true, Ordering::AcqRel) {
             return;
         }
-        for (_, child) in self.qemu.lock().unwrap().iter_mut() {
+        for (_, child) in self
+            .qemu
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+        {
             let _ = child.kill();
             let _ = child.wait();
         }
-        if let Some((stop, keeper)) = self.keeper.lock().unwrap().take() {
+        if let Some((stop, keeper)) = self.keeper.lock().unwrap_or_else(|e| e.into_inner()).take() {
             stop.store(true, Ordering::Release);
             keeper.thread().unpark();
             let _ = keeper.join();
