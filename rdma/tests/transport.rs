@@ -351,7 +351,12 @@ fn garbage_on_the_lane_port_is_refused_and_the_listener_keeps_working() {
     s.send(b"fine").unwrap();
     let mut buf = [0u8; 4];
     assert_eq!(t.recv(&mut buf).unwrap(), 4);
-    assert_eq!(b.stats().links_up, 1);
+    // (the accepting side files the link right after its first stream may
+    // already have arrived)
+    eventually("one link up on the accepting side", || {
+        b.stats().links_up == 1
+    });
+    assert_eq!(a.stats().links_up, 1);
 }
 
 #[test]
@@ -400,4 +405,28 @@ fn bad_options_are_refused() {
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidInput);
     }
+}
+
+#[test]
+fn a_transport_shut_down_right_after_its_last_send_still_delivers_it() {
+    let opts = small_opts();
+    let b = start(&opts);
+    let total = 300_000u64;
+    let b2 = Arc::clone(&b);
+    let reader = thread::spawn(move || {
+        let (_, t) = b2.accept().unwrap();
+        check_receive(&*t, 77, total, 5000)
+    });
+    let a = start(&opts);
+    let s = a.open(b.local_addr(), key(50)).unwrap();
+    let mut data = vec![0u8; total as usize];
+    Pattern::new(77).fill(&mut data);
+    let mut off = 0;
+    while off < data.len() {
+        off += s.send(&data[off..]).unwrap();
+    }
+    s.shutdown_send().unwrap();
+    // The daemon exits right away: the tail and the FIN must still arrive.
+    a.shutdown();
+    assert_eq!(reader.join().unwrap().unwrap(), total);
 }

@@ -288,7 +288,7 @@ impl Link {
         let streams = std::mem::take(&mut *self.streams.lock().unwrap());
         let msg = st.failed.clone().unwrap();
         for s in streams.values() {
-            s.on_reset(&msg);
+            s.on_link_failed(&msg);
         }
         self.can_post.notify_all();
     }

@@ -128,8 +128,9 @@ impl Fabric for MemFabric {
             ));
         }
         let Some(peer) = me.peer.get().and_then(Weak::upgrade) else {
-            me.break_with("peer gone");
-            return Err(io::Error::new(io::ErrorKind::ConnectionReset, "peer gone"));
+            // Reported after the completions already queued (see below).
+            me.push(Completion::Failed("peer gone".into()));
+            return Ok(());
         };
         if slot >= me.geometry.slots || len > me.geometry.slot_size as usize {
             return Err(io::Error::new(
@@ -140,12 +141,11 @@ impl Fabric for MemFabric {
         {
             let mut st = peer.state.lock().unwrap();
             if st.broken {
+                // Like a write to a dead queue pair: accepted here, it fails
+                // later, after the completions already queued.
                 drop(st);
-                me.break_with("peer broken");
-                return Err(io::Error::new(
-                    io::ErrorKind::ConnectionReset,
-                    "peer broken",
-                ));
+                me.push(Completion::Failed("peer broken".into()));
+                return Ok(());
             }
             if st.posted_recvs == 0 {
                 // What RNR retries exhausted would do on a real queue pair.
@@ -195,8 +195,10 @@ impl Fabric for MemFabric {
 
     fn shutdown(&self) {
         self.0.break_with("shut down");
+        // The peer learns it after what is already queued for it, as a real
+        // queue pair reports a dead peer after the messages that arrived.
         if let Some(peer) = self.0.peer.get().and_then(Weak::upgrade) {
-            peer.break_with("peer shut down");
+            peer.push(Completion::Failed("peer shut down".into()));
         }
     }
 }

@@ -57,7 +57,8 @@ impl Default for RdmaOptions {
     fn default() -> Self {
         RdmaOptions {
             slots: 64,
-            slot_size: 64 * 1024,
+            // 64 KiB of payload plus the header: a 64 KiB write is one message.
+            slot_size: 64 * 1024 + 64,
             stream_window: 1024 * 1024,
             checksums: false,
             keepalive: Duration::from_secs(1),

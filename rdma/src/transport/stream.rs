@@ -36,6 +36,9 @@ struct StreamState {
     /// Why the stream is dead in both directions (peer reset, local reset,
     /// link failure).
     reset: Option<String>,
+    /// Why sending is impossible while received bytes stay readable (the
+    /// link failed after the peer's FIN arrived).
+    tx_error: Option<String>,
 }
 
 fn reset_error(why: &str) -> io::Error {
@@ -55,6 +58,7 @@ impl StreamShared {
                 tx_window: send_window as u64,
                 tx_shut: false,
                 reset: None,
+                tx_error: None,
             }),
             cv: Condvar::new(),
         })
@@ -99,6 +103,20 @@ impl StreamShared {
         self.cv.notify_all();
     }
 
+    /// The link failed. A stream whose peer already half-closed keeps what
+    /// it received (the peer finished sending: those bytes and the EOF are
+    /// complete); only sending fails. Any other stream is reset.
+    pub(crate) fn on_link_failed(&self, why: &str) {
+        let mut st = self.st.lock().unwrap();
+        if st.rx_eof && st.reset.is_none() {
+            st.tx_error = Some(why.to_string());
+            self.cv.notify_all();
+            return;
+        }
+        drop(st);
+        self.on_reset(why);
+    }
+
     fn link(&self) -> io::Result<Arc<Link>> {
         self.link
             .upgrade()
@@ -129,7 +147,7 @@ impl LaneStream for RdmaStream {
             let n = {
                 let mut st = s.st.lock().unwrap();
                 loop {
-                    if let Some(why) = &st.reset {
+                    if let Some(why) = st.reset.as_ref().or(st.tx_error.as_ref()) {
                         return if done > 0 {
                             Ok(done)
                         } else {
@@ -217,7 +235,10 @@ impl LaneStream for RdmaStream {
         let s = &self.shared;
         let both_done = {
             let mut st = s.st.lock().unwrap();
-            if let Some(why) = &st.reset {
+            if st.tx_shut {
+                return Ok(());
+            }
+            if let Some(why) = st.reset.as_ref().or(st.tx_error.as_ref()) {
                 return Err(reset_error(why));
             }
             if st.tx_shut {

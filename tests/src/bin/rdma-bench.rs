@@ -127,32 +127,32 @@ cat /tmp/lane-serve.log /tmp/tcp-serve.log; exit 1"
         slat.push(s.typical_us);
         llat.push(l["p50_us"].as_f64().unwrap_or(0.0));
     }
+    // Ratios per round first (both figures of a ratio come from the same
+    // minute of host load), then their medians.
+    let ratio = |x: &[f64], y: &[f64]| median(x.iter().zip(y).map(|(a, b)| a / b).collect());
+    let (r64, r1m, rtcp) = (ratio(&l64, &wbw), ratio(&l1m, &wbw), ratio(&l64, &tcp));
+    let rlat = ratio(&llat, &slat.iter().map(|s| 2.0 * s).collect::<Vec<_>>());
     let (w, a, b, t) = (median(wbw), median(l64), median(l1m), median(tcp));
     let (s, l) = (median(slat), median(llat));
-    println!("\nRDMA lane transport vs perftest vs TCP, Soft-RoCE, medians of {rounds} rounds");
+    println!("\nRDMA lane transport vs perftest vs TCP, Soft-RoCE, {rounds} rounds");
+    println!("(figures: medians; ratios: medians of the per-round ratios)");
     println!("| figure | value | ratio |");
     println!("|---|---|---|");
     println!("| ib_write_bw, 64 KiB | {} | 1.00 |", mb(w));
     println!(
-        "| lane stream, 64 KiB sends | {} | {:.2} of ib_write_bw |",
-        mb(a),
-        a / w
+        "| lane stream, 64 KiB sends | {} | {r64:.2} of ib_write_bw |",
+        mb(a)
     );
     println!(
-        "| lane stream, 1 MiB sends | {} | {:.2} of ib_write_bw |",
-        mb(b),
-        b / w
+        "| lane stream, 1 MiB sends | {} | {r1m:.2} of ib_write_bw |",
+        mb(b)
     );
     println!(
-        "| TCP guest to guest, 64 KiB writes | {} | lane 64K = {:.2}x TCP |",
-        mb(t),
-        a / t
+        "| TCP guest to guest, 64 KiB writes | {} | lane 64K = {rtcp:.2}x TCP |",
+        mb(t)
     );
     println!("| ib_send_lat 2 B, typical (one-way) | {s:.1} us | |");
-    println!(
-        "| lane ping-pong 2 B, p50 round trip | {l:.1} us | {:.2}x of 2 x ib_send_lat |",
-        l / (2.0 * s)
-    );
+    println!("| lane ping-pong 2 B, p50 round trip | {l:.1} us | {rlat:.2}x of 2 x ib_send_lat |");
     let _ = run(&rig, 2, "cat /tmp/lane-serve.log", 30);
     Ok(())
 }
