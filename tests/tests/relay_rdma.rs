@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use flowlane_e2e::rdma_vm::{self, shell_quote, RdmaRig};
+use flowlane_e2e::rdma_vm::{self, perftest, shell_quote, RdmaRig};
 use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER};
 use serde_json::Value;
 
@@ -59,6 +59,39 @@ fn wait_listening(rig: &RdmaRig, node: u8, pod: &str, port: u16) {
     );
 }
 
+/// One short echo from pod `cli` (node 1) to pod `srv` (node 2), so that
+/// the daemons' RDMA link is up before connections are counted.
+fn warm_up(rig: &RdmaRig, cli: &str, srv: &str, srv_ip: std::net::Ipv4Addr) {
+    let server = rig
+        .spawn(
+            2,
+            &format!(
+                "pod-exec.sh --lane {srv} python3 -c {} 7600 1",
+                shell_quote(ECHO_SERVER)
+            ),
+            T,
+        )
+        .expect("warm-up echo server");
+    wait_listening(rig, 2, srv, 7600);
+    let out = rig
+        .run(
+            1,
+            &format!(
+                "pod-exec.sh --lane {cli} python3 -c {} {srv_ip} 7600 10000 1",
+                shell_quote(ECHO_CLIENT)
+            ),
+            T,
+        )
+        .expect("warm-up echo client");
+    assert!(
+        out.stdout.starts_with("ok 10000"),
+        "warm-up: {}{}",
+        out.stdout,
+        out.stderr
+    );
+    let _ = server.wait();
+}
+
 /// Checksummed echo (random sizes, both directions at once, half-close)
 /// and iperf3 from a pod on node 1 to a pod on node 2, carried over RDMA
 /// between the daemons; both daemons count the connections on lane "rdma".
@@ -69,6 +102,14 @@ fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
     relay_nodes_up(&rig);
     rig.add_pod(1, "rrcli").expect("client pod on node1");
     let srv_ip = rig.add_pod(2, "rrsrv").expect("server pod on node2");
+
+    // The first connection to a peer daemon sets the RDMA link up (queue
+    // pairs: seconds under TCG), longer than a pod waits for its daemon's
+    // answer (500 ms): that connection stays on TCP, correctly. Warm the
+    // lane up first, then count.
+    warm_up(&rig, "rrcli", "rrsrv", srv_ip);
+    let before = rdma_lane(&rig, 1).0;
+    let before2 = rdma_lane(&rig, 2).0;
 
     // Checksummed echo, 3 connections.
     let conns = 3;
@@ -105,9 +146,9 @@ fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
     }
     let _ = server.wait();
     let (opened, _, moved) = rdma_lane(&rig, 1);
-    assert_eq!(opened, conns, "node1 RDMA lane\n{}", logs(&rig));
+    assert_eq!(opened - before, conns, "node1 RDMA lane\n{}", logs(&rig));
     assert!(moved >= conns * 2 * bytes, "node1 moved {moved} bytes");
-    assert_eq!(rdma_lane(&rig, 2).0, conns, "node2 RDMA lane");
+    assert_eq!(rdma_lane(&rig, 2).0 - before2, conns, "node2 RDMA lane");
 
     // iperf3: plain TCP between the same pods, then through the relay.
     let mut figures = Vec::new();
@@ -145,8 +186,59 @@ fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
         "rdma relay / tcp: {:.2}x (Soft-RoCE under TCG: ratios only)",
         figures[1].1 / figures[0].1
     );
+    // The raw verbs baseline on the same pair, in the same run.
+    match perftest::ib_write_bw(&rig, 65536, 3) {
+        Ok(bw) => eprintln!(
+            "ib_write_bw 64 KiB: {:.1} Mbit/s; iperf3 through the rdma relay / ib_write_bw: {:.2}x",
+            bw.avg_gbit_s * 1e3,
+            figures[1].1 / (bw.avg_gbit_s * 1e3)
+        ),
+        Err(e) => eprintln!("ib_write_bw: {e:#}"),
+    }
+    // One-way latency: sockperf ping-pong (TCP between the pods, then
+    // through the relay) against ib_send_lat.
+    let mut lat = Vec::new();
+    for (label, lane) in [("tcp", ""), ("rdma relay", "--lane ")] {
+        // The server runs in the background of a job that records its pid
+        // (pod-exec.sh and ip netns exec exec in place) and waits for it.
+        let pidfile = format!("/tmp/rr-sockperf-{}.pid", lat.len());
+        let srv = rig
+            .spawn(
+                2,
+                &format!(
+                    "pod-exec.sh {lane}rrsrv sockperf server --tcp -i {srv_ip} -p 7603 & echo $! > {pidfile}; wait"
+                ),
+                T,
+            )
+            .expect("sockperf server");
+        wait_listening(&rig, 2, "rrsrv", 7603);
+        let out = rig.run(
+            1,
+            &format!(
+                "pod-exec.sh {lane}rrcli sockperf ping-pong --tcp -i {srv_ip} -p 7603 -t 3 -m 64 --mps 1000"
+            ),
+            T,
+        );
+        rig.run_ok(2, &format!("kill $(cat {pidfile})"), T);
+        let _ = srv.wait();
+        let p50 = out.ok().and_then(|o| {
+            o.stdout
+                .lines()
+                .find(|l| l.contains("percentile 50.000"))
+                .and_then(|l| l.split('=').nth(1))
+                .and_then(|x| x.trim().parse::<f64>().ok())
+        });
+        lat.push((label, p50));
+    }
+    let send_lat = perftest::ib_send_lat(&rig, 64, 500).ok();
+    eprintln!(
+        "one-way p50 64 B: sockperf tcp {:?} us, sockperf rdma relay {:?} us, ib_send_lat typical {:?} us",
+        lat[0].1,
+        lat[1].1,
+        send_lat.map(|l| l.typical_us)
+    );
     assert!(
-        rdma_lane(&rig, 1).0 >= conns + 4,
+        rdma_lane(&rig, 1).0 >= before + conns + 4,
         "iperf3 did not use the RDMA relay\n{}",
         logs(&rig)
     );
@@ -163,6 +255,7 @@ fn ring_allreduce_across_nodes_over_the_rdma_relay() {
     relay_nodes_up(&rig);
     let ip1 = rig.add_pod(1, "rrar0").expect("rank 0 pod on node1");
     let ip2 = rig.add_pod(2, "rrar1").expect("rank 1 pod on node2");
+    warm_up(&rig, "rrar0", "rrar1", ip2);
     let before = rdma_lane(&rig, 1).0;
     let worker = |rank: u32, me: std::net::Ipv4Addr, next: std::net::Ipv4Addr, pod: &str| {
         format!(
@@ -237,6 +330,7 @@ fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
     relay_nodes_up(&rig);
     rig.add_pod(1, "rrkcli").expect("client pod on node1");
     let srv_ip = rig.add_pod(2, "rrksrv").expect("server pod on node2");
+    warm_up(&rig, "rrkcli", "rrksrv", srv_ip);
     let before = rdma_lane(&rig, 1).0;
     let quoted = shell_quote(PEER_KILL);
     let server = rig

@@ -26,6 +26,10 @@ use crate::pods::{PodId, PodTable};
 use crate::ring_watch::{Progress, RingWatch};
 use crate::sockets;
 
+/// A freshly registered listener is kept this long without checking that
+/// its socket listens (the library registers it just before `listen()`).
+const LISTENER_GRACE: Duration = Duration::from_secs(5);
+
 /// The only lane this broker hands out today.
 pub const SHM_LANE: &str = "shm";
 
@@ -174,6 +178,8 @@ pub struct Broker {
     started: Instant,
     /// The cross-node relay's lane counters (`relay/`), when it runs.
     relay_stats: Option<RelayStatsFn>,
+    /// When each listener was last registered (see `LISTENER_GRACE`).
+    listener_since: HashMap<(PodId, SocketAddr), Instant>,
     /// The cross-node view (`nodes.rs`) for stats answers, when it runs.
     nodes_view: Option<NodesViewFn>,
 }
@@ -212,6 +218,7 @@ impl Broker {
             facts,
             started: Instant::now(),
             relay_stats: None,
+            listener_since: HashMap::new(),
             nodes_view: None,
         };
         b.reload_registry();
@@ -386,7 +393,17 @@ impl Broker {
                 }
             }
         };
-        self.has_listener(pod, dst)
+        let found = self.has_listener(pod, dst);
+        if !found {
+            let mine: Vec<SocketAddr> = self
+                .listeners
+                .keys()
+                .filter(|(p, _)| *p == pod)
+                .map(|(_, a)| *a)
+                .collect();
+            tracing::debug!(%dst, pod, listeners = ?mine, "no flowlane listener for a relayed stream");
+        }
+        found
     }
 
     /// The relay's client-side checks (the same rules as an intent): the
@@ -518,6 +535,7 @@ impl Broker {
         if !procs.contains(&process) {
             procs.push(process);
         }
+        self.listener_since.insert((pod, addr), Instant::now());
     }
 
     fn unregister_listener(&mut self, caller: &Caller, addr: SocketAddr) -> Answer {
@@ -940,13 +958,24 @@ impl Broker {
         for procs in self.listeners.values_mut() {
             procs.retain(&mut is_alive);
         }
-        self.listeners.retain(|(_, addr), procs| {
+        let since = &self.listener_since;
+        self.listeners.retain(|key, procs| {
+            // The library registers a listener just BEFORE its real
+            // listen(): a socket that is not listening yet is not gone.
+            let young = since
+                .get(key)
+                .is_some_and(|t| now.saturating_duration_since(*t) < LISTENER_GRACE);
             // The pod's namespace must still have the listening socket
             // (checked through a process of it; unreadable = keep).
-            procs
-                .first()
-                .is_some_and(|p| sockets::netns_listens_on(p.pid, addr.port()).unwrap_or(true))
+            !procs.is_empty()
+                && (young
+                    || procs.first().is_some_and(|p| {
+                        sockets::netns_listens_on(p.pid, key.1.port()).unwrap_or(true)
+                    }))
         });
+        let listeners = &self.listeners;
+        self.listener_since
+            .retain(|key, _| listeners.contains_key(key));
         let after: usize = self.listeners.values().map(Vec::len).sum();
         if before != after {
             self.save_listeners();
@@ -1595,6 +1624,29 @@ mod tests {
         b.tick(Instant::now() + Duration::from_secs(10));
         assert!(b.stats().listeners.is_empty());
         assert!(matches!(intent(b, 5002), Response::NoChannel { .. }));
+    }
+
+    #[test]
+    fn a_listener_registered_just_before_listen_survives_the_sweep() {
+        let mut n = node("grace", Limits::default());
+        let b = &mut n.broker;
+        // A port nobody listens on (yet): the library registers before its
+        // real listen(), so the first sweeps must not drop it.
+        let port = std::net::TcpListener::bind("0.0.0.0:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
+        let r = b.handle(&pod(2), Request::RegisterListener { addr });
+        assert_eq!(r.response, Response::Ok);
+        let t0 = Instant::now();
+        b.tick(t0);
+        b.tick(t0 + Duration::from_secs(3));
+        assert_eq!(b.stats().listeners.len(), 1, "dropped within its grace");
+        // Still not listening after the grace: gone.
+        b.tick(t0 + Duration::from_secs(10));
+        assert!(b.stats().listeners.is_empty());
     }
 
     #[test]

@@ -49,15 +49,19 @@ use crate::memfd;
 use crate::server::Shared;
 use carried::{Carried, Region};
 
-/// How long the client daemon waits for the server daemon's REGISTERED
-/// (within the pod's 500 ms daemon timeout for its intent).
-const REGISTER_WAIT: Duration = Duration::from_millis(300);
+/// How long an intent waits for the lane stream to open, and then for the
+/// server daemon's REGISTERED; together within the pod's 500 ms daemon
+/// timeout for its intent.
+const OPEN_WAIT: Duration = Duration::from_millis(200);
+const REGISTER_WAIT: Duration = Duration::from_millis(250);
 /// How long a claim waits for the client daemon's ATTACHED/REFUSED (within
 /// the pod's 500 ms daemon timeout for its claim).
 const HANDSHAKE_WAIT: Duration = Duration::from_millis(300);
 /// How long the client daemon waits for its pod to map the channel (it
 /// does right after its connect returns).
 const MAP_WAIT: Duration = Duration::from_millis(150);
+/// Answered (refused) streams are dropped after this long.
+const LINGER: Duration = Duration::from_secs(5);
 /// Accepted streams nobody claimed are dropped after this long.
 const UNCLAIMED_TTL: Duration = Duration::from_secs(30);
 
@@ -86,6 +90,9 @@ pub struct Relay {
     shared: Shared,
     /// Streams peer daemons opened, waiting for our pod's claim.
     accepted: Mutex<HashMap<StreamKey, Accepted>>,
+    /// Answered streams kept a moment so their answer is read before the
+    /// drop (the sweep releases them).
+    lingering: Mutex<Vec<Accepted>>,
     /// Client-side set-ups waiting for the peer's CLAIMED, by channel id.
     setups: Mutex<HashMap<u64, Arc<dyn LaneStream>>>,
     active: Mutex<HashMap<u64, Arc<Carried>>>,
@@ -112,6 +119,7 @@ impl Relay {
             lane,
             shared,
             accepted: Mutex::new(HashMap::new()),
+            lingering: Mutex::new(Vec::new()),
             setups: Mutex::new(HashMap::new()),
             active: Mutex::new(HashMap::new()),
             opened: AtomicU64::new(0),
@@ -144,6 +152,9 @@ impl Relay {
                         tracing::debug!(server = %key.server, "relay: no flowlane listener there");
                         let _ = frames::send_all(&*stream, &[frames::NO_LISTENER]);
                         let _ = stream.shutdown_send();
+                        // Dropping it now could reset it before the answer
+                        // is read (a reset may discard unread bytes).
+                        lock(&self.lingering).push((Arc::from(stream), Instant::now()));
                         continue;
                     }
                     let now = Instant::now();
@@ -269,6 +280,37 @@ impl Relay {
         Ok((sock, Some(pidfd), process.pid))
     }
 
+    /// Opens a stream, giving up after `wait`: the pod waits for our answer
+    /// (500 ms), and the first stream to a peer may have to set the link
+    /// up (RDMA queue pairs), which can take longer. The open goes on in
+    /// the background, so the link is up for the next connection; a stream
+    /// that arrives late is reset.
+    fn open_within(
+        &self,
+        peer: SocketAddr,
+        key: StreamKey,
+        wait: Duration,
+    ) -> Result<Arc<dyn LaneStream>, String> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let transport = self.transport.clone();
+        std::thread::Builder::new()
+            .name("relay-open".into())
+            .spawn(move || {
+                let opened = transport.open(peer, key);
+                if let Err(std::sync::mpsc::SendError(Ok(late))) = tx.send(opened) {
+                    late.reset();
+                }
+            })
+            .map_err(|e| format!("spawning: {e}"))?;
+        match rx.recv_timeout(wait) {
+            Ok(Ok(s)) => Ok(Arc::from(s)),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "no stream within {wait:?} (link still being set up?)"
+            )),
+        }
+    }
+
     fn intent(
         self: &Arc<Self>,
         caller: &Caller,
@@ -312,10 +354,10 @@ impl Relay {
             client: src,
             server: dst,
         };
-        let stream: Arc<dyn LaneStream> = match self.transport.open(peer_daemon, key) {
-            Ok(s) => Arc::from(s),
+        let stream = match self.open_within(peer_daemon, key, OPEN_WAIT) {
+            Ok(s) => s,
             Err(e) => {
-                tracing::info!(%peer_daemon, error = %e, "relay: lane unreachable; TCP");
+                tracing::info!(%peer_daemon, error = %e, "relay: lane not open in time; TCP");
                 return self.fallback(NoChannelReason::NotLocalPod, relay_reason::LANE_UNREACHABLE);
             }
         };
@@ -479,6 +521,7 @@ impl Relay {
     /// library, or its claim failed).
     fn sweep(&self) {
         let now = Instant::now();
+        lock(&self.lingering).retain(|(_, at)| now.duration_since(*at) < LINGER);
         lock(&self.accepted).retain(|_, (s, at)| {
             let keep = now.duration_since(*at) < UNCLAIMED_TTL;
             if !keep {
