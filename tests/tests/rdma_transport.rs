@@ -9,6 +9,8 @@
 //!   ConnectionReset (or EOF) promptly, not a hang, and a restarted peer is
 //!   reachable again (the link is re-established).
 //!
+//! `cargo build --release -p flowlane-rdma --bin rdma-lane-bench` (CI builds
+//! the workspace first), then
 //! `cargo test --release -p flowlane-e2e --test rdma_transport -- --nocapture`
 
 use flowlane_e2e::rdma_vm::{self, underlay_addr, RdmaRig};
@@ -25,6 +27,13 @@ fn bench() -> &'static str {
 /// Starts `rdma-lane-bench serve` on `node` (in the background, pid in
 /// /tmp/lane-serve.pid) and waits until it listens.
 fn start_server(rig: &RdmaRig, node: u8, extra: &str) {
+    let bin = rig.bin_dir().join("rdma-lane-bench");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (cargo build --release -p flowlane-rdma --bin rdma-lane-bench, \
+         or the whole workspace as CI does)",
+        bin.display()
+    );
     let addr = underlay_addr(node);
     let script = format!(
         "B={b}; [ -f /tmp/lane-serve.pid ] && kill $(cat /tmp/lane-serve.pid) 2>/dev/null; \
