@@ -66,27 +66,31 @@ impl Cluster {
         self.dir().join("nodes").join(node)
     }
 
-    /// `flowlane diag --json` inside node `node`'s namespace.
+    /// `flowlane diag --json` inside node `node`'s namespace, given the
+    /// cluster's node table.
     fn diag(&self, node: &str) -> (i32, Value) {
+        self.diag_with_table(node, true)
+    }
+
+    /// As `diag`; without the table diag falls back to the daemon's view.
+    fn diag_with_table(&self, node: &str, table: bool) -> (i32, Value) {
         let no_rdma = self.root.join("sys-without-rdma");
         std::fs::create_dir_all(&no_rdma).unwrap();
         let netns = format!("flc{}-{node}", self.name);
-        let out = process::run(
-            Command::new("ip")
-                .args(["netns", "exec", &netns])
-                .arg(binaries::flowlane())
-                .args(["diag", "--json", "--cni-conf-dir"])
-                .arg(self.node_dir(node))
-                .arg("--cni-bin-dir")
-                .arg(binaries::build_dir())
-                .arg("--nodes")
-                .arg(self.dir().join("nodes.json"))
-                .arg("--sysfs")
-                .arg(&no_rdma)
-                .env_remove("CNI_COMMAND"),
-            Duration::from_secs(60),
-        )
-        .expect("run diag");
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &netns])
+            .arg(binaries::flowlane())
+            .args(["diag", "--json", "--cni-conf-dir"])
+            .arg(self.node_dir(node))
+            .arg("--cni-bin-dir")
+            .arg(binaries::build_dir())
+            .arg("--sysfs")
+            .arg(&no_rdma)
+            .env_remove("CNI_COMMAND");
+        if table {
+            cmd.arg("--nodes").arg(self.dir().join("nodes.json"));
+        }
+        let out = process::run(&mut cmd, Duration::from_secs(60)).expect("run diag");
         let report = serde_json::from_str(&out.stdout)
             .unwrap_or_else(|e| panic!("no JSON ({e}): {}\n{}", out.stdout, out.stderr));
         (out.status.code().unwrap_or(-1), report)
@@ -143,6 +147,26 @@ fn diag_on_a_live_local_cluster() {
     ] {
         assert!(found.contains(&id.to_string()), "{id} missing: {report:#}");
     }
+    // Without a table, diag checks against the daemon's own view.
+    let (code, report) = cluster.diag_with_table("n0", false);
+    assert_eq!(problem_ids(&report), Vec::<String>::new(), "{report:#}");
+    assert_eq!(code, 0);
+    let found = finding_ids(&report);
+    for id in ["nodes.self", "nodes.route_ok"] {
+        assert!(found.contains(&id.to_string()), "{id} missing: {report:#}");
+    }
+    let nodes_section = report["sections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "nodes")
+        .expect("nodes section");
+    assert!(
+        nodes_section["title"]
+            .as_str()
+            .is_some_and(|t| t.contains("flowlaned's view")),
+        "{nodes_section:#}"
+    );
 
     // Node n1 after accidents: its daemon killed, a pod's netns removed
     // without CNI DEL, a lease written for a container nobody knows.

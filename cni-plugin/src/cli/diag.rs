@@ -39,6 +39,7 @@ Exit code: 0 healthy (or warnings only), 1 something is broken, 2 bad usage.
                          (default: the addresses of the default-route interface)
   --nodes FILE           the cluster's node table (JSON: name, podCIDRs, underlay, rdma)
                          to check routes to other nodes' pods and RDMA lanes
+                         (default: the daemon's view, <state-dir>/daemon/nodes.json)
 ";
 
 #[derive(Debug, Clone)]
@@ -142,7 +143,8 @@ fn run(o: &Options) -> Report {
     let ipam = ipam::check(net, &pod_states);
     let (daemon, daemon_state) = daemon::check(&socket, &state_dir);
     let (rdma, inventory, gid) = rdma::check(&o.sysfs, o.node_ip);
-    let nodes = nodes::check(o.nodes.as_deref(), net, gid.as_ref());
+    let daemon_view = state_dir.join("daemon").join("nodes.json");
+    let nodes = nodes::check(o.nodes.as_deref(), &daemon_view, net, gid.as_ref());
     let host = host::check(daemon_state.pid, !inventory.devices.is_empty());
     Report::new(vec![
         cni, bins, bridge, ipam, daemon, pods, rdma, nodes, host,

@@ -4,38 +4,80 @@
 
 use std::net::IpAddr;
 use std::path::Path;
+use std::sync::Arc;
 
-use flowlane_rdma::topology::{NodeDirectory, StaticNodeFile};
+use flowlane_rdma::topology::{ClusterView, NodeDirectory, NodeEntry, StaticNodeFile};
 use flowlane_rdma::SelectedGid;
 
 use super::cni_config::FlowlaneNet;
 use super::netinfo::{self, Route};
 use super::report::Section;
 
+/// Where the node table comes from: `--nodes FILE` when given, else the
+/// view the running daemon keeps (`<state-dir>/daemon/nodes.json`, written
+/// after every refresh from its static table or the Kubernetes API), so a
+/// Kubernetes node needs no table file for this check.
 pub fn check(
     file: Option<&Path>,
+    daemon_view: &Path,
     net: Option<&FlowlaneNet>,
     local_gid: Option<&SelectedGid>,
 ) -> Section {
-    let Some(file) = file else {
-        let mut s = Section::new("nodes", "Cluster nodes");
-        s.info(
-            "nodes.no_table",
-            "no node table given (--nodes FILE): routes to other nodes' pods are not checked",
-        );
-        return s;
-    };
-    let mut s = Section::new("nodes", format!("Cluster nodes ({})", file.display()));
-    let view = match StaticNodeFile::new(file).view() {
-        Ok(v) => v,
-        Err(e) => {
-            s.error(
-                "nodes.table_invalid",
-                format!("cannot use the node table: {e}"),
-                "rewrite it as {\"nodes\": [{\"name\", \"podCIDRs\", \"underlay\", \"rdma\"?}]} with one entry per node",
-            );
-            return s;
+    let (mut s, view) = match file {
+        Some(file) => {
+            let mut s = Section::new("nodes", format!("Cluster nodes ({})", file.display()));
+            match StaticNodeFile::new(file).view() {
+                Ok(v) => (s, v),
+                Err(e) => {
+                    s.error(
+                        "nodes.table_invalid",
+                        format!("cannot use the node table: {e}"),
+                        "rewrite it as {\"nodes\": [{\"name\", \"podCIDRs\", \"underlay\", \"rdma\"?}]} with one entry per node",
+                    );
+                    return s;
+                }
+            }
         }
+        None => match daemon_table(daemon_view) {
+            DaemonTable::Missing => {
+                let mut s = Section::new("nodes", "Cluster nodes");
+                s.info(
+                    "nodes.no_table",
+                    "no node table (--nodes FILE) and no view from the daemon (flowlaned without --nodes-file/--kubernetes): routes to other nodes' pods are not checked",
+                );
+                return s;
+            }
+            DaemonTable::Unusable(why) => {
+                let mut s = Section::new("nodes", "Cluster nodes");
+                s.warn(
+                    "nodes.daemon_view_invalid",
+                    format!(
+                        "cannot read the daemon's node view {}: {why}",
+                        daemon_view.display()
+                    ),
+                    "check flowlaned's log; pass --nodes FILE to check against a table instead",
+                );
+                return s;
+            }
+            DaemonTable::View {
+                view,
+                source,
+                error,
+            } => {
+                let mut s = Section::new(
+                    "nodes",
+                    format!("Cluster nodes (flowlaned's view, from {source})"),
+                );
+                if let Some(e) = error {
+                    s.warn(
+                        "nodes.daemon_refresh_failed",
+                        format!("the daemon's last refresh of the node table failed ({e}); this is its last good table"),
+                        "check that the API server (or the node table file) is reachable and valid; flowlaned retries every round",
+                    );
+                }
+                (s, view)
+            }
+        },
     };
     s.data = serde_json::to_value(view.nodes()).unwrap_or_default();
     // This node is the one whose pod CIDR holds our pod subnet.
@@ -182,5 +224,48 @@ mod tests {
         // The default route does not count, nor another family.
         assert_eq!(pick("10.99.0.0/24"), None);
         assert_eq!(pick("fd00:1::/64").as_deref(), Some("fd00::/8"));
+    }
+}
+
+enum DaemonTable {
+    Missing,
+    Unusable(String),
+    View {
+        view: Arc<ClusterView>,
+        source: String,
+        error: Option<String>,
+    },
+}
+
+/// The `nodes`, `source` and `error` fields of the daemon's view file.
+fn daemon_table(path: &Path) -> DaemonTable {
+    #[derive(serde::Deserialize)]
+    struct DaemonView {
+        #[serde(default)]
+        source: String,
+        #[serde(default)]
+        error: Option<String>,
+        nodes: Vec<NodeEntry>,
+    }
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return DaemonTable::Missing,
+        Err(e) => return DaemonTable::Unusable(e.to_string()),
+    };
+    let parsed: DaemonView = match serde_json::from_slice(&bytes) {
+        Ok(v) => v,
+        Err(e) => return DaemonTable::Unusable(e.to_string()),
+    };
+    match ClusterView::new(parsed.nodes) {
+        Ok(view) => DaemonTable::View {
+            view: Arc::new(view),
+            source: if parsed.source.is_empty() {
+                "its node table".into()
+            } else {
+                parsed.source
+            },
+            error: parsed.error,
+        },
+        Err(e) => DaemonTable::Unusable(e.to_string()),
     }
 }
