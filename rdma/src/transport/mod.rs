@@ -51,6 +51,10 @@ pub struct RdmaOptions {
     pub dead_after: Duration,
     /// TCP connect and handshake timeout.
     pub connect_timeout: Duration,
+    /// RC queue pairs (links) per peer daemon; streams go to the least
+    /// loaded one. A link's failure resets only its own streams; the peer
+    /// daemon's death fails them all (every control connection closes).
+    pub links_per_peer: usize,
 }
 
 impl Default for RdmaOptions {
@@ -64,6 +68,7 @@ impl Default for RdmaOptions {
             keepalive: Duration::from_secs(1),
             dead_after: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
+            links_per_peer: 2,
         }
     }
 }
@@ -83,6 +88,9 @@ impl RdmaOptions {
         }
         if (self.slot_size as usize) <= wire::HEADER_LEN + wire::KEY_LEN {
             return bad("slot_size too small");
+        }
+        if self.links_per_peer == 0 {
+            return bad("links_per_peer must be > 0");
         }
         if self.stream_window == 0 {
             return bad("stream_window must be > 0");

@@ -55,8 +55,8 @@ struct Inner<P: FabricProvider> {
     provider: P,
     opts: RdmaOptions,
     local: SocketAddr,
-    /// Healthy link per peer lane address.
-    links: Mutex<HashMap<SocketAddr, Arc<Link>>>,
+    /// Healthy links (up to `links_per_peer`) per peer lane address.
+    links: Mutex<HashMap<SocketAddr, Vec<Arc<Link>>>>,
     /// Every link ever started (for shutdown and counters).
     all: Mutex<Vec<Weak<Link>>>,
     retired: Mutex<TransportStats>,
@@ -166,10 +166,12 @@ impl<P: FabricProvider> MuxTransport<P> {
     /// Fails the link to `peer` as if the fabric had broken (tests, and the
     /// daemon when it learns the peer's node is gone).
     pub fn fail_link(&self, peer: SocketAddr, why: &str) -> bool {
-        let l = self.inner.links.lock().unwrap().remove(&peer);
-        match l {
-            Some(l) => {
-                l.fail(why);
+        let links = self.inner.links.lock().unwrap().remove(&peer);
+        match links {
+            Some(links) => {
+                for l in links {
+                    l.fail(why);
+                }
                 true
             }
             None => false,
@@ -241,16 +243,21 @@ impl<P: FabricProvider> LaneTransport for MuxTransport<P> {
     }
 }
 
+/// A healthy link to `peer` for one more stream: the least loaded, once
+/// `links_per_peer` links exist (until then a new one is made, so streams
+/// spread over several queue pairs).
 fn healthy<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr) -> Option<Arc<Link>> {
     let mut links = inner.links.lock().unwrap();
-    match links.get(&peer) {
-        Some(l) if !l.is_failed() => Some(Arc::clone(l)),
-        Some(_) => {
-            links.remove(&peer);
-            None
-        }
-        None => None,
+    let v = links.get_mut(&peer)?;
+    v.retain(|l| !l.is_failed());
+    if v.is_empty() {
+        links.remove(&peer);
+        return None;
     }
+    if v.len() < inner.opts.links_per_peer {
+        return None;
+    }
+    v.iter().min_by_key(|l| l.stream_count()).cloned()
 }
 
 fn register<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr, link: &Arc<Link>) {
@@ -274,14 +281,14 @@ fn register<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr, link: &Arc<Li
     });
     all.push(Arc::downgrade(link));
     drop(all);
+    // Links the peer opened to us serve our opens to it too. Beyond
+    // `links_per_peer` (both daemons opened at once) a link is not offered
+    // for new streams but still carries the ones opened over it.
     let mut links = inner.links.lock().unwrap();
-    match links.get(&peer) {
-        // Both daemons connected at once: keep the first, the second still
-        // carries the streams opened over it.
-        Some(l) if !l.is_failed() => {}
-        _ => {
-            links.insert(peer, Arc::clone(link));
-        }
+    let v = links.entry(peer).or_default();
+    v.retain(|l| !l.is_failed());
+    if v.len() < inner.opts.links_per_peer {
+        v.push(Arc::clone(link));
     }
     if inner.closed.load(Ordering::SeqCst) {
         link.fail("local transport shut down");
