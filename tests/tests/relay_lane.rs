@@ -666,6 +666,26 @@ fn peer_killed_mid_stream_ends_the_other_side() {
         assert!(first_line(&mut cli).starts_with("connected"));
         assert!(first_line(&mut srv).starts_with("accepted"));
         std::thread::sleep(Duration::from_millis(500));
+        // Both daemons list the carried connection (`flowlane status`), with
+        // their own pod named and the other one remote.
+        for (node, local_is_client) in [(n0, true), (n1, false)] {
+            let st = node.stats();
+            let conn = st
+                .connections
+                .iter()
+                .find(|c| c.lane == "relay" && c.server.addr.port() == port)
+                .unwrap_or_else(|| panic!("{}: no relay connection in {st:?}", node.name));
+            assert_eq!(conn.client.addr.ip(), std::net::IpAddr::V4(a.ip));
+            assert_eq!(conn.server.addr.ip(), std::net::IpAddr::V4(b.ip));
+            let (local, remote) = if local_is_client {
+                (&conn.client, &conn.server)
+            } else {
+                (&conn.server, &conn.client)
+            };
+            assert_ne!(local.pod, "remote", "{conn:?}");
+            assert_eq!(remote.pod, "remote", "{conn:?}");
+            assert!(conn.bytes_client_to_server > 0, "{conn:?}");
+        }
         let (victim, survivor, what) = if kill_server {
             (srv, cli, "client")
         } else {

@@ -185,7 +185,12 @@ pub struct Broker {
 }
 
 /// Reports the relay lane's name and counters for stats answers.
-pub type RelayStatsFn = Box<dyn Fn() -> (String, LaneStats) + Send>;
+pub type RelayStatsFn = Box<dyn Fn() -> RelayStats + Send>;
+
+/// The relay's lane name, counters and carried connections (their pod
+/// fields empty: the broker names the local pod, the remote one is shown
+/// as `remote`).
+pub type RelayStats = (String, LaneStats, Vec<ConnectionInfo>);
 
 /// Reports the cross-node view (JSON) for stats answers.
 pub type NodesViewFn = Box<dyn Fn() -> serde_json::Value + Send>;
@@ -1020,11 +1025,22 @@ impl Broker {
                 channels_pending: self.pending.len() as u64,
             },
         );
+        let mut relayed = Vec::new();
         if let Some(relay) = &self.relay_stats {
-            let (name, st) = relay();
+            let (name, st, mut conns) = relay();
             lanes.insert(name, st);
+            for c in &mut conns {
+                for e in [&mut c.client, &mut c.server] {
+                    e.pod = self
+                        .pods
+                        .owner_of(e.addr.ip())
+                        .map(|p| self.pods.name_of(p.id))
+                        .unwrap_or_else(|| "remote".to_string());
+                }
+            }
+            relayed = conns;
         }
-        let connections = self
+        let mut connections: Vec<ConnectionInfo> = self
             .active
             .values()
             .map(|c| {
@@ -1047,6 +1063,7 @@ impl Broker {
                 }
             })
             .collect();
+        connections.extend(relayed);
         let listeners = self
             .listeners
             .iter()

@@ -155,6 +155,16 @@ impl Carried {
         }
     }
 
+    /// True on the client pod's node (the daemon holds the server side of
+    /// the region).
+    pub fn serves_client(&self) -> bool {
+        !self.wait_attach
+    }
+
+    pub fn region_len(&self) -> usize {
+        self._region.len
+    }
+
     pub fn failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
     }

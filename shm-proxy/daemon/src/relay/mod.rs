@@ -39,11 +39,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use flowlane_lane::proto::{ErrorCode, LaneStats, NoChannelReason, Request, Response};
+use flowlane_lane::proto::{
+    ConnectionInfo, Endpoint, ErrorCode, LaneStats, NoChannelReason, Request, Response,
+};
 use flowlane_lane::ring::{self, Side};
 use flowlane_rdma::{LaneStream, LaneTransport, StreamKey};
 
-use crate::broker::{Answer, Caller};
+use crate::broker::{Answer, Caller, RelayStats};
 use crate::counters::reason;
 use crate::memfd;
 use crate::server::Shared;
@@ -176,13 +178,43 @@ impl Relay {
         }
     }
 
-    /// The counters of the relay's lane (for stats answers).
-    pub fn lane_stats(&self) -> (String, LaneStats) {
+    /// The relay's lane: counters and the carried connections (for stats
+    /// answers; the broker fills in the pod names).
+    pub fn lane_stats(&self) -> RelayStats {
         let active = lock(&self.active);
         let live: u64 = active
             .values()
             .map(|c| c.bytes_in.load(Ordering::Relaxed) + c.bytes_out.load(Ordering::Relaxed))
             .sum();
+        let connections = active
+            .values()
+            .map(|c| {
+                let (out, inn) = (
+                    c.bytes_out.load(Ordering::Relaxed),
+                    c.bytes_in.load(Ordering::Relaxed),
+                );
+                // Our pod sends `out`: it is the client on the client's node.
+                let (c2s, s2c) = if c.serves_client() {
+                    (out, inn)
+                } else {
+                    (inn, out)
+                };
+                let endpoint = |addr| Endpoint {
+                    pod: String::new(),
+                    addr,
+                };
+                ConnectionInfo {
+                    id: c.id,
+                    lane: self.lane.to_string(),
+                    client: endpoint(c.key.client),
+                    server: endpoint(c.key.server),
+                    region_len: c.region_len() as u64,
+                    bytes_client_to_server: c2s,
+                    bytes_server_to_client: s2c,
+                    age_secs: c.opened.elapsed().as_secs(),
+                }
+            })
+            .collect();
         let pending = lock(&self.setups).len() + lock(&self.accepted).len();
         (
             self.lane.to_string(),
@@ -193,6 +225,7 @@ impl Relay {
                 bytes: self.closed_bytes.load(Ordering::Relaxed) + live,
                 channels_pending: pending as u64,
             },
+            connections,
         )
     }
 
