@@ -24,11 +24,15 @@ options:
   --models a,b           googlenet,inception3,resnet50,vgg16 (default all)
   --workloads a,b        allreduce,ps-sync,ps-async (default allreduce,ps-sync)
   --lanes a,b            tcp,shm (default both)
-  --only single|two      only the 1x4 or only the 2x2 cluster
+  --only single|two|rdma only the 1x4, only the 2x2 cluster, or only the rig (--rdma)
   --plugin flowlane|bridge   CNI plugin wiring the pods (default flowlane)
   --run-root DIR         cluster state (default /run/flowlane-cluster)
   --cluster-prefix NAME  cluster names NAME1, NAME2 (default demo)
   --pod-network A.B.0.0  the pods' /16 (default 10.210.0.0)
+  --rdma                 also measure the RDMA lane between the two guests of the
+                         Soft-RoCE rig (runs rdma-demo: needs qemu, takes minutes)
+  --rdma-models a,b      the models the rig runs (default googlenet,resnet50)
+  --rdma-rows FILE       merge RDMA-lane rows recorded earlier by rdma-demo
 ";
 
 fn list<T>(v: &str, f: impl Fn(&str) -> Result<T, String>) -> Result<Vec<T>, String> {
@@ -44,6 +48,10 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
     while let Some(a) = it.next() {
         if a == "-h" || a == "--help" {
             return Err(String::new());
+        }
+        if a == "--rdma" {
+            cfg.rdma = true;
+            continue;
         }
         let v = it.next().ok_or_else(|| format!("{a} needs a value"))?;
         let num = |what: &str| format!("{what}: not a number: {v:?}");
@@ -77,9 +85,21 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
             "--only" => match v.as_str() {
                 "single" => cfg.two_nodes = false,
                 "two" => cfg.single_node = false,
-                o => return Err(format!("--only single or two, not {o:?}")),
+                "rdma" => {
+                    cfg.single_node = false;
+                    cfg.two_nodes = false;
+                    cfg.rdma = true;
+                }
+                o => return Err(format!("--only single, two or rdma, not {o:?}")),
             },
             "--plugin" => cfg.plugin = v.parse()?,
+            "--rdma-rows" => cfg.rdma_rows = Some(PathBuf::from(v)),
+            "--rdma-models" => {
+                cfg.rdma_models = list(v, |m| {
+                    flowlane_workloads::models::by_name(m)
+                        .ok_or_else(|| format!("unknown model {m:?}"))
+                })?
+            }
             "--run-root" => cfg.run_root = PathBuf::from(v),
             "--cluster-prefix" => cfg.cluster_prefix = v.clone(),
             "--pod-network" => {

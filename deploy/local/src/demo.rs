@@ -27,6 +27,8 @@ use crate::status::{ClusterState, PodState};
 
 /// The demo's clusters use this /16 for their pods (node i: 10.210.i.0/24).
 pub const DEMO_POD_NETWORK: [u8; 2] = [10, 210];
+/// The start of the note that stands in for RDMA rows until some are merged.
+const RDMA_NOT_MEASURED: &str = "RDMA lane: not measured here:";
 /// Longest a single run may take before its processes are killed.
 const RUN_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -97,6 +99,15 @@ pub struct DemoConfig {
     pub cluster_prefix: String,
     /// The pods' /16 (`a.b.0.0`).
     pub pod_network: [u8; 2],
+    /// RDMA-lane rows recorded by `rdma-demo` (a report JSON, or a bare
+    /// array of rows) to merge into the report.
+    pub rdma_rows: Option<PathBuf>,
+    /// Run `rdma-demo` (the Soft-RoCE rig: QEMU guests, minutes) and merge
+    /// its rows; off by default.
+    pub rdma: bool,
+    /// The models the rig runs (under emulation the rig moves a few MB/s,
+    /// so the default leaves out the largest models).
+    pub rdma_models: Vec<ModelProfile>,
 }
 
 impl DemoConfig {
@@ -115,6 +126,12 @@ impl DemoConfig {
             plugin: Plugin::Flowlane,
             cluster_prefix: "demo".into(),
             pod_network: DEMO_POD_NETWORK,
+            rdma_rows: None,
+            rdma: false,
+            rdma_models: ["googlenet", "resnet50"]
+                .iter()
+                .filter_map(|m| flowlane_workloads::models::by_name(m))
+                .collect(),
         }
     }
 }
@@ -200,8 +217,94 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
             ));
         }
     }
+    if cfg.rdma {
+        let rows = cfg.out.join("rdma-rows.json");
+        run_rdma_demo(cfg, bins, &rows, progress)?;
+        merge_rdma_rows(&mut rep, &rows)?;
+    }
+    if let Some(rows) = &cfg.rdma_rows {
+        merge_rdma_rows(&mut rep, rows)?;
+        progress(&format!("merged RDMA-lane rows from {}", rows.display()));
+    }
     rep.finish();
     Ok(rep)
+}
+
+/// Runs `rdma-demo` (built with the workspace, beside `flowlane`), which
+/// boots the Soft-RoCE rig and writes its rows to `rows`.
+fn run_rdma_demo(
+    cfg: &DemoConfig,
+    bins: &Binaries,
+    rows: &Path,
+    progress: &dyn Fn(&str),
+) -> Result<(), String> {
+    let exe = bins.dir.join("rdma-demo");
+    if !exe.is_file() {
+        return Err(format!(
+            "{} is missing: build first (cargo build --release --workspace)",
+            exe.display()
+        ));
+    }
+    std::fs::create_dir_all(&cfg.out).map_err(|e| format!("{}: {e}", cfg.out.display()))?;
+    let models: Vec<&str> = cfg.rdma_models.iter().map(|m| m.name.as_str()).collect();
+    progress("RDMA lane: rdma-demo boots the Soft-RoCE rig (two QEMU guests; minutes)");
+    let status = Command::new(&exe)
+        .arg("--out")
+        .arg(rows)
+        .args(["--scale", &cfg.scale.to_string()])
+        .args(["--steps", &cfg.steps.to_string()])
+        .args(["--warmup", &cfg.warmup.to_string()])
+        .args(["--models", &models.join(",")])
+        .stdin(Stdio::null())
+        // Its table goes to the demo's progress stream, not the report's.
+        .stdout(Stdio::null())
+        .status()
+        .map_err(|e| format!("{}: {e}", exe.display()))?;
+    if !rows.is_file() {
+        return Err(format!("rdma-demo ({status}) wrote no rows"));
+    }
+    if !status.success() {
+        progress(&format!(
+            "rdma-demo: {status} (failed rows are marked in the report)"
+        ));
+    }
+    Ok(())
+}
+
+/// Adds recorded RDMA-lane rows (`rdma-demo`'s report JSON, or a bare array
+/// of rows) to `rep`, with their notes in place of the "not measured" note.
+pub fn merge_rdma_rows(rep: &mut Report, path: &Path) -> Result<(), String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("RDMA rows {}: {e}", path.display()))?;
+    let (notes, rows) = match serde_json::from_str::<Report>(&text) {
+        Ok(r) => (r.notes, r.runs),
+        Err(_) => (
+            Vec::new(),
+            serde_json::from_str::<Vec<RunRecord>>(&text).map_err(|e| {
+                format!(
+                    "RDMA rows {}: neither a report nor a list of rows: {e}",
+                    path.display()
+                )
+            })?,
+        ),
+    };
+    if rows.is_empty() {
+        return Err(format!("RDMA rows {}: no rows", path.display()));
+    }
+    if let Some(bad) = rows
+        .iter()
+        .find(|r| !matches!(r.lane_requested.as_str(), "tcp" | "rdma"))
+    {
+        return Err(format!(
+            "RDMA rows {}: a row asks for lane {:?} (tcp or rdma expected)",
+            path.display(),
+            bad.lane_requested
+        ));
+    }
+    rep.notes.retain(|n| !n.starts_with(RDMA_NOT_MEASURED));
+    rep.notes.extend(notes);
+    rep.runs.extend(rows);
+    Ok(())
 }
 
 fn notes(cfg: &DemoConfig, scaled: &[ModelProfile]) -> Vec<String> {
@@ -227,7 +330,7 @@ fn notes(cfg: &DemoConfig, scaled: &[ModelProfile]) -> Vec<String> {
         "Compute is emulated by sleeping (the talk's compute ran on GPUs, leaving host CPUs to the network); compute times are K80-class, batch 32 per worker, from published tf_cnn_benchmarks figures (GoogLeNet estimated from FLOPs).".into(),
         format!("Each run: {} warm-up step(s), then {} measured steps; a run's step time is its slowest worker's median step (robust against hiccups of a shared machine), split into the workers' median compute and communication; images/s = steps/s x batch x workers; efficiency = speed-up / workers against the 1-worker run of the same series.", cfg.warmup, cfg.steps),
         "Lane 'asked' = tcp (no preload library) or shm (LD_PRELOAD=libflowlane_preload.so). Lane 'measured' comes from the node daemons' counters before and after each run: shm = every connection got a shared-memory channel, shm+tcp = some did (e.g. cross-node ones stay on TCP), tcp = none did.".into(),
-        "RDMA lane: not measured (this machine has no RDMA NIC); it joins the report when the RDMA transport lands.".into(),
+        format!("{RDMA_NOT_MEASURED} this machine has no RDMA NIC; `flowlane demo --rdma` (or `--rdma-rows FILE` from `rdma-demo`) adds rows measured on the Soft-RoCE rig."),
     ];
     if let Ok(cpus) = std::thread::available_parallelism() {
         n.push(format!(
@@ -595,4 +698,139 @@ fn wait_all(children: &mut [&mut Child], deadline: Instant) -> Result<Vec<String
 /// Writes the report files into `out` and returns their paths.
 pub fn write_report(rep: &Report, out: &Path) -> std::io::Result<Vec<PathBuf>> {
     rep.write(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows recorded by a real `rdma-demo` run on the Soft-RoCE rig.
+    const RECORDED: &str = include_str!("../testdata/rdma-rows.json");
+
+    struct TempDir(PathBuf);
+    impl TempDir {
+        fn new(tag: &str) -> Self {
+            let d = std::env::temp_dir().join(format!("flowlane-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).unwrap();
+            TempDir(d)
+        }
+    }
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A report as `run` builds it, with one local shm series.
+    fn local_report() -> Report {
+        let cfg = DemoConfig::default_for(PathBuf::from("unused"));
+        let row = |w: u32, ips: f64| RunRecord {
+            workload: "allreduce".into(),
+            model: "googlenet".into(),
+            cluster: "2x2".into(),
+            placement: "cross node".into(),
+            lane_requested: "shm".into(),
+            lane_measured: "shm+tcp".into(),
+            workers: w,
+            batch: 32,
+            steps: 5,
+            images_per_s: ips,
+            ..Default::default()
+        };
+        Report {
+            title: "t".into(),
+            scale: cfg.scale,
+            notes: notes(&cfg, &cfg.models),
+            runs: vec![row(1, 100.0), row(2, 150.0)],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn merged_rdma_rows_reach_report_json_table_and_chart() {
+        let dir = TempDir::new("rdma-merge");
+        let rows = dir.0.join("rdma-rows.json");
+        std::fs::write(&rows, RECORDED).unwrap();
+        let mut rep = local_report();
+        assert!(rep.notes.iter().any(|n| n.starts_with(RDMA_NOT_MEASURED)));
+        merge_rdma_rows(&mut rep, &rows).unwrap();
+        rep.finish();
+        let files = rep.write(&dir.0.join("out")).unwrap();
+
+        // report.json parses back and holds the local rows and the rig's.
+        let text = std::fs::read_to_string(&files[0]).unwrap();
+        let back: Report = serde_json::from_str(&text).unwrap();
+        // (Floats may differ in the last digit after a JSON round trip.)
+        assert_eq!(back.runs.len(), rep.runs.len());
+        assert_eq!(back.notes, rep.notes);
+        assert!(back.runs.iter().any(|r| r.lane_requested == "shm"));
+        assert!(!back.notes.iter().any(|n| n.starts_with(RDMA_NOT_MEASURED)));
+        assert!(back.notes.iter().any(|n| n.contains("Soft-RoCE")));
+        let rdma: Vec<&RunRecord> = back
+            .runs
+            .iter()
+            .filter(|r| r.lane_requested == "rdma")
+            .collect();
+        assert!(!rdma.is_empty(), "no rdma rows in {text}");
+        // Every cross-node row that asked for RDMA was measured on it, with
+        // counter evidence, and has its scaling figures.
+        let cross: Vec<&&RunRecord> = rdma
+            .iter()
+            .filter(|r| r.placement.starts_with("cross node") && r.error.is_none())
+            .collect();
+        assert!(!cross.is_empty());
+        for r in &cross {
+            assert_eq!(r.lane_measured, "rdma", "{r:?}");
+            assert!(r.evidence.counters_read && r.evidence.rdma_connections > 0);
+            assert!(r.evidence.rdma_bytes >= r.tensor_bytes, "{r:?}");
+            assert!(r.steps_per_s > 0.0 && r.scaling_efficiency.is_some());
+        }
+        // Their plain-TCP twins of the same run are there to compare with.
+        for r in &cross {
+            assert!(back.runs.iter().any(|t| t.lane_requested == "tcp"
+                && t.cluster == r.cluster
+                && t.workload == r.workload
+                && t.model == r.model
+                && t.workers == r.workers
+                && t.lane_measured == "tcp"));
+        }
+        assert!(rep.table().contains("rdma"));
+        let md = std::fs::read_to_string(&files[1]).unwrap();
+        assert!(md.contains("| rdma | rdma |"));
+        let svg = std::fs::read_to_string(&files[2]).unwrap();
+        assert!(svg.contains("allreduce / rdma / rig 2x1"));
+        assert!(svg.contains("allreduce / shm / 2x2"));
+    }
+
+    #[test]
+    fn bad_rdma_rows_are_refused_with_a_reason() {
+        let dir = TempDir::new("rdma-bad");
+        let mut rep = local_report();
+        let before = rep.clone();
+        let missing = dir.0.join("none.json");
+        assert!(merge_rdma_rows(&mut rep, &missing)
+            .unwrap_err()
+            .contains("none.json"));
+        let garbage = dir.0.join("garbage.json");
+        std::fs::write(&garbage, "{\"runs\": 3}").unwrap();
+        assert!(merge_rdma_rows(&mut rep, &garbage)
+            .unwrap_err()
+            .contains("neither a report nor a list of rows"));
+        let empty = dir.0.join("empty.json");
+        std::fs::write(&empty, "[]").unwrap();
+        assert!(merge_rdma_rows(&mut rep, &empty)
+            .unwrap_err()
+            .contains("no rows"));
+        let shm = dir.0.join("shm.json");
+        let row = RunRecord {
+            lane_requested: "shm".into(),
+            ..Default::default()
+        };
+        std::fs::write(&shm, serde_json::to_string(&vec![row]).unwrap()).unwrap();
+        assert!(merge_rdma_rows(&mut rep, &shm)
+            .unwrap_err()
+            .contains("\"shm\""));
+        assert_eq!(rep, before, "a refused file changes nothing");
+    }
 }

@@ -15,6 +15,10 @@ const COLORS: [&str; 8] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
 ];
 
+/// The RDMA lane's own colour: its series (and the rig's plain-TCP baseline,
+/// dashed) stand out from the local clusters' palette.
+const RDMA_COLOR: &str = "#000000";
+
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -48,6 +52,14 @@ fn style(series: &[String], k: usize, runs: &[&RunRecord]) -> (&'static str, &'s
     } else {
         "none"
     };
+    // A job measured over RDMA (the Soft-RoCE rig) has the RDMA colour for
+    // both its lanes, like any job's two lanes share one colour.
+    let rdma_job = runs.iter().any(|r| {
+        r.lane_requested == "rdma" && r.workload == me.workload && r.cluster == me.cluster
+    });
+    if rdma_job {
+        return (RDMA_COLOR, dash);
+    }
     (COLORS[idx % COLORS.len()], dash)
 }
 
@@ -99,7 +111,7 @@ pub fn scaling_svg(report: &Report) -> String {
         s,
         r#"<text x="{}" y="24" font-size="16" text-anchor="middle">{}</text>"#,
         width / 2.0,
-        esc("Speed-up vs one worker. Grey: linear. Solid: preload library (shm asked), dashed: plain TCP")
+        esc("Speed-up vs one worker. Grey: linear. Solid: preload library (shm or rdma asked), dashed: plain TCP; black: Soft-RoCE rig (rdma lane)")
     );
     for (i, model) in models.iter().enumerate() {
         let ox = (i % COLUMNS) as f64 * PANEL_W;
@@ -232,5 +244,36 @@ mod tests {
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert!(svg.contains("vgg16&lt;&amp;&gt;"));
         assert!(svg.trim_end().ends_with("</svg>"));
+    }
+
+    #[test]
+    fn rdma_series_has_its_own_colour() {
+        let run = |w: u32, lane: &str, cluster: &str, speedup: f64| RunRecord {
+            workload: "allreduce".into(),
+            model: "googlenet".into(),
+            cluster: cluster.into(),
+            lane_requested: lane.into(),
+            lane_measured: lane.into(),
+            workers: w,
+            speedup: Some(speedup),
+            ..Default::default()
+        };
+        let rep = Report {
+            runs: vec![
+                run(1, "shm", "2x2", 1.0),
+                run(2, "shm", "2x2", 1.8),
+                run(1, "rdma", "rig 2x1", 1.0),
+                run(2, "rdma", "rig 2x1", 1.7),
+                run(1, "tcp", "rig 2x1", 1.0),
+                run(2, "tcp", "rig 2x1", 1.5),
+            ],
+            ..Default::default()
+        };
+        let svg = scaling_svg(&rep);
+        let lines: Vec<&str> = svg.lines().filter(|l| l.contains("<polyline")).collect();
+        assert_eq!(lines.len(), 3);
+        let black = format!("stroke=\"{RDMA_COLOR}\"");
+        assert_eq!(lines.iter().filter(|l| l.contains(&black)).count(), 2);
+        assert!(svg.contains("allreduce / rdma / rig 2x1"));
     }
 }

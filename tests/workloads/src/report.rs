@@ -23,6 +23,18 @@ pub struct LaneEvidence {
     /// The daemons' reasons for those, with counts.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub fallback_reasons: std::collections::BTreeMap<String, u64>,
+    /// Connections the RDMA relay lane carried during the run, counted once
+    /// each (by the first node's daemon: in the two-node Soft-RoCE rig every
+    /// connection of a run passes through both daemons). Zero outside the rig.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rdma_connections: u64,
+    /// Bytes the first node's daemon moved over the RDMA lane during the run.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rdma_bytes: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// One measured run.
@@ -35,11 +47,13 @@ pub struct RunRecord {
     pub cluster: String,
     /// Free-text placement of the workers (`same node`, `cross node`, ...).
     pub placement: String,
-    /// The lane asked for: `tcp` (no preload library) or `shm` (preload).
+    /// The lane asked for: `tcp` (no preload library), `shm` (preload), or
+    /// `rdma` (preload, between the Soft-RoCE rig's nodes, whose daemons
+    /// relay cross-node connections over RDMA).
     pub lane_requested: String,
-    /// The lane the daemon counters show was used: `tcp`, `shm`, or
-    /// `shm+tcp` (some connections on each); `tcp` whenever there is no
-    /// evidence of shared memory.
+    /// The lane the daemon counters show was used: `tcp`, `shm`, `rdma`, or
+    /// `shm+tcp` / `rdma+tcp` (some connections on each); `tcp` whenever
+    /// there is no evidence of shared memory or RDMA.
     pub lane_measured: String,
     pub evidence: LaneEvidence,
     pub workers: u32,
@@ -121,9 +135,16 @@ impl RunRecord {
     }
 }
 
-/// Names the lane from the counters: shared memory only with evidence.
+/// Names the lane from the counters: shared memory or RDMA only with
+/// evidence.
 pub fn measured_lane(e: &LaneEvidence) -> String {
-    if !e.counters_read || e.shm_connections == 0 {
+    if e.counters_read && e.rdma_connections > 0 {
+        if e.tcp_fallbacks > 0 {
+            "rdma+tcp".to_string()
+        } else {
+            "rdma".to_string()
+        }
+    } else if !e.counters_read || e.shm_connections == 0 {
         "tcp".to_string()
     } else if e.tcp_fallbacks > 0 {
         "shm+tcp".to_string()
@@ -330,6 +351,28 @@ mod tests {
         assert_eq!(measured_lane(&e), "shm");
         e.tcp_fallbacks = 1;
         assert_eq!(measured_lane(&e), "shm+tcp");
+        let mut r = LaneEvidence {
+            rdma_connections: 2,
+            ..Default::default()
+        };
+        assert_eq!(measured_lane(&r), "tcp", "unread counters are no evidence");
+        r.counters_read = true;
+        assert_eq!(measured_lane(&r), "rdma");
+        r.tcp_fallbacks = 1;
+        assert_eq!(measured_lane(&r), "rdma+tcp");
+    }
+
+    #[test]
+    fn shm_only_evidence_keeps_its_json_shape() {
+        let e = LaneEvidence {
+            counters_read: true,
+            shm_connections: 1,
+            ..Default::default()
+        };
+        let v = serde_json::to_value(&e).unwrap();
+        assert!(v.get("rdma_connections").is_none());
+        let back: LaneEvidence = serde_json::from_value(v).unwrap();
+        assert_eq!(back, e);
     }
 
     #[test]
