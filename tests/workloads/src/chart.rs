@@ -111,7 +111,7 @@ pub fn scaling_svg(report: &Report) -> String {
         s,
         r#"<text x="{}" y="24" font-size="16" text-anchor="middle">{}</text>"#,
         width / 2.0,
-        esc("Speed-up vs one worker. Grey: linear. Solid: preload library (shm or rdma asked), dashed: plain TCP; black: Soft-RoCE rig (rdma lane)")
+        esc("Speed-up vs one worker. Grey: linear. Solid: preload library, dashed: plain TCP. Black: RDMA rig")
     );
     for (i, model) in models.iter().enumerate() {
         let ox = (i % COLUMNS) as f64 * PANEL_W;
