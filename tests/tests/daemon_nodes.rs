@@ -296,6 +296,46 @@ fn a_view_needs_this_nodes_name() {
     );
 }
 
+/// The DaemonSet gives every node the same flags: a node without RDMA
+/// (no devices in sysfs) asked for the RDMA lane keeps serving (shm lane,
+/// status) and says why its cross-node connections stay on TCP.
+#[test]
+fn rdma_lane_asked_on_a_node_without_rdma_keeps_the_daemon_serving() {
+    let tmp = TempDir::new("kbnr");
+    let no_rdma = tmp.join("sys");
+    std::fs::create_dir_all(&no_rdma).unwrap();
+    let table = tmp.join("nodes.json");
+    std::fs::write(
+        &table,
+        r#"{"nodes": [{"name": "kbnr-a", "podCIDRs": ["10.172.60.0/24"], "underlay": "127.0.0.1", "lanePort": 7471}]}"#,
+    )
+    .unwrap();
+    let port = free_port();
+    let d = Daemon::start(
+        "kbnr1",
+        &[
+            "--nodes-file".into(),
+            table.display().to_string(),
+            "--node-name".into(),
+            "kbnr-a".into(),
+            "--sysfs-root".into(),
+            no_rdma.display().to_string(),
+            "--lane-listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--lane-transport".into(),
+            "rdma".into(),
+        ],
+        &[],
+    );
+    let status = d.status_json();
+    assert!(status.is_object(), "{status}");
+    let log = d.log();
+    assert!(
+        log.contains("RDMA lane unavailable on this node"),
+        "the log says why: {log}"
+    );
+}
+
 // ---------------------------------------------------------------------
 // A fake Kubernetes API server: HTTP/1.1 over TLS on 127.0.0.1 (a
 // certificate for the IP, signed by a throwaway CA), one request per
