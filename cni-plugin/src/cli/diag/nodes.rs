@@ -194,39 +194,6 @@ fn covering_route<'a>(routes: &'a [Route], cidr: &ipnetwork::IpNetwork) -> Optio
         .max_by_key(|r| r.dst.prefix())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn route(dst: &str, gw: Option<&str>, dev: &str) -> Route {
-        Route {
-            dst: dst.parse().unwrap(),
-            gateway: gw.map(|g| g.parse().unwrap()),
-            dev: dev.into(),
-        }
-    }
-
-    #[test]
-    fn the_most_specific_non_default_covering_route_is_chosen() {
-        let routes = vec![
-            route("0.0.0.0/0", Some("192.0.2.1"), "eth0"),
-            route("10.204.0.0/16", Some("10.209.0.1"), "eth1"),
-            route("10.204.2.0/24", Some("10.209.0.12"), "eth1"),
-            route("10.204.3.0/25", Some("10.209.0.13"), "eth1"),
-            route("fd00::/8", None, "eth1"),
-        ];
-        let pick =
-            |c: &str| covering_route(&routes, &c.parse().unwrap()).map(|r| r.dst.to_string());
-        assert_eq!(pick("10.204.2.0/24").as_deref(), Some("10.204.2.0/24"));
-        assert_eq!(pick("10.204.5.0/24").as_deref(), Some("10.204.0.0/16"));
-        // Half a CIDR routed is not the CIDR routed.
-        assert_eq!(pick("10.204.3.0/24").as_deref(), Some("10.204.0.0/16"));
-        // The default route does not count, nor another family.
-        assert_eq!(pick("10.99.0.0/24"), None);
-        assert_eq!(pick("fd00:1::/64").as_deref(), Some("fd00::/8"));
-    }
-}
-
 enum DaemonTable {
     Missing,
     Unusable(String),
@@ -267,5 +234,38 @@ fn daemon_table(path: &Path) -> DaemonTable {
             error: parsed.error,
         },
         Err(e) => DaemonTable::Unusable(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(dst: &str, gw: Option<&str>, dev: &str) -> Route {
+        Route {
+            dst: dst.parse().unwrap(),
+            gateway: gw.map(|g| g.parse().unwrap()),
+            dev: dev.into(),
+        }
+    }
+
+    #[test]
+    fn the_most_specific_non_default_covering_route_is_chosen() {
+        let routes = vec![
+            route("0.0.0.0/0", Some("192.0.2.1"), "eth0"),
+            route("10.204.0.0/16", Some("10.209.0.1"), "eth1"),
+            route("10.204.2.0/24", Some("10.209.0.12"), "eth1"),
+            route("10.204.3.0/25", Some("10.209.0.13"), "eth1"),
+            route("fd00::/8", None, "eth1"),
+        ];
+        let pick =
+            |c: &str| covering_route(&routes, &c.parse().unwrap()).map(|r| r.dst.to_string());
+        assert_eq!(pick("10.204.2.0/24").as_deref(), Some("10.204.2.0/24"));
+        assert_eq!(pick("10.204.5.0/24").as_deref(), Some("10.204.0.0/16"));
+        // Half a CIDR routed is not the CIDR routed.
+        assert_eq!(pick("10.204.3.0/24").as_deref(), Some("10.204.0.0/16"));
+        // The default route does not count, nor another family.
+        assert_eq!(pick("10.99.0.0/24"), None);
+        assert_eq!(pick("fd00:1::/64").as_deref(), Some("fd00::/8"));
     }
 }
