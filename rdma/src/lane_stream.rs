@@ -43,4 +43,10 @@ pub trait LaneTransport: Send + Sync {
     fn open(&self, peer: SocketAddr, key: StreamKey) -> io::Result<Box<dyn LaneStream>>;
     /// The next stream a peer opened to us (blocking).
     fn accept(&self) -> io::Result<(StreamKey, Box<dyn LaneStream>)>;
+    /// Failures of the transport itself so far, by kind, for the daemon's
+    /// metrics. Empty for a transport that keeps no such counts (then the
+    /// daemon shows none rather than a made-up zero).
+    fn error_counts(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 }

@@ -74,6 +74,15 @@ fn eventually(what: &str, f: impl Fn() -> bool) {
     }
 }
 
+/// One of the transport's error counters (`LaneTransport::error_counts`).
+fn errors(t: &dyn LaneTransport, kind: &str) -> u64 {
+    t.error_counts()
+        .into_iter()
+        .find(|(k, _)| *k == kind)
+        .unwrap_or_else(|| panic!("no error counter {kind}"))
+        .1
+}
+
 #[test]
 fn many_streams_random_sizes_both_directions_arrive_intact() {
     let opts = small_opts();
@@ -292,7 +301,17 @@ fn peer_death_resets_streams_and_new_opens_fail_until_it_is_back() {
         ErrorKind::ConnectionReset
     );
     eventually("link counted as down", || a.stats().links_up == 0);
+    assert_eq!(
+        errors(&*a, "link_failed"),
+        1,
+        "the peer's death is one link failure"
+    );
     let e = a.open(b_addr, key(8)).map(|_| ()).unwrap_err();
+    assert_eq!(
+        errors(&*a, "link_setup_failed"),
+        1,
+        "the refused reconnect is counted"
+    );
     assert!(
         matches!(
             e.kind(),
@@ -318,7 +337,10 @@ fn a_fabric_failure_resets_every_stream_of_that_peer() {
         .map(|i| a.open(b.local_addr(), key(i)).unwrap())
         .collect();
     let accepted: Vec<_> = (0..4).map(|_| b.accept().unwrap().1).collect();
+    assert_eq!(errors(&*a, "link_failed"), 0);
     assert!(a.fail_link(b.local_addr(), "simulated QP error"));
+    // One per link to that peer (`links_per_peer`).
+    assert!(errors(&*a, "link_failed") >= 1);
     for s in &streams {
         assert_eq!(s.send(b"x").unwrap_err().kind(), ErrorKind::ConnectionReset);
     }
@@ -349,6 +371,9 @@ fn garbage_on_the_lane_port_is_refused_and_the_listener_keeps_working() {
         c.write_all(junk).unwrap();
         drop(c);
     }
+    eventually("the three bad handshakes are counted", || {
+        errors(&*b, "link_setup_failed") == 3
+    });
     let s = a.open(b.local_addr(), key(30)).unwrap();
     let (_, t) = b.accept().unwrap();
     s.send(b"fine").unwrap();

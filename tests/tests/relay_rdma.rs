@@ -381,6 +381,26 @@ fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
         s.stderr,
         logs(&rig)
     );
+    // Node 1's daemon counts the broken RDMA link (metrics:
+    // flowlane_rdma_errors_total{kind="link_failed"}).
+    let t0 = std::time::Instant::now();
+    loop {
+        let errors = rig.daemon_stats(1).expect("flowlaned answers").lane_errors;
+        let failed = errors
+            .get("rdma")
+            .and_then(|e| e.get("link_failed"))
+            .copied()
+            .unwrap_or(0);
+        if failed >= 1 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "node1 did not count the failed RDMA link: {errors:?}\n{}",
+            logs(&rig)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
     // Restart the killed daemon for the other tests.
     relay_nodes_up(&rig);
     let _ = rig.del_pod(1, "rrkcli");

@@ -42,6 +42,21 @@ pub(crate) struct LinkConfig {
     pub idle_credit: Duration,
     /// Stream ids this side allocates: odd for the side that opened the link.
     pub odd_ids: bool,
+    /// The transport's error counters (shared by all its links).
+    pub errors: Arc<LinkErrors>,
+}
+
+/// Why a link fails when this side shuts its transport down (not an error).
+pub(crate) const LOCAL_SHUTDOWN: &str = "local transport shut down";
+
+/// Link failures of one transport, for the daemon's metrics.
+#[derive(Debug, Default)]
+pub(crate) struct LinkErrors {
+    /// A working link failed: error completion, protocol violation,
+    /// keep-alive silence or the peer's control connection closing.
+    pub link_failed: AtomicU64,
+    /// Connecting or handshaking with a peer daemon failed.
+    pub link_setup_failed: AtomicU64,
 }
 
 /// A control message waiting for link credit (sent in order, before data).
@@ -279,6 +294,9 @@ impl Link {
     fn fail_locked(&self, st: &mut LinkState, why: &str) {
         if st.failed.is_some() {
             return;
+        }
+        if why != LOCAL_SHUTDOWN {
+            self.cfg.errors.link_failed.fetch_add(1, Ordering::Relaxed);
         }
         tracing::warn!(peer = %self.peer, reason = why, "RDMA link failed");
         st.failed = Some(format!("RDMA link to {} failed: {why}", self.peer));

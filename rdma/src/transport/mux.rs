@@ -17,7 +17,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 
 use super::fabric::{FabricProvider, Geometry};
-use super::link::{AcceptSender, Link, LinkConfig};
+use super::link::{AcceptSender, Link, LinkConfig, LinkErrors, LOCAL_SHUTDOWN};
 use super::RdmaOptions;
 use crate::lane_stream::{LaneStream, LaneTransport, StreamKey};
 
@@ -65,6 +65,7 @@ struct Inner<P: FabricProvider> {
     accept_rx: Mutex<mpsc::Receiver<(StreamKey, Box<dyn LaneStream>)>>,
     closed: AtomicBool,
     links_failed: AtomicU64,
+    errors: Arc<LinkErrors>,
 }
 
 /// A [`LaneTransport`] over any [`FabricProvider`]: [`super::RdmaTransport`]
@@ -92,6 +93,7 @@ impl<P: FabricProvider> MuxTransport<P> {
             accept_rx: Mutex::new(accept_rx),
             closed: AtomicBool::new(false),
             links_failed: AtomicU64::new(0),
+            errors: Arc::default(),
         });
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
@@ -158,7 +160,7 @@ impl<P: FabricProvider> MuxTransport<P> {
             l.drain(Duration::from_secs(2));
         }
         for l in links {
-            l.fail("local transport shut down");
+            l.fail(LOCAL_SHUTDOWN);
         }
         self.inner.links.lock().unwrap().clear();
     }
@@ -187,8 +189,14 @@ impl<P: FabricProvider> MuxTransport<P> {
         if let Some(l) = healthy(inner, peer) {
             return Ok(l);
         }
-        let sock = TcpStream::connect_timeout(&peer, inner.opts.connect_timeout)?;
-        let (lane, link) = handshake(inner, sock, true)?;
+        let connected = TcpStream::connect_timeout(&peer, inner.opts.connect_timeout)
+            .and_then(|sock| handshake(inner, sock, true));
+        let (lane, link) = connected.inspect_err(|_| {
+            inner
+                .errors
+                .link_setup_failed
+                .fetch_add(1, Ordering::Relaxed);
+        })?;
         if lane != peer {
             tracing::debug!(%peer, %lane, "peer announces another lane address");
         }
@@ -206,6 +214,17 @@ impl<P: FabricProvider> Drop for MuxTransport<P> {
 impl<P: FabricProvider> LaneTransport for MuxTransport<P> {
     fn name(&self) -> &'static str {
         self.inner.provider.name()
+    }
+
+    fn error_counts(&self) -> Vec<(&'static str, u64)> {
+        let e = &self.inner.errors;
+        vec![
+            ("link_failed", e.link_failed.load(Ordering::Relaxed)),
+            (
+                "link_setup_failed",
+                e.link_setup_failed.load(Ordering::Relaxed),
+            ),
+        ]
     }
 
     fn open(&self, peer: SocketAddr, key: StreamKey) -> io::Result<Box<dyn LaneStream>> {
@@ -291,7 +310,7 @@ fn register<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr, link: &Arc<Li
         v.push(Arc::clone(link));
     }
     if inner.closed.load(Ordering::SeqCst) {
-        link.fail("local transport shut down");
+        link.fail(LOCAL_SHUTDOWN);
     }
 }
 
@@ -322,7 +341,13 @@ fn listen_loop<P: FabricProvider>(listener: TcpListener, inner: Weak<Inner<P>>) 
             .name("rdma-lane-hs".into())
             .spawn(move || match handshake(&inner2, sock, false) {
                 Ok((lane, link)) => register(&inner2, lane, &link),
-                Err(e) => tracing::warn!(%from, error = %e, "RDMA lane handshake failed"),
+                Err(e) => {
+                    inner2
+                        .errors
+                        .link_setup_failed
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%from, error = %e, "RDMA lane handshake failed")
+                }
             });
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot start a handshake thread");
@@ -415,6 +440,7 @@ fn handshake<P: FabricProvider>(
         dead_after: inner.opts.dead_after,
         idle_credit: Duration::from_millis(20),
         odd_ids: initiator,
+        errors: Arc::clone(&inner.errors),
     };
     let key = if initiator {
         sock.peer_addr()?

@@ -187,10 +187,15 @@ pub struct Broker {
 /// Reports the relay lane's name and counters for stats answers.
 pub type RelayStatsFn = Box<dyn Fn() -> RelayStats + Send>;
 
-/// The relay's lane name, counters and carried connections (their pod
+/// The relay's lane name, counters, carried connections (their pod
 /// fields empty: the broker names the local pod, the remote one is shown
-/// as `remote`).
-pub type RelayStats = (String, LaneStats, Vec<ConnectionInfo>);
+/// as `remote`) and its transport's error counts by kind.
+pub type RelayStats = (
+    String,
+    LaneStats,
+    Vec<ConnectionInfo>,
+    Vec<(&'static str, u64)>,
+);
 
 /// Reports the cross-node view (JSON) for stats answers.
 pub type NodesViewFn = Box<dyn Fn() -> serde_json::Value + Send>;
@@ -1026,8 +1031,18 @@ impl Broker {
             },
         );
         let mut relayed = Vec::new();
+        let mut lane_errors = BTreeMap::new();
         if let Some(relay) = &self.relay_stats {
-            let (name, st, mut conns) = relay();
+            let (name, st, mut conns, errors) = relay();
+            if !errors.is_empty() {
+                lane_errors.insert(
+                    name.clone(),
+                    errors
+                        .into_iter()
+                        .map(|(k, v)| (k.to_string(), v))
+                        .collect(),
+                );
+            }
             lanes.insert(name, st);
             for c in &mut conns {
                 for e in [&mut c.client, &mut c.server] {
@@ -1105,6 +1120,7 @@ impl Broker {
             connections,
             listeners,
             nodes: self.nodes_view.as_ref().map(|f| f()),
+            lane_errors,
         }
     }
 }

@@ -103,10 +103,15 @@ pub struct EmptyFamily {
 /// Families exposed with HELP/TYPE only, because nothing feeds them yet.
 /// Inventing a `0` sample would claim the daemon checked and found none.
 pub const EMPTY_FAMILIES: &[EmptyFamily] = &[EmptyFamily {
-    name: "flowlane_rdma_errors_total",
-    help: "RDMA lane errors by kind. The RDMA transport does not exist yet, so this family has no samples.",
+    name: RDMA_ERRORS,
+    help: RDMA_ERRORS_HELP,
     kind: "counter",
 }];
+
+/// Fed by the RDMA transport's link counters; a daemon without the RDMA
+/// lane describes the family with no samples.
+const RDMA_ERRORS: &str = "flowlane_rdma_errors_total";
+const RDMA_ERRORS_HELP: &str = "RDMA lane errors by kind: link_failed (an RDMA link to a peer daemon failed: error completion, protocol violation, keep-alive silence, peer gone), link_setup_failed (connecting or handshaking with a peer daemon failed). No samples on a node without the RDMA lane.";
 
 /// The Prometheus series of one latency histogram (seconds).
 fn histogram_samples(
@@ -199,6 +204,17 @@ pub fn samples(stats: &Stats) -> Vec<Sample> {
             lbl(),
             l.channels_pending,
         );
+    }
+    if let Some(errors) = stats.lane_errors.get("rdma") {
+        for (kind, n) in errors {
+            push(
+                RDMA_ERRORS,
+                RDMA_ERRORS_HELP,
+                "counter",
+                vec![("kind", kind.clone())],
+                *n,
+            );
+        }
     }
     for (reason, n) in &stats.fallbacks {
         push(

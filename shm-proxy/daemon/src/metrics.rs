@@ -129,6 +129,41 @@ mod tests {
     }
 
     #[test]
+    fn rdma_errors_are_exposed_by_kind_when_the_rdma_lane_runs() {
+        let mut st = Stats::default();
+        st.lane_errors.insert(
+            "rdma".into(),
+            [
+                ("link_failed".to_string(), 2),
+                ("link_setup_failed".to_string(), 0),
+            ]
+            .into_iter()
+            .collect(),
+        );
+        // The test transport's lane is not RDMA.
+        st.lane_errors.insert(
+            "relay".into(),
+            [("link_failed".to_string(), 5)].into_iter().collect(),
+        );
+        let t = prometheus_text(&st);
+        assert_eq!(
+            t.matches("# TYPE flowlane_rdma_errors_total counter")
+                .count(),
+            1,
+            "{t}"
+        );
+        assert!(
+            t.contains("flowlane_rdma_errors_total{kind=\"link_failed\"} 2\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("flowlane_rdma_errors_total{kind=\"link_setup_failed\"} 0\n"),
+            "{t}"
+        );
+        assert!(!t.contains(" 5\n"), "{t}");
+    }
+
+    #[test]
     fn rdma_errors_family_is_described_without_invented_samples() {
         let t = prometheus_text(&Stats::default());
         assert!(t.contains("# TYPE flowlane_rdma_errors_total counter"));

@@ -226,6 +226,7 @@ impl Relay {
                 channels_pending: pending as u64,
             },
             connections,
+            self.transport.error_counts(),
         )
     }
 
