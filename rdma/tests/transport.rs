@@ -116,10 +116,12 @@ fn many_streams_random_sizes_both_directions_arrive_intact() {
     assert_eq!(sb.bytes_sent, sa.bytes_received);
     assert_eq!(sa.streams_opened, n as u64);
     assert_eq!(sb.streams_accepted, n as u64);
-    assert_eq!(
-        sa.links_up as usize, opts.links_per_peer,
-        "the streams are spread over links_per_peer links"
-    );
+    // The first open makes a link; later opens use it at once and the
+    // extra links (up to links_per_peer) come up in the background.
+    eventually("links_per_peer links up", || {
+        a.stats().links_up as usize == opts.links_per_peer
+    });
+    assert!(sa.links_up >= 1);
     eventually("streams forgotten after both sides closed", || {
         a.stats().streams_open == 0 && b.stats().streams_open == 0
     });

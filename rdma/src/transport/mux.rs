@@ -66,6 +66,8 @@ struct Inner<P: FabricProvider> {
     closed: AtomicBool,
     links_failed: AtomicU64,
     errors: Arc<LinkErrors>,
+    /// Peers an extra link is being made to in the background.
+    growing: Mutex<std::collections::HashSet<SocketAddr>>,
 }
 
 /// A [`LaneTransport`] over any [`FabricProvider`]: [`super::RdmaTransport`]
@@ -94,6 +96,7 @@ impl<P: FabricProvider> MuxTransport<P> {
             closed: AtomicBool::new(false),
             links_failed: AtomicU64::new(0),
             errors: Arc::default(),
+            growing: Mutex::default(),
         });
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
@@ -182,26 +185,18 @@ impl<P: FabricProvider> MuxTransport<P> {
 
     fn link_to(&self, peer: SocketAddr) -> io::Result<Arc<Link>> {
         let inner = &self.inner;
-        if let Some(l) = healthy(inner, peer) {
+        let (link, below) = healthy(inner, peer);
+        if let Some(l) = link {
+            if below {
+                grow_in_background(inner, peer);
+            }
             return Ok(l);
         }
         let _one_at_a_time = inner.connecting.lock().unwrap();
-        if let Some(l) = healthy(inner, peer) {
+        if let (Some(l), _) = healthy(inner, peer) {
             return Ok(l);
         }
-        let connected = TcpStream::connect_timeout(&peer, inner.opts.connect_timeout)
-            .and_then(|sock| handshake(inner, sock, true));
-        let (lane, link) = connected.inspect_err(|_| {
-            inner
-                .errors
-                .link_setup_failed
-                .fetch_add(1, Ordering::Relaxed);
-        })?;
-        if lane != peer {
-            tracing::debug!(%peer, %lane, "peer announces another lane address");
-        }
-        register(inner, peer, &link);
-        Ok(link)
+        connect_link(inner, peer)
     }
 }
 
@@ -262,21 +257,65 @@ impl<P: FabricProvider> LaneTransport for MuxTransport<P> {
     }
 }
 
-/// A healthy link to `peer` for one more stream: the least loaded, once
-/// `links_per_peer` links exist (until then a new one is made, so streams
+/// The least loaded healthy link to `peer`, and whether fewer than
+/// `links_per_peer` exist (then another one is worth making, so streams
 /// spread over several queue pairs).
-fn healthy<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr) -> Option<Arc<Link>> {
+fn healthy<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr) -> (Option<Arc<Link>>, bool) {
     let mut links = inner.links.lock().unwrap();
-    let v = links.get_mut(&peer)?;
+    let Some(v) = links.get_mut(&peer) else {
+        return (None, true);
+    };
     v.retain(|l| !l.is_failed());
     if v.is_empty() {
         links.remove(&peer);
-        return None;
+        return (None, true);
     }
-    if v.len() < inner.opts.links_per_peer {
-        return None;
+    let below = v.len() < inner.opts.links_per_peer;
+    (v.iter().min_by_key(|l| l.stream_count()).cloned(), below)
+}
+
+/// Connects and registers one more link to `peer`.
+fn connect_link<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr) -> io::Result<Arc<Link>> {
+    let connected = TcpStream::connect_timeout(&peer, inner.opts.connect_timeout)
+        .and_then(|sock| handshake(inner, sock, true));
+    let (lane, link) = connected.inspect_err(|_| {
+        inner
+            .errors
+            .link_setup_failed
+            .fetch_add(1, Ordering::Relaxed);
+    })?;
+    if lane != peer {
+        tracing::debug!(%peer, %lane, "peer announces another lane address");
     }
-    v.iter().min_by_key(|l| l.stream_count()).cloned()
+    register(inner, peer, &link);
+    Ok(link)
+}
+
+/// Makes the extra links to `peer` off the caller's path: an open never
+/// waits for a queue pair to come up while a healthy link can carry it
+/// (the relay gives a stream 200 ms before it leaves a connection on TCP).
+fn grow_in_background<P: FabricProvider>(inner: &Arc<Inner<P>>, peer: SocketAddr) {
+    if !inner.growing.lock().unwrap().insert(peer) {
+        return; // already under way
+    }
+    let inner2 = Arc::clone(inner);
+    let spawned = std::thread::Builder::new()
+        .name("rdma-lane-grow".into())
+        .spawn(move || {
+            {
+                let _one_at_a_time = inner2.connecting.lock().unwrap();
+                let (_, below) = healthy(&inner2, peer);
+                if below && !inner2.closed.load(Ordering::SeqCst) {
+                    if let Err(e) = connect_link(&inner2, peer) {
+                        tracing::debug!(%peer, error = %e, "extra RDMA link not made; streams share the existing ones");
+                    }
+                }
+            }
+            inner2.growing.lock().unwrap().remove(&peer);
+        });
+    if spawned.is_err() {
+        inner.growing.lock().unwrap().remove(&peer);
+    }
 }
 
 fn register<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr, link: &Arc<Link>) {
