@@ -17,7 +17,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 
 use super::fabric::{FabricProvider, Geometry};
-use super::link::{AcceptSender, Link, LinkConfig, LinkErrors, LOCAL_SHUTDOWN};
+use super::link::{AcceptSender, Link, LinkConfig, LinkErrors, LinkStats, LOCAL_SHUTDOWN};
 use super::RdmaOptions;
 use crate::lane_stream::{LaneStream, LaneTransport, StreamKey};
 
@@ -49,6 +49,18 @@ pub struct TransportStats {
     pub bytes_received: u64,
     pub messages_sent: u64,
     pub messages_received: u64,
+}
+
+impl TransportStats {
+    /// Adds one link's running totals (streams, bytes, messages).
+    fn add_link_totals(&mut self, st: &LinkStats) {
+        self.streams_opened += st.streams_opened.load(Ordering::Relaxed);
+        self.streams_accepted += st.streams_accepted.load(Ordering::Relaxed);
+        self.bytes_sent += st.bytes_sent.load(Ordering::Relaxed);
+        self.bytes_received += st.bytes_received.load(Ordering::Relaxed);
+        self.messages_sent += st.messages_sent.load(Ordering::Relaxed);
+        self.messages_received += st.messages_received.load(Ordering::Relaxed);
+    }
 }
 
 struct Inner<P: FabricProvider> {
@@ -125,13 +137,7 @@ impl<P: FabricProvider> MuxTransport<P> {
                 s.links_up += 1;
             }
             s.streams_open += l.stream_count() as u64;
-            let st = &l.stats;
-            s.streams_opened += st.streams_opened.load(Ordering::Relaxed);
-            s.streams_accepted += st.streams_accepted.load(Ordering::Relaxed);
-            s.bytes_sent += st.bytes_sent.load(Ordering::Relaxed);
-            s.bytes_received += st.bytes_received.load(Ordering::Relaxed);
-            s.messages_sent += st.messages_sent.load(Ordering::Relaxed);
-            s.messages_received += st.messages_received.load(Ordering::Relaxed);
+            s.add_link_totals(&l.stats);
         }
         s
     }
@@ -325,14 +331,7 @@ fn register<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr, link: &Arc<Li
         let Some(l) = w.upgrade() else { return false };
         if l.is_failed() && l.stream_count() == 0 {
             inner.links_failed.fetch_add(1, Ordering::Relaxed);
-            let mut r = inner.retired.lock().unwrap();
-            let st = &l.stats;
-            r.streams_opened += st.streams_opened.load(Ordering::Relaxed);
-            r.streams_accepted += st.streams_accepted.load(Ordering::Relaxed);
-            r.bytes_sent += st.bytes_sent.load(Ordering::Relaxed);
-            r.bytes_received += st.bytes_received.load(Ordering::Relaxed);
-            r.messages_sent += st.messages_sent.load(Ordering::Relaxed);
-            r.messages_received += st.messages_received.load(Ordering::Relaxed);
+            inner.retired.lock().unwrap().add_link_totals(&l.stats);
             return false;
         }
         true
