@@ -37,14 +37,16 @@ pub fn preload_lib() -> PathBuf {
     crate::binaries::workspace_artifact("libflowlane_preload.so")
 }
 
-fn sh(args: &[&str]) -> std::process::Output {
+/// Runs a command; its output (for callers that tolerate failure).
+pub fn sh(args: &[&str]) -> std::process::Output {
     Command::new(args[0])
         .args(&args[1..])
         .output()
         .unwrap_or_else(|e| panic!("{args:?}: {e}"))
 }
 
-fn sh_ok(args: &[&str]) {
+/// Runs a command that must succeed.
+pub fn sh_ok(args: &[&str]) {
     let o = sh(args);
     assert!(
         o.status.success(),

@@ -289,3 +289,35 @@ else:
     assert len(got) == n and all(a == b for a, b in zip(msgs, got)), "stream differs"
     print('ok', n, sum(map(len, got)))
 "#;
+
+/// `peer_kill.py server PORT` reads until EOF/error; `peer_kill.py client
+/// IP PORT` writes until an error. Each prints how it ended.
+pub const PEER_KILL: &str = r#"
+import socket, sys, time
+role = sys.argv[1]
+if role == "server":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(('0.0.0.0', int(sys.argv[2]))); s.listen(8)
+    c, _ = s.accept()
+    print("accepted", flush=True)
+    n = 0
+    try:
+        while True:
+            d = c.recv(65536)
+            if not d:
+                print("ended eof", n, flush=True); break
+            n += len(d)
+    except OSError as e:
+        print("ended", type(e).__name__, n, flush=True)
+else:
+    c = socket.create_connection((sys.argv[2], int(sys.argv[3])))
+    print("connected", flush=True)
+    buf = b"x" * 65536; n = 0
+    try:
+        while True:
+            c.sendall(buf); n += len(buf)
+            if n > (64 << 20):
+                time.sleep(0.01)
+    except OSError as e:
+        print("ended", type(e).__name__, n, flush=True)
+"#;

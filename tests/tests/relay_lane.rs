@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use flowlane_e2e::shm::{build_dir, preload_lib, run_ok, Bg};
-use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PYTHON, SEMANTICS};
+use flowlane_e2e::shm::{build_dir, preload_lib, run_ok, sh, sh_ok, Bg};
+use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PEER_KILL, PYTHON, SEMANTICS};
 use flowlane_lane::client::DaemonClient;
 use flowlane_lane::proto::Stats;
 
@@ -31,22 +31,6 @@ const T: Duration = Duration::from_secs(120);
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn sh(args: &[&str]) -> std::process::Output {
-    Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
-}
-
-fn sh_ok(args: &[&str]) {
-    let o = sh(args);
-    assert!(
-        o.status.success(),
-        "{args:?} failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
 }
 
 #[derive(Debug, Clone)]
@@ -591,38 +575,6 @@ fn mixed_pairs_across_nodes_stay_on_tcp() {
         "the client's daemon must learn that the server pod has no flowlane listener: {st:?}"
     );
 }
-
-/// `peer_kill.py server PORT` reads until EOF/error; `peer_kill.py client
-/// IP PORT` writes until an error. Each prints how it ended.
-const PEER_KILL: &str = r#"
-import socket, sys, time
-role = sys.argv[1]
-if role == "server":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(('0.0.0.0', int(sys.argv[2]))); s.listen(8)
-    c, _ = s.accept()
-    print("accepted", flush=True)
-    n = 0
-    try:
-        while True:
-            d = c.recv(65536)
-            if not d:
-                print("ended eof", n, flush=True); break
-            n += len(d)
-    except OSError as e:
-        print("ended", type(e).__name__, n, flush=True)
-else:
-    c = socket.create_connection((sys.argv[2], int(sys.argv[3])))
-    print("connected", flush=True)
-    buf = b"x" * 65536; n = 0
-    try:
-        while True:
-            c.sendall(buf); n += len(buf)
-            if n > (64 << 20):
-                time.sleep(0.01)
-    except OSError as e:
-        print("ended", type(e).__name__, n, flush=True)
-"#;
 
 /// Reads a line from the child's stdout (blocking).
 fn first_line(b: &mut Bg) -> String {

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use flowlane_e2e::rdma_vm::{self, perftest, shell_quote, RdmaRig};
-use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER};
+use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PEER_KILL};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(180);
@@ -294,32 +294,6 @@ fn ring_allreduce_across_nodes_over_the_rdma_relay() {
     let _ = rig.del_pod(1, "rrar0");
     let _ = rig.del_pod(2, "rrar1");
 }
-
-/// `peer_kill.py server PORT` reads until EOF/error; `peer_kill.py client
-/// IP PORT` writes until an error. Each prints how it ended.
-const PEER_KILL: &str = r#"
-import socket, sys, time
-if sys.argv[1] == "server":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(('0.0.0.0', int(sys.argv[2]))); s.listen(8)
-    c, _ = s.accept(); print("accepted", flush=True); n = 0
-    try:
-        while True:
-            d = c.recv(65536)
-            if not d:
-                print("ended eof", n, flush=True); break
-            n += len(d)
-    except OSError as e:
-        print("ended", type(e).__name__, n, flush=True)
-else:
-    c = socket.create_connection((sys.argv[2], int(sys.argv[3])))
-    print("connected", flush=True); buf = b"x" * 65536; n = 0
-    try:
-        while True:
-            c.sendall(buf); n += len(buf)
-    except OSError as e:
-        print("ended", type(e).__name__, n, flush=True)
-"#;
 
 /// The server node's daemon killed mid-stream over the RDMA relay: both
 /// pods see their connection end (error or EOF), neither hangs.
