@@ -9,11 +9,14 @@ use hyper::body::Bytes;
 use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::{json, Value};
 use std::io::BufRead as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_rustls::rustls;
+
+mod common;
+use common::TempDir;
 
 const SERVICE_DNS: &str = "flowlane-webhook.flowlane-system.svc";
 const PRELOAD_LIB: &str = "/opt/flowlane/lib/libflowlane_preload.so";
@@ -47,22 +50,6 @@ fn serving_pair(ca: &Ca) -> (String, String) {
     let params = rcgen::CertificateParams::new(vec![SERVICE_DNS.to_string()]).unwrap();
     let cert = params.signed_by(&key, &ca.cert, &ca.key).unwrap();
     (cert.pem(), key.serialize_pem())
-}
-
-/// A temporary directory removed on drop.
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("flowlane-webhook-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// The running webhook, killed on drop.
@@ -247,7 +234,7 @@ fn assert_pod_volumes(pod: &Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_reviews_over_https_are_patched_as_expected() {
-    let dir = TempDir::new("reviews");
+    let dir = TempDir::new("webhook-reviews");
     let ca = new_ca("flowlane test CA");
     let (cert, key) = serving_pair(&ca);
     std::fs::write(dir.0.join("tls.crt"), cert).unwrap();
@@ -349,7 +336,7 @@ async fn admission_reviews_over_https_are_patched_as_expected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_certificate_is_verified_and_a_rotation_is_picked_up() {
-    let dir = TempDir::new("rotate");
+    let dir = TempDir::new("webhook-rotate");
     let (ca1, ca2) = (new_ca("first CA"), new_ca("second CA"));
     let (cert, key) = serving_pair(&ca1);
     std::fs::write(dir.0.join("tls.crt"), cert).unwrap();
@@ -402,7 +389,7 @@ async fn the_certificate_is_verified_and_a_rotation_is_picked_up() {
 
 #[test]
 fn bad_certificate_files_stop_the_webhook_at_start_with_a_reason() {
-    let dir = TempDir::new("badcert");
+    let dir = TempDir::new("webhook-badcert");
     std::fs::write(dir.0.join("tls.crt"), "garbage").unwrap();
     std::fs::write(dir.0.join("tls.key"), "garbage").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_flowlane-webhook"))

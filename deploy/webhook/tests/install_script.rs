@@ -11,36 +11,14 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use tokio_rustls::rustls;
 
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("flowlane-install-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+mod common;
+use common::{release_dir, TempDir};
 
 fn config_data() -> Value {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kubernetes/configmap.yaml");
     let cm: serde_yaml::Value =
         serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     serde_json::to_value(cm).unwrap()["data"].clone()
-}
-
-fn release_dir() -> PathBuf {
-    std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf()
 }
 
 /// A one-connection-at-a-time HTTPS server on 127.0.0.1 answering GET requests from
@@ -137,7 +115,7 @@ struct Node {
 
 /// Runs install.sh for `node_name`; returns (success, stderr, layout).
 fn run_install(api: &FakeApi, node_name: &str, tag: &str) -> (bool, String, Node) {
-    let root = TempDir::new(tag);
+    let root = TempDir::new(&format!("install-{tag}"));
     let r = root.0.clone();
     let data = config_data();
     for d in [

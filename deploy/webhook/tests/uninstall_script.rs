@@ -4,15 +4,11 @@
 //! flowlane's config, binaries, library, state, leases, bridge and tables, and nothing else.
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-struct TempDir(PathBuf);
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+mod common;
+use common::TempDir;
 
 fn uninstall_script() -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kubernetes/uninstall/uninstall.yaml");
@@ -40,10 +36,8 @@ fn touch(root: &Path, rel: &str) {
 
 #[test]
 fn uninstall_removes_flowlane_and_nothing_else() {
-    let root =
-        TempDir(std::env::temp_dir().join(format!("flowlane-uninstall-{}", std::process::id())));
+    let root = TempDir::new("uninstall");
     let r = &root.0;
-    let _ = std::fs::remove_dir_all(r);
     let gone = [
         "etc/cni/net.d/10-flowlane.conflist",
         "etc/cni/net.d/.10-flowlane.conflist.tmp.42",
