@@ -18,7 +18,14 @@
 //! class/infiniband/<dev>/ports/<n>/gid_attrs/ndevs/<i>  netdev of a RoCE GID (EINVAL otherwise)
 //! class/net/<if>/device/infiniband/<dev>      netdev -> device (PCI NICs)
 //! class/net/<if>/mtu                          RoCE's active MTU derives from it
+//! class/infiniband_verbs/uverbs<n>/ibdev      "rxe0": the device's /dev/infiniband/uverbs<n>
 //! ```
+//!
+//! A device being removed (`rdma link delete`, a driver unbind) loses its
+//! `infiniband_verbs` node first; when its driver cannot revoke open
+//! contexts (rxe, siw), the kernel then waits, with the device still in
+//! `class/infiniband` and its ports still ACTIVE, until every process has
+//! closed it. Such a device is reported `removing`: nothing can open it.
 //!
 //! sysfs has no port MTU attribute (`ibv_query_port` gets it from the
 //! driver). For RoCE ports the kernel derives it from the netdev MTU
@@ -55,6 +62,16 @@ pub struct Device {
     /// Every netdev linked to this device, by any of the mappings.
     pub netdevs: Vec<String>,
     pub ports: Vec<Port>,
+    /// Its user-space verbs node (`uverbs0` = `/dev/infiniband/uverbs0`);
+    /// `None` when unknown (no `class/infiniband_verbs`: ib_uverbs is not
+    /// loaded) or gone.
+    #[serde(default)]
+    pub uverbs: Option<String>,
+    /// `class/infiniband_verbs` exists but has no node for this device: it
+    /// is being removed (see the module comment), or the verbs node failed;
+    /// either way no process can open it.
+    #[serde(default)]
+    pub removing: bool,
 }
 
 /// One port of a device.
@@ -215,11 +232,55 @@ pub fn discover(sysfs: &Sysfs) -> Result<Inventory, DiscoveryError> {
         source,
     })?;
     let netdev_map = netdevs_by_device(sysfs);
+    let verbs = verbs_nodes(sysfs);
     let mut devices = Vec::new();
     for name in names {
-        devices.push(read_device(sysfs, &name, netdev_map.get(&name)));
+        let mut dev = read_device(sysfs, &name, netdev_map.get(&name));
+        if let Some(nodes) = &verbs {
+            dev.uverbs = nodes.get(&name).cloned();
+            dev.removing = dev.uverbs.is_none();
+        }
+        devices.push(dev);
     }
     Ok(Inventory { devices })
+}
+
+/// device name -> its `uverbs<n>` node, from `class/infiniband_verbs/*/ibdev`;
+/// `None` when that class does not exist (ib_uverbs not loaded: nothing
+/// can be said about any device).
+fn verbs_nodes(sysfs: &Sysfs) -> Option<BTreeMap<String, String>> {
+    let dir = sysfs.root().join("class/infiniband_verbs");
+    if !dir.is_dir() {
+        return None;
+    }
+    let mut map = BTreeMap::new();
+    for node in entries(&dir).unwrap_or_default() {
+        if let Some(dev) = attr(&dir.join(&node).join("ibdev")) {
+            map.insert(dev, node);
+        }
+    }
+    Some(map)
+}
+
+/// A cheap summary of what decides this node's lane, for polling between
+/// full discoveries: every device with its verbs node and each port's
+/// state. Reads two or three small files per port (no GID tables).
+pub fn lane_fingerprint(sysfs: &Sysfs) -> String {
+    let mut out = String::new();
+    let verbs = verbs_nodes(sysfs);
+    for dev in entries(&sysfs.infiniband()).unwrap_or_default() {
+        let node = verbs
+            .as_ref()
+            .map(|v| v.get(&dev).cloned().unwrap_or_default());
+        out.push_str(&format!("{dev} verbs={node:?}"));
+        let ports = sysfs.infiniband().join(&dev).join("ports");
+        for p in entries(&ports).unwrap_or_default() {
+            let state = attr(&ports.join(&p).join("state")).unwrap_or_default();
+            out.push_str(&format!(" {p}={state}"));
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// device name -> netdevs whose `device/infiniband/` lists it, with the
@@ -290,6 +351,8 @@ fn read_device(sysfs: &Sysfs, name: &str, pci_netdevs: Option<&Vec<(String, u32)
         parent,
         netdevs,
         ports,
+        uverbs: None,
+        removing: false,
     }
 }
 
@@ -370,6 +433,77 @@ mod tests {
         let p = PortState::parse("3: Disabled");
         assert_eq!((p.code, p.name.as_str()), (3, "Disabled"));
         assert_eq!(PortState::parse("1: CA").name, "CA");
+    }
+
+    /// A copy of a fixture tree that the test may change.
+    fn fixture_copy(tree: &str, tag: &str) -> std::path::PathBuf {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(tree);
+        let dst = std::env::temp_dir().join(format!("fl-disc-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dst);
+        let ok = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(&src)
+            .arg(&dst)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "cp -a {}", src.display());
+        dst
+    }
+
+    #[test]
+    fn a_device_whose_verbs_node_is_gone_is_being_removed_and_offers_no_gid() {
+        use crate::gid::{select_gid, NoGidReason, NodeAddress};
+        let root = fixture_copy("rxe", "uverbs");
+        let sysfs = Sysfs::new(&root);
+        let addr = [NodeAddress {
+            ip: "192.0.2.1".parse().unwrap(),
+            netdev: Some("vA".into()),
+        }];
+        // No class/infiniband_verbs (ib_uverbs not loaded, or an old tree): unknown, usable.
+        let inv = discover(&sysfs).unwrap();
+        assert_eq!(
+            (inv.devices[0].uverbs.as_deref(), inv.devices[0].removing),
+            (None, false)
+        );
+        assert!(select_gid(&inv, &addr).is_ok());
+        let before = lane_fingerprint(&sysfs);
+
+        // The verbs node of rxe0, as ib_uverbs exposes it.
+        let node = root.join("class/infiniband_verbs/uverbs0");
+        std::fs::create_dir_all(&node).unwrap();
+        std::fs::write(node.join("ibdev"), "rxe0\n").unwrap();
+        let inv = discover(&sysfs).unwrap();
+        assert_eq!(inv.devices[0].uverbs.as_deref(), Some("uverbs0"));
+        assert!(!inv.devices[0].removing);
+        assert_eq!(select_gid(&inv, &addr).unwrap().device, "rxe0");
+        let with_node = lane_fingerprint(&sysfs);
+        assert_ne!(before, with_node);
+
+        // `rdma link delete rxe0` while a process holds it: the verbs node goes,
+        // the device and its ACTIVE port stay until every process closed it.
+        std::fs::remove_dir_all(&node).unwrap();
+        let inv = discover(&sysfs).unwrap();
+        assert!(inv.devices[0].removing);
+        assert!(inv.devices[0].ports[0].is_active());
+        let err = select_gid(&inv, &addr).unwrap_err();
+        assert_eq!(err.reason, NoGidReason::PortDown);
+        assert!(
+            err.detail.contains("rxe0 is being removed"),
+            "{}",
+            err.detail
+        );
+        assert_ne!(lane_fingerprint(&sysfs), with_node, "the poll sees it");
+
+        // A port that goes down changes the fingerprint too.
+        std::fs::write(node.parent().unwrap().join("x"), "").unwrap();
+        let state = root.join("class/infiniband/rxe0/ports/1/state");
+        let f1 = lane_fingerprint(&sysfs);
+        std::fs::write(&state, "1: DOWN\n").unwrap();
+        assert_ne!(lane_fingerprint(&sysfs), f1);
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

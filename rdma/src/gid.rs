@@ -123,6 +123,25 @@ pub fn select_gid(inv: &Inventory, addrs: &[NodeAddress]) -> Result<SelectedGid,
     for want in &wanted {
         let gid = gid_for_ip(want.ip);
         for dev in &inv.devices {
+            let holds_address = dev.ports.iter().any(|p| {
+                p.gids.iter().any(|g| g.gid == gid)
+                    || (p.link_layer == LinkLayer::InfiniBand
+                        && want.netdev.is_some()
+                        && want.netdev == p.netdev)
+            });
+            if dev.removing && holds_address {
+                // Reported as a port that is down: nothing can use it, and
+                // it comes back (with its ports) when the device is re-added.
+                down.push(format!(
+                    "{} is being removed (its /dev/infiniband verbs node is gone; the kernel \
+                     finishes the removal once every process has closed the device)",
+                    dev.name
+                ));
+                continue;
+            }
+            if dev.removing {
+                continue;
+            }
             for port in &dev.ports {
                 let where_ = format!("{}/{}", dev.name, port.number);
                 // Rule 3: InfiniBand through the IPoIB netdev.

@@ -500,6 +500,29 @@ impl RdmaRig {
         Ok(())
     }
 
+    /// The flags that give both guests' `flowlaned` the cross-node RDMA
+    /// lane: the relay listening on the node's underlay address, the RDMA
+    /// transport on `rxe0`, and the node table `node-up.sh` writes.
+    pub const RDMA_LANE_ARGS: [&'static str; 8] = [
+        "--lane-listen",
+        "$RIG_ADDR:7471",
+        "--lane-transport",
+        "rdma",
+        "--nodes-file",
+        "/etc/flowlane/nodes.json",
+        "--node-name",
+        "node$RIG_NODE",
+    ];
+
+    /// [`RdmaRig::nodes_up`] with [`RdmaRig::RDMA_LANE_ARGS`] plus `extra`
+    /// (e.g. `["--log-level", "info,flowlaned=debug"]`): both daemons carry
+    /// cross-node connections over RDMA. Calling it again restarts them.
+    pub fn nodes_up_with_rdma_lane(&self, extra: &[&str]) -> Result<()> {
+        let args: Vec<&str> = Self::RDMA_LANE_ARGS.iter().chain(extra).copied().collect();
+        self.nodes_up(&args)
+            .context("flowlaned with the RDMA lane on both guests")
+    }
+
     /// Adds pod `name` on `node` through the real plugin (`guest/pod-add.sh`)
     /// and returns its IPv4 address. Needs [`RdmaRig::nodes_up`] first.
     pub fn add_pod(&self, node: u8, name: &str) -> Result<Ipv4Addr> {

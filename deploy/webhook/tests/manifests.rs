@@ -2,6 +2,10 @@
 //! k8s-openapi (v1_30) type without losing a field (a misspelt or misplaced key fails),
 //! each kustomization lists exactly the files next to it, and the references between
 //! objects (service accounts, config keys, volumes, webhook paths, ports, flags) hold.
+//! The kustomize components under `components/` (JSON patches) are applied here as
+//! kustomize would, and each variant is checked the same way. The node agent's arguments
+//! are expanded as the kubelet does (`$(VAR)` from its env, downward API with sample
+//! values) and checked by the real `flowlaned --check-config`.
 
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
@@ -9,6 +13,7 @@ use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, PodSpec, Service, ServiceAccount,
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
@@ -19,13 +24,16 @@ fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../kubernetes")
 }
 
-/// Every `*.yaml` under `dir`, recursively, sorted.
+/// Every `*.yaml` under `dir`, recursively, sorted; kustomize components (JSON
+/// patches, see [`render`]) are not objects and are left out.
 fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.is_dir() {
-            out.extend(yaml_files(&path));
+            if path.file_name().unwrap() != "components" {
+                out.extend(yaml_files(&path));
+            }
         } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
             out.push(path);
         }
@@ -106,39 +114,47 @@ struct Objects {
     webhooks: Vec<MutatingWebhookConfiguration>,
 }
 
+/// Every object document of the tree, with its file.
+fn raw_objects(dir: &Path) -> Vec<(PathBuf, Value)> {
+    yaml_files(dir)
+        .into_iter()
+        .filter(|f| f.file_name().unwrap() != "kustomization.yaml")
+        .flat_map(|f| documents(&f).into_iter().map(move |d| (f.clone(), d)))
+        .collect()
+}
+
 fn load(dir: &Path) -> Objects {
+    load_documents(raw_objects(dir))
+}
+
+fn load_documents(docs: Vec<(PathBuf, Value)>) -> Objects {
     let mut objects = Objects::default();
-    for file in yaml_files(dir) {
-        if file.file_name().unwrap() == "kustomization.yaml" {
-            continue;
-        }
-        for doc in documents(&file) {
-            let kind = format!(
-                "{}/{}",
-                doc["apiVersion"].as_str().unwrap_or("?"),
-                doc["kind"].as_str().unwrap_or("?")
-            );
-            match kind.as_str() {
-                "v1/Namespace" => objects.namespaces.push(typed(&doc, &file)),
-                "v1/ServiceAccount" => objects.service_accounts.push(typed(&doc, &file)),
-                "rbac.authorization.k8s.io/v1/ClusterRole" => {
-                    objects.cluster_roles.push(typed(&doc, &file))
-                }
-                "rbac.authorization.k8s.io/v1/ClusterRoleBinding" => {
-                    objects.bindings.push(typed(&doc, &file))
-                }
-                "v1/ConfigMap" => objects.config_maps.push(typed(&doc, &file)),
-                "apps/v1/DaemonSet" => objects.daemon_sets.push(typed(&doc, &file)),
-                "apps/v1/Deployment" => objects.deployments.push(typed(&doc, &file)),
-                "v1/Service" => objects.services.push(typed(&doc, &file)),
-                "admissionregistration.k8s.io/v1/MutatingWebhookConfiguration" => {
-                    objects.webhooks.push(typed(&doc, &file))
-                }
-                other => panic!(
-                    "{}: kind {other} is not checked by this test; add it",
-                    file.display()
-                ),
+    for (file, doc) in docs {
+        let kind = format!(
+            "{}/{}",
+            doc["apiVersion"].as_str().unwrap_or("?"),
+            doc["kind"].as_str().unwrap_or("?")
+        );
+        match kind.as_str() {
+            "v1/Namespace" => objects.namespaces.push(typed(&doc, &file)),
+            "v1/ServiceAccount" => objects.service_accounts.push(typed(&doc, &file)),
+            "rbac.authorization.k8s.io/v1/ClusterRole" => {
+                objects.cluster_roles.push(typed(&doc, &file))
             }
+            "rbac.authorization.k8s.io/v1/ClusterRoleBinding" => {
+                objects.bindings.push(typed(&doc, &file))
+            }
+            "v1/ConfigMap" => objects.config_maps.push(typed(&doc, &file)),
+            "apps/v1/DaemonSet" => objects.daemon_sets.push(typed(&doc, &file)),
+            "apps/v1/Deployment" => objects.deployments.push(typed(&doc, &file)),
+            "v1/Service" => objects.services.push(typed(&doc, &file)),
+            "admissionregistration.k8s.io/v1/MutatingWebhookConfiguration" => {
+                objects.webhooks.push(typed(&doc, &file))
+            }
+            other => panic!(
+                "{}: kind {other} is not checked by this test; add it",
+                file.display()
+            ),
         }
     }
     objects
@@ -306,15 +322,190 @@ fn assert_flags_exist(binary: &Path, args: &[String]) {
     }
 }
 
-#[test]
-fn the_node_agent_is_complete_and_least_privileged() {
-    let objects = load(&deploy_dir());
+/// The kustomize components (`deploy/kubernetes/components/<name>`).
+fn component_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(deploy_dir().join("components"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+/// The tree's objects with `component` applied as kustomize applies a
+/// Component's `patches` (JSON 6902 patches, each on the objects its target
+/// names): a failing `test` operation or a target that matches nothing fails.
+fn render(component: Option<&str>) -> Objects {
+    let mut docs = raw_objects(&deploy_dir());
+    if let Some(name) = component {
+        let dir = deploy_dir().join("components").join(name);
+        let kz = &documents(&dir.join("kustomization.yaml"))[0];
+        for patch in kz["patches"].as_array().expect("patches") {
+            let file = dir.join(patch["path"].as_str().unwrap());
+            let ops: json_patch::Patch = serde_json::from_value(Value::Array(
+                documents(&file)[0].as_array().unwrap().clone(),
+            ))
+            .unwrap_or_else(|e| panic!("{}: not a JSON patch: {e}", file.display()));
+            let (kind, name) = (&patch["target"]["kind"], &patch["target"]["name"]);
+            let mut hits = 0;
+            for (_, doc) in docs
+                .iter_mut()
+                .filter(|(_, d)| &d["kind"] == kind && &d["metadata"]["name"] == name)
+            {
+                json_patch::patch(doc, &ops).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+                hits += 1;
+            }
+            assert_eq!(hits, 1, "{}: target {kind} {name}", file.display());
+        }
+    }
+    load_documents(docs)
+}
+
+fn node_agent(objects: &Objects) -> &PodSpec {
     let ds = objects
         .daemon_sets
         .iter()
         .find(|d| d.metadata.name.as_deref() == Some("flowlane-node"))
         .unwrap();
-    let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+}
+
+/// Sample values for the downward API fields the manifests use.
+fn downward(field: &str) -> &'static str {
+    match field {
+        "spec.nodeName" => "node-a",
+        "status.hostIP" => "192.0.2.10",
+        other => panic!("downward API field {other}: add a sample value"),
+    }
+}
+
+/// `$(VAR)` references expanded as the kubelet does: defined variables are
+/// replaced, `$$` is a literal `$`, anything else stays as written.
+fn kubelet_expand(s: &str, env: &BTreeMap<String, String>) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        if let Some(t) = tail.strip_prefix("$$") {
+            out.push('$');
+            rest = t;
+        } else if let Some((name, t)) = tail.strip_prefix("$(").and_then(|t| t.split_once(')')) {
+            match env.get(name) {
+                Some(v) => out.push_str(v),
+                None => out.push_str(&tail[..name.len() + 3]),
+            }
+            rest = t;
+        } else {
+            out.push('$');
+            rest = &tail[1..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The container's environment as the kubelet builds it: `envFrom` ConfigMaps,
+/// then `env` in order (values expanded against what came before).
+fn container_env(c: &Container, objects: &Objects) -> BTreeMap<String, String> {
+    let config = |name: &str| -> BTreeMap<String, String> {
+        objects
+            .config_maps
+            .iter()
+            .find(|m| m.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no ConfigMap {name}"))
+            .data
+            .clone()
+            .unwrap_or_default()
+    };
+    let mut env = BTreeMap::new();
+    for f in c.env_from.iter().flatten() {
+        let r = f.config_map_ref.as_ref().expect("envFrom a ConfigMap");
+        for (k, v) in config(&r.name) {
+            env.insert(format!("{}{k}", f.prefix.as_deref().unwrap_or("")), v);
+        }
+    }
+    for e in c.env.iter().flatten() {
+        let v = if let Some(v) = &e.value {
+            kubelet_expand(v, &env)
+        } else {
+            let from = e.value_from.as_ref().expect("value or valueFrom");
+            if let Some(f) = &from.field_ref {
+                downward(&f.field_path).to_string()
+            } else if let Some(r) = &from.config_map_key_ref {
+                config(&r.name)[&r.key].clone()
+            } else {
+                panic!("{}: valueFrom kind not handled", e.name)
+            }
+        };
+        env.insert(e.name.clone(), v);
+    }
+    env
+}
+
+/// `flowlaned --check-config` on the container's arguments as the kubelet
+/// expands them, in its environment; returns the summary line.
+fn flowlaned_accepts(daemon: &Container, objects: &Objects) -> String {
+    let env = container_env(daemon, objects);
+    let args: Vec<String> = daemon
+        .args
+        .iter()
+        .flatten()
+        .map(|a| kubelet_expand(a, &env))
+        .collect();
+    let binary = release_dir().join("flowlaned");
+    let out = std::process::Command::new(&binary)
+        .arg("--check-config")
+        .args(&args)
+        .env_clear()
+        .envs(&env)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (build the workspace first)", binary.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "flowlaned rejects the DaemonSet's arguments {args:?}: {}{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn capabilities(c: &Container) -> (Option<Vec<String>>, Option<Vec<String>>) {
+    let caps = c
+        .security_context
+        .as_ref()
+        .and_then(|s| s.capabilities.clone())
+        .unwrap_or_default();
+    (caps.drop, caps.add)
+}
+
+fn mount_paths(c: &Container) -> BTreeSet<&str> {
+    c.volume_mounts
+        .iter()
+        .flatten()
+        .map(|m| m.mount_path.as_str())
+        .collect()
+}
+
+/// The API server's rule (pod validation): a privileged container must not
+/// set `allowPrivilegeEscalation: false`.
+fn assert_valid_privilege(c: &Container) {
+    let sc = c.security_context.as_ref().unwrap();
+    if sc.privileged == Some(true) {
+        assert_ne!(
+            sc.allow_privilege_escalation,
+            Some(false),
+            "{}: the API server rejects privileged with allowPrivilegeEscalation: false",
+            c.name
+        );
+    }
+}
+
+#[test]
+fn the_node_agent_is_complete_and_runs_the_rdma_lane() {
+    let objects = load(&deploy_dir());
+    let spec = node_agent(&objects);
     check_pod_references(spec, &objects, "flowlane-node");
     assert_eq!(spec.host_network, Some(true));
     assert_eq!(spec.host_pid, Some(true));
@@ -325,22 +516,43 @@ fn the_node_agent_is_complete_and_least_privileged() {
         .any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none()));
 
     let daemon = container(spec, "flowlaned");
+    for c in spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(&spec.containers)
+    {
+        assert_valid_privilege(c);
+    }
+    // The RDMA lane's device: privileged (device cgroup; see daemonset.yaml),
+    // which includes SYS_PTRACE and IPC_LOCK, and the host's /dev/infiniband, live.
     let sc = daemon.security_context.as_ref().unwrap();
-    assert_ne!(sc.privileged, Some(true));
-    assert_eq!(sc.allow_privilege_escalation, Some(false));
-    let caps = sc.capabilities.as_ref().unwrap();
-    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
     assert_eq!(
-        caps.add.as_deref(),
-        Some(&["SYS_PTRACE".to_string()][..]),
-        "only SYS_PTRACE"
+        sc.privileged,
+        Some(true),
+        "the lane opens /dev/infiniband/uverbs*"
     );
-    let mounts: BTreeSet<&str> = daemon
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    let dev = daemon
         .volume_mounts
         .iter()
         .flatten()
-        .map(|m| m.mount_path.as_str())
-        .collect();
+        .find(|m| m.mount_path == "/dev/infiniband")
+        .expect("flowlaned mounts /dev/infiniband");
+    let dev_volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == dev.name)
+        .unwrap();
+    let hp = dev_volume.host_path.as_ref().expect("a hostPath");
+    assert_eq!(hp.path, "/dev/infiniband");
+    assert_eq!(
+        hp.type_.as_deref(),
+        Some("DirectoryOrCreate"),
+        "a node without RDMA has no /dev/infiniband: the pod must still start"
+    );
+    let mounts = mount_paths(daemon);
     for path in [
         "/run/flowlane",
         "/var/lib/flowlane",
@@ -355,24 +567,64 @@ fn the_node_agent_is_complete_and_least_privileged() {
     );
     // The cross-node view: flowlaned reads the Nodes from the API and knows
     // which one it runs on from NODE_NAME = spec.nodeName (downward API).
+    let args: Vec<&str> = daemon.args.iter().flatten().map(String::as_str).collect();
     assert!(
-        daemon.args.iter().flatten().any(|a| a == "--kubernetes"),
+        args.contains(&"--kubernetes"),
         "flowlaned builds its node table from the API"
     );
-    let node_name = daemon
-        .env
+    let field_of = |name: &str| {
+        daemon
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value_from.as_ref())
+            .and_then(|v| v.field_ref.as_ref())
+            .map(|f| f.field_path.clone())
+    };
+    assert_eq!(field_of("NODE_NAME").as_deref(), Some("spec.nodeName"));
+    // The relay listens on the node's own address (status.hostIP: the address
+    // the node table lists for it) and the lane port, over RDMA.
+    assert_eq!(field_of("HOST_IP").as_deref(), Some("status.hostIP"));
+    assert!(
+        args.contains(&"--lane-listen=$(HOST_IP):$(FLOWLANE_LANE_PORT)"),
+        "{args:?}"
+    );
+    assert!(
+        args.contains(&"--lane-transport=$(FLOWLANE_LANE_TRANSPORT)"),
+        "{args:?}"
+    );
+    let env = container_env(daemon, &objects);
+    assert_eq!(env["FLOWLANE_LANE_TRANSPORT"], "rdma");
+    let lane_port = daemon
+        .ports
         .iter()
         .flatten()
-        .find(|e| e.name == "NODE_NAME")
-        .expect("flowlaned gets NODE_NAME");
+        .find(|p| p.name.as_deref() == Some("lane"))
+        .expect("a lane port");
     assert_eq!(
-        node_name
-            .value_from
-            .as_ref()
-            .and_then(|v| v.field_ref.as_ref())
-            .map(|f| f.field_path.as_str()),
-        Some("spec.nodeName")
+        lane_port.container_port.to_string(),
+        env["FLOWLANE_LANE_PORT"]
     );
+    // The real daemon accepts the arguments as the kubelet expands them.
+    let summary = flowlaned_accepts(daemon, &objects);
+    assert!(
+        summary.contains("relay: rdma on 192.0.2.10:7471")
+            && summary.contains("node table: kubernetes"),
+        "{summary}"
+    );
+    // rdma-core in the image: the lane dlopen()s libibverbs and its providers.
+    let dockerfile = std::fs::read_to_string(deploy_dir().join("image/Dockerfile")).unwrap();
+    let install = dockerfile
+        .split("\nRUN ")
+        .find(|r| r.contains("apt-get install"))
+        .expect("an apt-get install");
+    for pkg in ["libibverbs1", "ibverbs-providers"] {
+        assert!(
+            install.split_whitespace().any(|w| w == pkg),
+            "the image installs {pkg}"
+        );
+    }
 
     let install = container(spec, "install");
     let isc = install.security_context.as_ref().unwrap();
@@ -442,6 +694,122 @@ fn the_node_agent_is_complete_and_least_privileged() {
     .map(String::from)
     .into();
     assert_eq!(granted, expected);
+}
+
+#[test]
+fn every_component_patches_exactly_its_files() {
+    let dirs = component_dirs();
+    let names: Vec<String> = dirs
+        .iter()
+        .map(|d| d.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["no-rdma-lane", "rdma-shared-device-plugin"]);
+    for dir in &dirs {
+        let kz = &documents(&dir.join("kustomization.yaml"))[0];
+        assert_eq!(kz["apiVersion"], "kustomize.config.k8s.io/v1alpha1");
+        assert_eq!(kz["kind"], "Component");
+        let listed: BTreeSet<String> = kz["patches"]
+            .as_array()
+            .expect("patches")
+            .iter()
+            .map(|p| p["path"].as_str().unwrap().to_string())
+            .collect();
+        let present: BTreeSet<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".yaml") && n != "kustomization.yaml")
+            .collect();
+        assert_eq!(listed, present, "{}", dir.display());
+    }
+}
+
+/// The two ways to run the node agent without privilege, applied as
+/// kustomize applies them: what each grants, and that flowlaned accepts
+/// the resulting arguments.
+#[test]
+fn the_components_drop_privilege_and_the_lane_as_documented() {
+    // No relay: SYS_PTRACE only, no device, the daemon says the relay is off.
+    let objects = render(Some("no-rdma-lane"));
+    let spec = node_agent(&objects);
+    check_pod_references(spec, &objects, "no-rdma-lane");
+    let daemon = container(spec, "flowlaned");
+    assert_valid_privilege(daemon);
+    let sc = daemon.security_context.as_ref().unwrap();
+    assert_eq!(sc.privileged, Some(false));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(
+        capabilities(daemon),
+        (
+            Some(vec!["ALL".to_string()]),
+            Some(vec!["SYS_PTRACE".to_string()])
+        ),
+        "only SYS_PTRACE"
+    );
+    assert!(!mount_paths(daemon).contains("/dev/infiniband"));
+    assert!(!spec.volumes.iter().flatten().any(|v| v
+        .host_path
+        .as_ref()
+        .is_some_and(|h| h.path == "/dev/infiniband")));
+    assert_eq!(
+        container_env(daemon, &objects)["FLOWLANE_LANE_TRANSPORT"],
+        "off"
+    );
+    let summary = flowlaned_accepts(daemon, &objects);
+    assert!(summary.contains("relay: off"), "{summary}");
+
+    // The device from the RDMA shared device plugin: unprivileged, exactly
+    // SYS_PTRACE + IPC_LOCK, one share of the plugin's resource.
+    let objects = render(Some("rdma-shared-device-plugin"));
+    let spec = node_agent(&objects);
+    check_pod_references(spec, &objects, "rdma-shared-device-plugin");
+    let daemon = container(spec, "flowlaned");
+    assert_valid_privilege(daemon);
+    let sc = daemon.security_context.as_ref().unwrap();
+    assert_eq!(sc.privileged, Some(false));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    let (drop, add) = capabilities(daemon);
+    assert_eq!(drop, Some(vec!["ALL".to_string()]));
+    assert_eq!(
+        add.unwrap_or_default().into_iter().collect::<BTreeSet<_>>(),
+        BTreeSet::from(["SYS_PTRACE".to_string(), "IPC_LOCK".to_string()])
+    );
+    let limits = daemon
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        limits.get("rdma/rdma_shared_device_a"),
+        Some(&Quantity("1".into()))
+    );
+    assert!(
+        limits.contains_key("memory"),
+        "the patch adds to the limits, keeps the rest"
+    );
+    assert!(!mount_paths(daemon).contains("/dev/infiniband"));
+    let summary = flowlaned_accepts(daemon, &objects);
+    assert!(
+        summary.contains("relay: rdma on 192.0.2.10:7471"),
+        "{summary}"
+    );
+
+    // The base is unchanged by rendering without a component.
+    let base = render(None);
+    let daemon = container(node_agent(&base), "flowlaned");
+    assert_eq!(
+        daemon.security_context.as_ref().unwrap().privileged,
+        Some(true)
+    );
+}
+
+#[test]
+fn kubelet_expansion_follows_the_kubelet_rules() {
+    let env = BTreeMap::from([
+        ("A".to_string(), "1".to_string()),
+        ("HOST_IP".to_string(), "192.0.2.10".to_string()),
+    ]);
+    assert_eq!(kubelet_expand("$(HOST_IP):$(A)", &env), "192.0.2.10:1");
+    assert_eq!(kubelet_expand("$(NOPE)-$$(A)-$", &env), "$(NOPE)-$(A)-$");
 }
 
 #[test]

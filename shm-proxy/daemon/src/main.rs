@@ -58,7 +58,8 @@ struct Args {
     #[arg(long)]
     lane_listen: Option<std::net::SocketAddr>,
     /// The lane's transport: `tcp-test` (one TCP connection per stream, for
-    /// hosts without RDMA and tests) or `rdma`.
+    /// hosts without RDMA and tests), `rdma`, or `off` (no relay even with
+    /// --lane-listen: a cluster-wide opt-out that keeps the flags as they are).
     #[arg(long, default_value = "tcp-test")]
     lane_transport: String,
     /// The cluster's node table (JSON: nodes with podCIDRs, underlay,
@@ -68,6 +69,39 @@ struct Args {
     /// The cross-node view (`nodes.rs`): --node-name, --kubernetes, --sysfs-root, --nodes-refresh.
     #[command(flatten)]
     nodes: nodes::Flags,
+    /// Check the flags (as the daemon would at start) and exit: 0 and a
+    /// summary on stdout when they are valid, else 2 and the reason.
+    #[arg(long)]
+    check_config: bool,
+}
+
+/// The transports `--lane-transport` accepts.
+const LANE_TRANSPORTS: [&str; 3] = ["tcp-test", "rdma", "off"];
+
+impl Args {
+    /// Where the relay listens, when it is on.
+    fn relay_listen(&self) -> Option<std::net::SocketAddr> {
+        self.lane_listen.filter(|_| self.lane_transport != "off")
+    }
+
+    /// Everything that can be checked without starting anything.
+    fn check(&self) -> anyhow::Result<()> {
+        if !(self.intent_timeout.is_finite() && self.intent_timeout > 0.0) {
+            anyhow::bail!("--intent-timeout must be a positive number of seconds");
+        }
+        if !LANE_TRANSPORTS.contains(&self.lane_transport.as_str()) {
+            anyhow::bail!(
+                "--lane-transport {}: unknown ({})",
+                self.lane_transport,
+                LANE_TRANSPORTS.join(", ")
+            );
+        }
+        self.nodes.check(self.nodes_file.as_deref())?;
+        if self.relay_listen().is_some() && self.nodes_file.is_none() && !self.nodes.kubernetes {
+            anyhow::bail!("--lane-listen needs the cross-node view (--nodes-file or --kubernetes, and --node-name)");
+        }
+        Ok(())
+    }
 }
 
 fn init_logging(level: Option<&str>) {
@@ -110,11 +144,27 @@ async fn shutdown_signal() -> anyhow::Result<&'static str> {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.check_config {
+        if let Err(e) = args.check() {
+            eprintln!("flowlaned: {e:#}");
+            std::process::exit(2);
+        }
+        println!(
+            "flowlaned: configuration ok (relay: {}, node table: {})",
+            args.relay_listen()
+                .map(|a| format!("{} on {a}", args.lane_transport))
+                .unwrap_or_else(|| "off".into()),
+            match (&args.nodes_file, args.nodes.kubernetes) {
+                (Some(p), _) => format!("file {}", p.display()),
+                (None, true) => "kubernetes".into(),
+                (None, false) => "none".into(),
+            }
+        );
+        return Ok(());
+    }
     init_logging(args.log_level.as_deref());
     raise_fd_limit();
-    if !(args.intent_timeout.is_finite() && args.intent_timeout > 0.0) {
-        anyhow::bail!("--intent-timeout must be a positive number of seconds");
-    }
+    args.check()?;
     let limits = Limits {
         intent_ttl: Duration::from_secs_f64(args.intent_timeout),
         max_region: args.max_region,
@@ -134,7 +184,12 @@ fn start_relay(
     nodes: Option<std::sync::Arc<nodes::Nodes>>,
 ) -> anyhow::Result<Option<std::sync::Arc<relay::Relay>>> {
     use std::sync::Arc;
-    let Some(listen) = args.lane_listen else {
+    let Some(listen) = args.relay_listen() else {
+        if args.lane_listen.is_some() {
+            tracing::info!(
+                "--lane-transport off: no cross-node relay; cross-node connections stay on TCP"
+            );
+        }
         return Ok(None);
     };
     let Some(nodes) = nodes else {
@@ -216,7 +271,7 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         &args.nodes,
         args.nodes_file.as_deref(),
         &args.state_dir,
-        args.lane_listen.map(|a| a.port()),
+        args.relay_listen().map(|a| a.port()),
     )
     .await?;
     if let Some(n) = &nodes {
@@ -226,6 +281,11 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
             .set_nodes_view(Box::new(move || n.view_json()));
     }
     let relay = start_relay(&args, &shared, nodes.clone())?;
+    if let (Some(n), None) = (&nodes, &relay) {
+        // No relay (off, or its transport could not start): offer no lane
+        // port, or peers would keep trying a lane nobody serves.
+        n.set_lane_port(None);
+    }
     let listener = server::bind(&args.socket)?;
     tracing::info!(
         socket = %args.socket.display(),

@@ -11,7 +11,11 @@
 //!   the Nodes (Kubernetes), runs RDMA discovery on `--sysfs-root` and selects
 //!   the GID for this node's address, publishes this node's lane on its Node
 //!   when it differs from what the API shows (Kubernetes), and writes what it
-//!   sees to `<state-dir>/daemon/nodes.json` for people and tools.
+//!   sees to `<state-dir>/daemon/nodes.json` for people and tools. Between
+//!   rounds it re-reads the RDMA devices' port states and verbs nodes every
+//!   `--rdma-poll` seconds (a few small sysfs files) and runs a round at once
+//!   when they change: a port that goes down, a device being removed or
+//!   re-added changes this node's lane within seconds, not at the next round.
 //! - [`Nodes::route_for`] is the query the daemon makes per connection: it
 //!   reads an in-memory snapshot and never waits on the network. A failed
 //!   refresh keeps the last good table (a flaky API server must not make every
@@ -19,6 +23,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -49,6 +54,38 @@ pub struct Flags {
     /// Seconds between refreshes of the node table, RDMA discovery and publishing.
     #[arg(long, default_value_t = 30.0)]
     pub nodes_refresh: f64,
+    /// Seconds between checks of this node's RDMA port states and verbs
+    /// nodes (sysfs); a change runs a refresh at once.
+    #[arg(long, default_value_t = 2.0)]
+    pub rdma_poll: f64,
+}
+
+impl Flags {
+    /// Checks the flags without starting anything: a source of the node
+    /// table needs this node's name, intervals must be positive.
+    pub fn check(&self, nodes_file: Option<&Path>) -> anyhow::Result<()> {
+        if nodes_file.is_some() && self.kubernetes {
+            anyhow::bail!("--nodes-file and --kubernetes exclude each other");
+        }
+        if !(self.nodes_refresh.is_finite() && self.nodes_refresh > 0.0) {
+            anyhow::bail!("--nodes-refresh must be a positive number of seconds");
+        }
+        if !(self.rdma_poll.is_finite() && self.rdma_poll > 0.0) {
+            anyhow::bail!("--rdma-poll must be a positive number of seconds");
+        }
+        if (nodes_file.is_some() || self.kubernetes) && self.node_name().is_none() {
+            anyhow::bail!("--nodes-file/--kubernetes need this node's name: --node-name NAME or env NODE_NAME (downward API spec.nodeName)");
+        }
+        Ok(())
+    }
+
+    /// `--node-name`, else env `NODE_NAME`; never empty.
+    fn node_name(&self) -> Option<String> {
+        self.node_name
+            .clone()
+            .or_else(|| std::env::var("NODE_NAME").ok())
+            .filter(|n| !n.is_empty())
+    }
 }
 
 /// Where the node table comes from.
@@ -118,6 +155,11 @@ pub struct Nodes {
     /// The last round's view, as `<state-dir>/daemon/nodes.json` holds it
     /// (for stats answers: `flowlane status --json`).
     last_view: RwLock<serde_json::Value>,
+    /// Where this daemon accepts lane streams (published in Kubernetes
+    /// with the lane); 0: nowhere.
+    lane_port: AtomicU32,
+    /// Runs a round now (instead of at the next tick).
+    wake: tokio::sync::Notify,
 }
 
 impl Nodes {
@@ -140,6 +182,25 @@ impl Nodes {
             .unwrap_or_else(|p| p.into_inner())
             .lane
             .clone()
+    }
+
+    /// Sets where this daemon accepts lane streams (`None`: its relay is
+    /// off, so it must not offer a lane port) and runs a round at once, so
+    /// that Kubernetes sees the change without waiting for the next one.
+    pub fn set_lane_port(&self, port: Option<u16>) {
+        let old = self
+            .lane_port
+            .swap(port.map_or(0, u32::from), Ordering::Relaxed);
+        if old != port.map_or(0, u32::from) {
+            self.wake.notify_one();
+        }
+    }
+
+    fn lane_port(&self) -> Option<u16> {
+        match self.lane_port.load(Ordering::Relaxed) {
+            0 => None,
+            p => u16::try_from(p).ok(),
+        }
     }
 
     /// This node's entry in the current node table, if listed.
@@ -187,21 +248,13 @@ pub async fn start(
     state_dir: &Path,
     lane_port: Option<u16>,
 ) -> anyhow::Result<Option<Arc<Nodes>>> {
+    flags.check(nodes_file)?;
     let source = match (nodes_file, flags.kubernetes) {
-        (Some(_), true) => anyhow::bail!("--nodes-file and --kubernetes exclude each other"),
-        (Some(p), false) => Source::File(p.to_path_buf()),
+        (Some(p), _) => Source::File(p.to_path_buf()),
         (None, true) => Source::Kubernetes,
         (None, false) => return Ok(None),
     };
-    let node_name = flags
-        .node_name
-        .clone()
-        .or_else(|| std::env::var("NODE_NAME").ok())
-        .filter(|n| !n.is_empty())
-        .context("--nodes-file/--kubernetes need this node's name: --node-name NAME or env NODE_NAME (downward API spec.nodeName)")?;
-    if !(flags.nodes_refresh.is_finite() && flags.nodes_refresh > 0.0) {
-        anyhow::bail!("--nodes-refresh must be a positive number of seconds");
-    }
+    let node_name = flags.node_name().context("node name")?;
     let (directory, kube): (Arc<dyn NodeDirectory>, _) = match &source {
         Source::File(p) => (Arc::new(StaticNodeFile::new(p)), None),
         Source::Kubernetes => {
@@ -216,6 +269,8 @@ pub async fn start(
         directory,
         local: RwLock::new(LocalRdma::default()),
         last_view: RwLock::new(serde_json::Value::Null),
+        lane_port: AtomicU32::new(lane_port.map_or(0, u32::from)),
+        wake: tokio::sync::Notify::new(),
     });
     tracing::info!(
         node = %nodes.node_name,
@@ -227,7 +282,6 @@ pub async fn start(
         nodes: nodes.clone(),
         kube,
         sysfs_root: flags.sysfs_root.clone(),
-        lane_port,
         status_file: state_dir.join("daemon").join("nodes.json"),
         last_logged: None,
     };
@@ -243,7 +297,10 @@ pub async fn start(
             "the first node table round did not finish in time; serving, retrying in the background"
         );
     }
-    tokio::spawn(refresher.run(Duration::from_secs_f64(flags.nodes_refresh)));
+    tokio::spawn(refresher.run(
+        Duration::from_secs_f64(flags.nodes_refresh),
+        Duration::from_secs_f64(flags.rdma_poll),
+    ));
     Ok(Some(nodes))
 }
 
@@ -252,7 +309,6 @@ struct Refresher {
     nodes: Arc<Nodes>,
     kube: Option<Arc<KubeNodeDirectory>>,
     sysfs_root: PathBuf,
-    lane_port: Option<u16>,
     status_file: PathBuf,
     /// The last discovery outcome logged (log changes, not every tick).
     last_logged: Option<LocalRdma>,
@@ -278,14 +334,36 @@ struct Status<'a> {
 }
 
 impl Refresher {
-    async fn run(mut self, every: Duration) {
+    async fn run(mut self, every: Duration, poll: Duration) {
         // `start` did the first round; the next one is a period later.
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll_tick = tokio::time::interval(poll);
+        poll_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut seen = self.fingerprint().await;
         loop {
-            tick.tick().await;
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.nodes.wake.notified() => {}
+                _ = poll_tick.tick() => {
+                    let now = self.fingerprint().await;
+                    if now == seen {
+                        continue;
+                    }
+                    tracing::info!(before = %seen.trim(), now = %now.trim(), "RDMA devices or ports changed; refreshing this node's lane");
+                }
+            }
+            seen = self.fingerprint().await;
             self.cycle().await;
         }
+    }
+
+    /// [`flowlane_rdma::discovery::lane_fingerprint`] off the runtime.
+    async fn fingerprint(&self) -> String {
+        let sysfs = Sysfs::new(&self.sysfs_root);
+        tokio::task::spawn_blocking(move || flowlane_rdma::discovery::lane_fingerprint(&sysfs))
+            .await
+            .unwrap_or_default()
     }
 
     async fn cycle(&mut self) {
@@ -351,7 +429,10 @@ impl Refresher {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             listed: me.is_some(),
-            lane_port: me.as_ref().and_then(|m| m.lane_port).or(self.lane_port),
+            lane_port: me
+                .as_ref()
+                .and_then(|m| m.lane_port)
+                .or(self.nodes.lane_port()),
             rdma: &local,
             publish,
             error,
@@ -376,7 +457,7 @@ impl Refresher {
         me: &NodeEntry,
         local: &LocalRdma,
     ) -> Result<String, flowlane_rdma::topology::TopologyError> {
-        let port = local.lane.as_ref().and(self.lane_port);
+        let port = local.lane.as_ref().and(self.nodes.lane_port());
         if me.rdma == local.lane && me.lane_port == port {
             return Ok("unchanged".into());
         }

@@ -346,17 +346,7 @@ fn main() -> Result<()> {
     progress("booting the Soft-RoCE rig (two QEMU guests)");
     let rig = RdmaRig::boot(&RigConfig::default()).context("booting the Soft-RoCE rig")?;
     progress(&format!("rig up in {:.0?}", rig.boot_time()));
-    rig.nodes_up(&[
-        "--lane-listen",
-        "$RIG_ADDR:7471",
-        "--lane-transport",
-        "rdma",
-        "--nodes-file",
-        "/etc/flowlane/nodes.json",
-        "--node-name",
-        "node$RIG_NODE",
-    ])
-    .context("flowlaned with the RDMA lane on both guests")?;
+    rig.nodes_up_with_rdma_lane(&[])?;
     let pods = Pods {
         ip1: rig.add_pod(1, POD1).context("pod on node1")?,
         ip2: rig.add_pod(2, POD2).context("pod on node2")?,
