@@ -199,6 +199,16 @@ fn identify(stream: &UnixStream) -> Caller {
     Caller { netns, process }
 }
 
+/// Whether the process identified when the connection was made still runs
+/// and still lives in the same network namespace (unidentified callers
+/// stay unidentified: the broker refuses what needs an identity).
+fn still_the_caller(caller: &Caller) -> bool {
+    let Some(process) = caller.process else {
+        return true;
+    };
+    netns_inode_of_pid(process.pid).ok() == caller.netns && process.is_alive()
+}
+
 async fn serve_client(
     mut stream: UnixStream,
     caller: Caller,
@@ -223,6 +233,25 @@ async fn serve_client(
             }
         };
         let answer = match proto::decode_request(&body) {
+            Ok(_) if !still_the_caller(&caller) => {
+                // The identity was read when the client connected; clients
+                // keep connections open between requests, so it is checked
+                // again for each one. A process that moved to another
+                // network namespace (or a connection that outlived its
+                // process: inherited, passed on) speaks for nobody now.
+                // Refused, then closed: a client reconnects and is
+                // identified afresh.
+                tracing::debug!(?caller, "caller changed namespace or exited; closing");
+                shared
+                    .lock()
+                    .count_fallback(crate::counters::reason::AUTH_FAILED);
+                let resp = Response::error(
+                    ErrorCode::Forbidden,
+                    "the calling process changed network namespace or exited; reconnect",
+                );
+                let _ = send_answer(&mut stream, resp.into()).await;
+                return;
+            }
             Ok(req) => {
                 tracing::trace!(op = req.op_name(), "request");
                 match relay.as_ref().filter(|r| r.takes(&req)) {
@@ -326,5 +355,29 @@ async fn send_with_fd(stream: &UnixStream, frame: &[u8], fd: &OwnedFd) -> io::Re
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::identity::ProcessId;
+
+    #[test]
+    fn a_caller_stays_itself_only_in_its_namespace_and_lifetime() {
+        let me = ProcessId::of(std::process::id()).unwrap();
+        let netns = netns_inode_of_pid(me.pid).ok();
+        let caller = |netns, process| Caller { netns, process };
+        assert!(still_the_caller(&caller(netns, Some(me))));
+        // Connected from another namespace than the one it is in now.
+        assert!(!still_the_caller(&caller(netns.map(|n| n + 1), Some(me))));
+        // The process that connected is gone (same pid, other start time).
+        let earlier = ProcessId {
+            pid: me.pid,
+            start: me.start.wrapping_sub(1),
+        };
+        assert!(!still_the_caller(&caller(netns, Some(earlier))));
+        // Unidentified callers stay unidentified (the broker refuses them).
+        assert!(still_the_caller(&caller(None, None)));
     }
 }

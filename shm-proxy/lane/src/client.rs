@@ -45,6 +45,9 @@ pub struct DaemonClient {
     fd: RawFd,
     timeout: Duration,
     broken: bool,
+    /// The failure that broke the connection was a timeout (the daemon is
+    /// wedged, not gone: a caller must not retry at once).
+    timed_out: bool,
     path_hash: u64,
 }
 
@@ -106,6 +109,14 @@ impl DaemonClient {
     /// fail at once (`TimedOut`) for [`BACKOFF`]: a wedged daemon must not
     /// add a full timeout to every connection of every application.
     pub fn connect(socket: &Path, timeout: Duration) -> io::Result<Self> {
+        Self::connect_at(socket, timeout, None)
+    }
+
+    /// [`Self::connect`] with the socket placed at the lowest free fd number
+    /// at or above `min_fd` (close-on-exec), for a connection that a
+    /// process keeps open: it stays out of the range an application expects
+    /// its own fds in. Falls back to any number if none is free there.
+    pub fn connect_at(socket: &Path, timeout: Duration, min_fd: Option<RawFd>) -> io::Result<Self> {
         let addr = unix_addr(socket)?;
         let path_hash = backoff::hash(socket);
         if backoff::active(path_hash) {
@@ -116,11 +127,15 @@ impl DaemonClient {
         }
         // Zero means "forever" to SO_*TIMEO: never allow that.
         let timeout = timeout.max(Duration::from_millis(1));
-        let fd = sys::socket_unix_stream()?;
+        let mut fd = sys::socket_unix_stream()?;
+        if let Some(min) = min_fd {
+            fd = sys::move_up(fd, min);
+        }
         let client = DaemonClient {
             fd,
             timeout,
             broken: false,
+            timed_out: false,
             path_hash,
         };
         // Dropping `client` on error closes the fd.
@@ -141,6 +156,31 @@ impl DaemonClient {
     /// True after a failure left the connection unusable.
     pub fn is_broken(&self) -> bool {
         self.broken
+    }
+
+    /// True if the failure that broke the connection was a timeout.
+    pub fn timed_out(&self) -> bool {
+        self.timed_out
+    }
+
+    /// The connection's socket (for a caller that keeps the client and
+    /// watches its fd).
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd
+    }
+
+    /// For a connection kept between requests: true if the daemon closed
+    /// its end (idle timeout, restart) or something unasked-for is waiting
+    /// to be read; either way the connection must not be used again.
+    pub fn looks_closed(&self) -> bool {
+        sys::readable_now(self.fd)
+    }
+
+    /// Gives the socket up without closing it: the fd number no longer
+    /// belongs to this client (the application closed or replaced it, or
+    /// this is a forked child whose copy was already closed).
+    pub fn forget(self) {
+        std::mem::forget(self);
     }
 
     /// The calling process's pod listens on `addr` (0.0.0.0/:: = all its IPs).
@@ -278,6 +318,7 @@ impl DaemonClient {
         if let Err(e) = &result {
             self.broken = true;
             if e.kind() == io::ErrorKind::TimedOut {
+                self.timed_out = true;
                 backoff::start(self.path_hash);
             }
         }
@@ -415,6 +456,46 @@ mod sys {
             )
         };
         Ok(check(ret)? as RawFd)
+    }
+
+    /// `fd` duplicated to the lowest free number >= `min` (close-on-exec)
+    /// and the original closed; `fd` itself if that is not possible.
+    pub fn move_up(fd: RawFd, min: RawFd) -> RawFd {
+        if fd >= min {
+            return fd;
+        }
+        // SAFETY: fcntl(F_DUPFD_CLOEXEC) on an fd we own; no memory is passed.
+        let high = unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_DUPFD_CLOEXEC, min) };
+        if high < 0 {
+            return fd;
+        }
+        close(fd);
+        high as RawFd
+    }
+
+    /// Whether `fd` is readable (or hung up) right now, without waiting.
+    pub fn readable_now(fd: RawFd) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        };
+        let ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `p` and `ts` are valid for the call; no signal mask.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_ppoll,
+                &mut p as *mut libc::pollfd,
+                1,
+                &ts as *const libc::timespec,
+                std::ptr::null::<libc::sigset_t>(),
+                0,
+            )
+        };
+        ret != 0
     }
 
     pub fn set_timeouts(fd: RawFd, timeout: Duration) -> io::Result<()> {

@@ -8,6 +8,12 @@ use std::sync::OnceLock;
 /// Default spin budget before a wait sleeps in the kernel, in microseconds.
 pub const DEFAULT_SPIN_US: u64 = 50;
 
+/// Default longest kernel sleep of a poll/select/epoll wait that watches a
+/// shared-memory connection, in milliseconds. Only a safety net: every
+/// sleeper is woken explicitly (see `sleepers`); tests make it long so that
+/// a missed wake-up fails instead of being rescued.
+pub const DEFAULT_WAIT_SLICE_MS: i32 = 250;
+
 /// The library's settings (see docs/shm-lane.md).
 #[derive(Debug)]
 pub struct Config {
@@ -21,6 +27,9 @@ pub struct Config {
     pub log_level: u8,
     /// `FLOWLANE_SOCKET`: the daemon's Unix socket.
     pub socket: PathBuf,
+    /// `FLOWLANE_WAIT_SLICE_MS`: longest single kernel sleep of a
+    /// poll/select/epoll wait on a shared-memory connection.
+    pub wait_slice_ms: i32,
 }
 
 static CONFIG: OnceLock<Config> = OnceLock::new();
@@ -79,12 +88,17 @@ fn read_env() -> Config {
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| flowlane_lane::notify::DEFAULT_DAEMON_SOCKET.to_string())
         .into();
+    let wait_slice_ms = env(c"FLOWLANE_WAIT_SLICE_MS")
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .unwrap_or(DEFAULT_WAIT_SLICE_MS)
+        .clamp(1, 3_600_000);
     Config {
         disabled,
         ring_size,
         spin_us,
         log_level,
         socket,
+        wait_slice_ms,
     }
 }
 

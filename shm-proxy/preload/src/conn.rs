@@ -18,12 +18,6 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-/// Longest single kernel sleep inside the library. A doorbell is consumed by
-/// whichever thread drains the socket first; if two threads of one process
-/// wait on the same connection, the other re-checks the ring after at most
-/// this long. Idle cost: a few wake-ups per second of a blocked thread.
-pub const MAX_SLEEP_MS: c_int = 250;
-
 /// A blocked read/write sleeps on the region's futex in slices this long;
 /// between slices it checks the TCP socket for the peer's death (FIN/RST),
 /// which no futex wake announces.
@@ -93,6 +87,9 @@ pub struct Conn {
     /// a blocking read/write gives up with EAGAIN (or a short count) then.
     pub rcv_timeout_us: AtomicU64,
     pub snd_timeout_us: AtomicU64,
+    /// Threads of this process asleep in poll/select/epoll on the
+    /// connection (see `sleepers`: every one of them must wake).
+    pub sleepers: crate::sleepers::Sleepers,
 }
 
 /// How often the two ends handed off through the kernel: the cost the
@@ -195,6 +192,7 @@ impl Conn {
             counts: Counts::default(),
             rcv_timeout_us: AtomicU64::new(0),
             snd_timeout_us: AtomicU64::new(0),
+            sleepers: crate::sleepers::Sleepers::new(),
         })
     }
 
@@ -293,11 +291,13 @@ impl Conn {
         }
         let saved = errno();
         let mut buf = [0u8; 256];
+        let mut took = false;
         loop {
             // SAFETY: reading into a local buffer of its length.
             let r =
                 unsafe { real::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
             if r > 0 {
+                took = true;
                 if (r as usize) < buf.len() {
                     break;
                 }
@@ -305,6 +305,7 @@ impl Conn {
             }
             if r == 0 {
                 self.tcp_eof.store(true, Ordering::Release);
+                took = true;
                 break;
             }
             match errno() {
@@ -312,9 +313,15 @@ impl Conn {
                 libc::EAGAIN => break,
                 _ => {
                     self.tcp_reset.store(true, Ordering::Release);
+                    took = true;
                     break;
                 }
             }
+        }
+        if took {
+            // Other threads asleep on this socket may have been woken for
+            // these doorbells and now find the socket empty.
+            self.sleepers.wake_others();
         }
         set_errno(saved);
     }
@@ -359,6 +366,7 @@ impl Conn {
     pub fn reset_locks_after_fork(&self) {
         self.tx.reset_after_fork();
         self.rx.reset_after_fork();
+        self.sleepers.reset_after_fork();
     }
 
     fn peer_closed(&self) -> bool {
@@ -469,6 +477,11 @@ impl Conn {
 
     /// recv/read/readv/recvmsg on the ring. `Err` carries an errno.
     pub fn recv(&self, fd: c_int, bufs: &mut [&mut [u8]], flags: c_int) -> Result<usize, c_int> {
+        if flags & libc::MSG_OOB != 0 {
+            // No urgent data ever travels on the ring (see `send`): TCP's
+            // answer when none is pending. Never a read of in-band bytes.
+            return Err(libc::EINVAL);
+        }
         let want: usize = bufs.iter().map(|b| b.len()).sum();
         if want == 0 {
             return Ok(0);
@@ -548,6 +561,12 @@ impl Conn {
 
     /// send/write/writev/sendmsg into the ring. `Err` carries an errno.
     pub fn send(&self, fd: c_int, bufs: &[IoSlice<'_>], flags: c_int) -> Result<usize, c_int> {
+        if flags & libc::MSG_OOB != 0 {
+            // TCP urgent data has no place in the ring: sending it in band
+            // would hand the peer a byte its TCP stack would have pulled
+            // out of the stream. Refused visibly, nothing is written.
+            return Err(libc::EOPNOTSUPP);
+        }
         let want: usize = bufs.iter().map(|b| b.len()).sum();
         if self.shut_wr.load(Ordering::Relaxed) {
             return Err(libc::EPIPE);

@@ -11,11 +11,13 @@
 
 mod config;
 mod conn;
+mod daemon_conn;
 mod endlock;
 mod exports;
 mod log;
 mod real;
 mod setup;
+mod sleepers;
 mod spin;
 mod state;
 mod wait;

@@ -28,14 +28,14 @@ pub fn in_lib() -> bool {
     IN_LIB.with(|c| c.get())
 }
 
-/// Runs `f` with a fresh daemon connection, marking the thread as inside
-/// the library. `None` when no daemon answers.
-fn with_daemon<R>(f: impl FnOnce(&mut DaemonClient) -> R) -> Option<R> {
+/// Runs `f` on the process's daemon connection (`daemon_conn`: kept open
+/// between requests; `f` may run twice if a kept connection broke under
+/// it), marking the thread as inside the library. `None` when no daemon
+/// answers.
+fn with_daemon<R>(f: impl FnMut(&mut DaemonClient) -> R) -> Option<R> {
     IN_LIB.with(|c| c.set(true));
     let saved = errno();
-    let r = DaemonClient::connect(&config::get().socket, DAEMON_TIMEOUT)
-        .ok()
-        .map(|mut d| f(&mut d));
+    let r = crate::daemon_conn::with(&config::get().socket, DAEMON_TIMEOUT, f);
     set_errno(saved);
     IN_LIB.with(|c| c.set(false));
     r

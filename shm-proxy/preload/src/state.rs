@@ -54,8 +54,10 @@ pub static EPOLL_FDS: FdBits = FdBits::new();
 /// sockets: such a socket must not switch to the ring later (its epoll
 /// registration would no longer see the data).
 pub static EPOLL_SEEN: FdBits = FdBits::new();
-/// Eventfds the library added to epoll sets to wake their sleepers (see
-/// `wait::kick`); an application close of one is noticed (and forgotten).
+/// Fds the library made for itself: eventfds it added to epoll sets to
+/// wake their sleepers (see `wait::kick`), threads' bells (`sleepers`) and
+/// the daemon connection (`setup`). An application close of one (close,
+/// close_range, dup2 onto it) is noticed, and the library forgets the fd.
 pub static WAKE_FDS: FdBits = FdBits::new();
 /// Live connection objects in this process (fast "nothing to do" test).
 pub static LIVE: AtomicUsize = AtomicUsize::new(0);
@@ -91,6 +93,9 @@ pub struct Tables {
     pub epolls: HashMap<i32, Vec<Reg>>,
     /// Per epoll set: the eventfd that wakes its sleepers.
     pub wakers: HashMap<i32, i32>,
+    /// The library's other private fds (see `track_private`), each with
+    /// the flag that tells its owner the fd is no longer its own.
+    pub private: HashMap<i32, Arc<AtomicBool>>,
 }
 
 struct Locked {
@@ -263,6 +268,8 @@ pub fn set_waker(epfd: i32, efd: i32) -> i32 {
 
 /// The application closed a wake eventfd: no epoll set uses it any more
 /// (the kernel dropped it from the set), so a new one is made on demand.
+/// Also for the library's other private fds: their owner is told (`gone`)
+/// and makes a new one when it needs one.
 pub fn forget_waker(efd: i32) {
     if !WAKE_FDS.get(efd) {
         return;
@@ -270,7 +277,70 @@ pub fn forget_waker(efd: i32) {
     with(|t| {
         WAKE_FDS.set(efd, false);
         t.wakers.retain(|_, w| *w != efd);
+        if let Some(gone) = t.private.remove(&efd) {
+            gone.store(true, Ordering::Release);
+        }
     })
+}
+
+/// Tracks a private fd of the library (a thread's bell, the daemon
+/// connection): `gone` is set when the application closes it, or in a
+/// forked child (where the fd is closed at once: its owner lives in the
+/// parent).
+pub fn track_private(fd: i32, gone: Arc<AtomicBool>) {
+    with(|t| {
+        WAKE_FDS.set(fd, true);
+        t.private.insert(fd, gone);
+    })
+}
+
+/// The owner closes its private fd; false if the fd was no longer its own
+/// (then it must not close it).
+pub fn untrack_private(fd: i32) -> bool {
+    if !WAKE_FDS.get(fd) {
+        return false;
+    }
+    with(|t| {
+        let mine = t.private.remove(&fd).is_some();
+        if mine {
+            WAKE_FDS.set(fd, false);
+        }
+        mine
+    })
+}
+
+/// Moves a private fd of the library up to a high number (close-on-exec),
+/// out of the range applications expect their own fds in; returns the fd
+/// to use (the original one if no high slot is free).
+pub fn park_high(fd: i32) -> i32 {
+    let base = high_fd_base();
+    if fd >= base {
+        return fd;
+    }
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) on an fd the caller owns.
+    let high = unsafe { crate::real::fcntl(fd, libc::F_DUPFD_CLOEXEC, base as libc::c_ulong) };
+    if high < 0 {
+        return fd;
+    }
+    // SAFETY: closing the caller's original, now duplicated, fd.
+    unsafe { crate::real::close(fd) };
+    high
+}
+
+/// Where the library's private fds go: three quarters up the process's
+/// fd limit (at most the tracked range).
+pub fn high_fd_base() -> i32 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit into a local struct.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur.min(MAX_FD as libc::rlim_t) as i32
+    } else {
+        1024
+    };
+    soft - soft / 4
 }
 
 /// Adds or replaces the registration of `reg.fd` in `epfd`.
@@ -316,10 +386,20 @@ extern "C" fn after_fork_child() {
     FORK_GEN.fetch_add(1, Ordering::Relaxed);
     // SAFETY: `before_fork` took the table lock in this very thread, so
     // nothing else can reach the tables.
-    if let Some(t) = unsafe { &*STATE.tables.get() } {
+    if let Some(t) = unsafe { &mut *STATE.tables.get() } {
+        // The library's private fds belong to the parent's threads (bells)
+        // or to the parent (its daemon connection): close the child's
+        // copies so that the two processes never share them.
+        for (fd, gone) in t.private.drain() {
+            gone.store(true, Ordering::Release);
+            WAKE_FDS.set(fd, false);
+            // SAFETY: closing the child's copy of a library-private fd.
+            unsafe { crate::real::close(fd) };
+        }
         for c in t.conns.values() {
             c.reset_locks_after_fork();
         }
+        crate::daemon_conn::after_fork_child();
     }
     unlock();
 }

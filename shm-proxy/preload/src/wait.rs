@@ -8,9 +8,10 @@
 //! and announces sleepers in the rings' waiting flags so a peer that moves
 //! rings the doorbell (flag, fence, re-check: no lost wake-up).
 
-use crate::conn::{set_errno, Conn, Settle, MAX_SLEEP_MS};
+use crate::conn::{set_errno, Conn, Settle};
 use crate::real;
 use crate::setup;
+use crate::sleepers::Bell;
 use crate::state::{self, Reg};
 use libc::{c_int, epoll_event, pollfd, sigset_t};
 use std::sync::atomic::{fence, AtomicUsize, Ordering};
@@ -67,13 +68,14 @@ fn deadline(timeout_ms: c_int) -> Option<Instant> {
 /// attach timeout must be noticed without a doorbell).
 const PENDING_SLEEP_MS: c_int = 5;
 
-/// The next kernel sleep: at most MAX_SLEEP_MS (PENDING_SLEEP_MS while an
-/// attach is pending), at most until the deadline.
+/// The next kernel sleep: at most the configured wait slice
+/// (`FLOWLANE_WAIT_SLICE_MS`; PENDING_SLEEP_MS while an attach is pending),
+/// at most until the deadline.
 fn sleep_ms(deadline: Option<Instant>, pending: bool) -> c_int {
     let cap = if pending {
         PENDING_SLEEP_MS
     } else {
-        MAX_SLEEP_MS
+        crate::config::get().wait_slice_ms
     };
     match deadline {
         None => cap,
@@ -126,8 +128,25 @@ impl PollSet<'_> {
     /// One kernel poll with `ms`; drains doorbells of woken connections and
     /// copies plain entries' results. Returns -1 on error (errno set).
     fn kernel(&mut self, ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+        if self.syscall(ms, mask, None) < 0 {
+            return -1;
+        }
+        self.absorb();
+        0
+    }
+
+    /// The kernel poll itself, watching the thread's `bell` too if given
+    /// (see `sleepers`). Returns -1 on error (errno set).
+    fn syscall(&mut self, ms: c_int, mask: Option<*const sigset_t>, bell: Option<c_int>) -> c_int {
         for k in self.kernel.iter_mut() {
             k.revents = 0;
+        }
+        if let Some(fd) = bell {
+            self.kernel.push(pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
         }
         // SAFETY: `kernel` is a valid pollfd array of its length.
         let r = unsafe {
@@ -147,9 +166,15 @@ impl PollSet<'_> {
                 None => real::poll(self.kernel.as_mut_ptr(), self.kernel.len() as _, ms),
             }
         };
-        if r < 0 {
-            return r;
+        if bell.is_some() {
+            self.kernel.pop();
         }
+        r
+    }
+
+    /// After a kernel poll: drains doorbells of woken connections, finishes
+    /// connects, copies plain entries' results.
+    fn absorb(&mut self) {
         for (i, c) in self.conns.iter().enumerate() {
             let k = self.kernel[i];
             match c {
@@ -167,7 +192,6 @@ impl PollSet<'_> {
                 }
             }
         }
-        0
     }
 
     /// Settles clients waiting for their server's attach; entries that
@@ -200,18 +224,17 @@ impl PollSet<'_> {
         self.app.iter().filter(|p| p.revents != 0).count() as c_int
     }
 
-    fn set_waits(&self, on: bool) {
+    /// Registers (`on`) or unregisters the calling thread as a sleeper on
+    /// every connection of the set (see `sleepers`).
+    fn set_waits(&self, on: bool, bell: Option<&Arc<Bell>>) {
         for (i, c) in self.conns.iter().enumerate() {
             if let Some(c) = c {
+                let ev = self.app[i].events;
+                let (r, w) = (ev & libc::POLLIN != 0, ev & libc::POLLOUT != 0);
                 if on {
-                    if self.app[i].events & libc::POLLIN != 0 {
-                        c.probe.prepare_read_wait();
-                    }
-                    if self.app[i].events & libc::POLLOUT != 0 {
-                        c.probe.prepare_write_wait();
-                    }
+                    c.sleepers.enter(&c.probe, r, w, bell);
                 } else {
-                    c.probe.cancel_waits();
+                    c.sleepers.leave(&c.probe, r, w, bell);
                 }
             }
         }
@@ -333,16 +356,29 @@ pub unsafe fn poll(
             spin_until = None;
             continue;
         }
-        set.set_waits(true);
+        // Registered before the final look at the rings: a doorbell that
+        // another thread drains from now on rings this thread's bell.
+        let bell = crate::sleepers::thread_bell();
+        if let Some(b) = &bell {
+            b.reset();
+        }
+        set.set_waits(true, bell.as_ref());
         if set.eval_rings() > 0 {
-            set.set_waits(false);
+            set.set_waits(false, bell.as_ref());
             continue;
         }
-        let r = set.kernel(sleep_ms(deadline, pending), mask);
-        set.set_waits(false);
+        let r = set.syscall(
+            sleep_ms(deadline, pending),
+            mask,
+            bell.as_ref().map(|b| b.fd),
+        );
+        // Unregistered before draining: this thread's own drain must ring
+        // only the bells of threads still asleep.
+        set.set_waits(false, bell.as_ref());
         if r < 0 {
             return -1;
         }
+        set.absorb();
         set.eval_rings();
         let c = set.count();
         if c > 0 || expired(deadline) {
@@ -607,23 +643,79 @@ fn collect(epfd: c_int, out: &mut [epoll_event]) -> usize {
     })
 }
 
-fn set_waits(epfd: c_int, on: bool) {
-    state::with(|t| {
-        if let Some(list) = t.epolls.get(&epfd) {
-            for reg in list {
-                if on {
-                    if reg.events & libc::EPOLLIN as u32 != 0 {
-                        reg.conn.probe.prepare_read_wait();
-                    }
-                    if reg.events & libc::EPOLLOUT as u32 != 0 {
-                        reg.conn.probe.prepare_write_wait();
-                    }
-                } else {
-                    reg.conn.probe.cancel_waits();
-                }
+/// One connection a sleeping thread registered with: what it waits for.
+type Entered = (Arc<Conn>, bool, bool);
+
+/// Registers the calling thread as a sleeper on every connection of
+/// `epfd` (see `sleepers`); returns them for `leave_all`.
+fn enter_all(epfd: c_int, bell: Option<&Arc<Bell>>) -> Vec<Entered> {
+    let list: Vec<Entered> = state::with(|t| {
+        t.epolls
+            .get(&epfd)
+            .map(|l| {
+                l.iter()
+                    .map(|reg| {
+                        (
+                            reg.conn.clone(),
+                            reg.events & libc::EPOLLIN as u32 != 0,
+                            reg.events & libc::EPOLLOUT as u32 != 0,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    });
+    for (c, r, w) in &list {
+        c.sleepers.enter(&c.probe, *r, *w, bell);
+    }
+    list
+}
+
+/// Undoes `enter_all` (the same connections, even if the set changed).
+fn leave_all(list: &[Entered], bell: Option<&Arc<Bell>>) {
+    for (c, r, w) in list {
+        c.sleepers.leave(&c.probe, *r, *w, bell);
+    }
+}
+
+/// Sleeps until `epfd` has events or the thread's bell rings (a poll on
+/// the epoll fd: it is readable when the set has events). Returns -1 on
+/// error (errno set), 0 when the set itself has nothing to report.
+fn sleep_on_set(epfd: c_int, bell: c_int, ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+    let mut fds = [
+        pollfd {
+            fd: epfd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        pollfd {
+            fd: bell,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: a valid local pollfd array of two entries.
+    let r = unsafe {
+        match mask {
+            Some(m) => {
+                let ts = libc::timespec {
+                    tv_sec: (ms / 1000) as _,
+                    tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _,
+                };
+                real::ppoll(
+                    fds.as_mut_ptr(),
+                    2,
+                    if ms < 0 { std::ptr::null() } else { &ts },
+                    m,
+                )
             }
+            None => real::poll(fds.as_mut_ptr(), 2, ms),
         }
-    })
+    };
+    if r < 0 {
+        return -1;
+    }
+    (fds[0].revents != 0) as c_int
 }
 
 /// Settles clients of `epfd` waiting for their server's attach (see
@@ -821,14 +913,35 @@ pub unsafe fn epoll_wait(
             spin_until = None;
             continue;
         }
-        set_waits(epfd, true);
+        // Registered before the final look at the rings (see `poll`).
+        let bell = crate::sleepers::thread_bell();
+        if let Some(b) = &bell {
+            b.reset();
+        }
+        let entered = enter_all(epfd, bell.as_ref());
         let k = collect(epfd, out);
         if k > 0 {
-            set_waits(epfd, false);
+            leave_all(&entered, bell.as_ref());
             return k as c_int;
         }
-        let n = kernel_wait(epfd, out, sleep_ms(deadline, pending), mask);
-        set_waits(epfd, false);
+        let ms = sleep_ms(deadline, pending);
+        let n = match &bell {
+            Some(b) => {
+                let r = sleep_on_set(epfd, b.fd, ms, mask);
+                leave_all(&entered, bell.as_ref());
+                match r {
+                    0 => 0,
+                    r if r < 0 => -1,
+                    _ => kernel_wait(epfd, out, 0, None),
+                }
+            }
+            None => {
+                let r = kernel_wait(epfd, out, ms, mask);
+                leave_all(&entered, None);
+                r
+            }
+        };
+        drop(entered);
         if n < 0 {
             return -1;
         }

@@ -1,0 +1,206 @@
+//! The process's connection to flowlaned, kept open between requests.
+//!
+//! A fresh Unix connection per request cost a connect plus the daemon's
+//! authentication (peer credentials, `/proc/PID/ns/net`) every time: a
+//! lane connection made four of them (intent, claim, and a close report
+//! from each end). One connection per process, kept open:
+//!
+//! - **one request at a time:** a try-lock; a thread that finds it busy
+//!   (another thread's request, or a signal handler interrupting one) uses
+//!   a connection of its own for that request, as before;
+//! - **never shared across fork:** the child's copy is closed by the fork
+//!   handler (`state`), and a process id change is checked as well;
+//! - **out of the application's way:** close-on-exec, at a high fd number,
+//!   tracked so that an application closing it (close, close_range, dup2
+//!   onto it) is noticed and the number is never used again by the library;
+//! - **bound to its network namespace:** the daemon identifies a client by
+//!   the namespace its process was in when it connected, so a thread that
+//!   entered another namespace (setns) makes its own connection;
+//! - **daemon restarts:** a connection the daemon closed (idle timeout,
+//!   restart) is noticed before use; one that fails during a request is
+//!   replaced once and the request repeated, then the connection stays on
+//!   TCP as before.
+
+use crate::state;
+use flowlane_lane::client::DaemonClient;
+use std::cell::UnsafeCell;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+struct Held {
+    client: DaemonClient,
+    pid: u32,
+    /// Network namespace (inode) of the thread that connected.
+    netns: Option<u64>,
+    /// Set when the fd is no longer ours (see `state::track_private`).
+    gone: Arc<AtomicBool>,
+    /// The socket's (device, inode): a program that closed the fd behind
+    /// the library's back (a raw close_range, glibc's closefrom) may have
+    /// reused the number; then it is not ours to use or to close.
+    id: (u64, u64),
+}
+
+/// (device, inode) of what `fd` refers to now.
+fn file_id(fd: libc::c_int) -> Option<(u64, u64)> {
+    // SAFETY: libc::stat is plain old data; all-zero is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat into a local struct.
+    let r = unsafe { libc::fstat(fd, &mut st) };
+    (r == 0).then_some((st.st_dev, st.st_ino))
+}
+
+impl Held {
+    fn connect(socket: &Path, timeout: Duration, pid: u32, netns: Option<u64>) -> Option<Held> {
+        let client = DaemonClient::connect_at(socket, timeout, Some(state::high_fd_base())).ok()?;
+        let id = file_id(client.raw_fd())?;
+        let gone = Arc::new(AtomicBool::new(false));
+        state::track_private(client.raw_fd(), gone.clone());
+        Some(Held {
+            client,
+            pid,
+            netns,
+            gone,
+            id,
+        })
+    }
+
+    fn still_ours(&self) -> bool {
+        !self.gone.load(Ordering::Acquire) && file_id(self.client.raw_fd()) == Some(self.id)
+    }
+
+    fn usable(&self, pid: u32) -> bool {
+        self.pid == pid
+            && self.still_ours()
+            && !self.client.is_broken()
+            && !self.client.looks_closed()
+    }
+
+    /// Closes the connection if the fd is still ours (and forgets the
+    /// number either way).
+    fn discard(self) {
+        let ours = self.still_ours();
+        if state::untrack_private(self.client.raw_fd()) && ours {
+            drop(self.client);
+        } else {
+            self.client.forget();
+        }
+    }
+}
+
+struct Slot {
+    busy: AtomicBool,
+    held: UnsafeCell<Option<Held>>,
+}
+
+// SAFETY: `held` is only reached by the thread that set `busy`.
+unsafe impl Sync for Slot {}
+
+static SLOT: Slot = Slot {
+    busy: AtomicBool::new(false),
+    held: UnsafeCell::new(None),
+};
+
+struct Unlock;
+
+impl Drop for Unlock {
+    fn drop(&mut self) {
+        SLOT.busy.store(false, Ordering::Release);
+    }
+}
+
+/// The calling thread's network namespace (inode), if /proc tells.
+fn thread_netns() -> Option<u64> {
+    // SAFETY: libc::stat is plain old data; all-zero is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: stat of a NUL-terminated path into a local struct.
+    let r = unsafe { libc::stat(c"/proc/thread-self/ns/net".as_ptr(), &mut st) };
+    (r == 0).then_some(st.st_ino)
+}
+
+/// One request on a connection of its own (closed afterwards).
+fn one_shot<R>(
+    socket: &Path,
+    timeout: Duration,
+    f: &mut impl FnMut(&mut DaemonClient) -> R,
+) -> Option<R> {
+    DaemonClient::connect(socket, timeout)
+        .ok()
+        .map(|mut d| f(&mut d))
+}
+
+/// Runs `f` on the process's daemon connection (made or remade as needed);
+/// `None` when no daemon answers.
+pub fn with<R>(
+    socket: &Path,
+    timeout: Duration,
+    mut f: impl FnMut(&mut DaemonClient) -> R,
+) -> Option<R> {
+    if SLOT
+        .busy
+        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        return one_shot(socket, timeout, &mut f);
+    }
+    let _unlock = Unlock;
+    // SAFETY: we hold `busy`: no other thread reaches the slot.
+    let slot = unsafe { &mut *SLOT.held.get() };
+    let pid = std::process::id();
+    let netns = thread_netns();
+    let mut reused = false;
+    if let Some(h) = slot.take() {
+        if h.usable(pid) {
+            if h.netns != netns {
+                // A thread in another namespace: the kept connection speaks
+                // for the namespace it was made in.
+                *slot = Some(h);
+                return one_shot(socket, timeout, &mut f);
+            }
+            *slot = Some(h);
+            reused = true;
+        } else {
+            h.discard();
+        }
+    }
+    if slot.is_none() {
+        *slot = Some(Held::connect(socket, timeout, pid, netns)?);
+    }
+    let h = slot.as_mut()?;
+    let r = f(&mut h.client);
+    if !h.client.is_broken() {
+        return Some(r);
+    }
+    let timed_out = h.client.timed_out();
+    if let Some(h) = slot.take() {
+        h.discard();
+    }
+    if !reused || timed_out {
+        return Some(r);
+    }
+    // The kept connection broke mid-request (the daemon restarted since
+    // its last use): once more on a fresh one.
+    *slot = Some(Held::connect(socket, timeout, pid, netns)?);
+    let h = slot.as_mut()?;
+    let r = f(&mut h.client);
+    if h.client.is_broken() {
+        if let Some(h) = slot.take() {
+            h.discard();
+        }
+    }
+    Some(r)
+}
+
+/// In a forked child (from the fork handler, one thread left): the fd was
+/// closed and marked gone by `state`; a parent thread that was inside a
+/// request left the slot locked, and its contents may be half-made.
+pub fn after_fork_child() {
+    if SLOT.busy.load(Ordering::Relaxed) {
+        // SAFETY: the forked child has one thread (this one), which is not
+        // inside `with`.
+        let held = unsafe { &mut *SLOT.held.get() };
+        std::mem::forget(held.take());
+        SLOT.busy.store(false, Ordering::Relaxed);
+    }
+}
