@@ -73,7 +73,7 @@ const PIECE: usize = 2048;
 ///
 /// # Safety
 /// As `ptr::copy_nonoverlapping(src, dst, n)`.
-unsafe fn copy_bytes(dst: *mut u8, src: *const u8, n: usize) {
+pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, n: usize) {
     if n <= PIECE || (dst as usize).wrapping_sub(src as usize) % 64 == 0 {
         // SAFETY: caller contract.
         unsafe { ptr::copy_nonoverlapping(src, dst, n) };
@@ -826,6 +826,120 @@ impl Consumer {
             .producer_closed
             .load(Ordering::Acquire)
             != 0
+    }
+}
+
+/// Zero-copy access for the cross-node relay (flowlaned): the daemon is a
+/// ring peer whose bytes are moved by the NIC (RDMA WRITE) straight out of
+/// the pod's sending ring and into the remote pod's receiving ring, so it
+/// needs the rings' memory and positions rather than copies. Nothing here
+/// changes the layout or the protocol above; it only exposes it.
+impl Consumer {
+    /// Start of the ring's data area (`capacity()` bytes; the byte at
+    /// position `p` is at offset `p & (capacity - 1)`).
+    pub fn data_ptr(&self) -> *mut u8 {
+        self.ring.data
+    }
+
+    /// The consumer position (bytes consumed so far).
+    pub fn head(&self) -> u64 {
+        self.ring.ctl().head.0.load(Ordering::Relaxed)
+    }
+
+    /// The producer position (Acquire: the bytes before it are readable).
+    pub fn tail(&mut self) -> u64 {
+        self.tail_cache = self.ring.ctl().tail.0.load(Ordering::Acquire);
+        self.tail_cache
+    }
+
+    /// The futex word a sleeping consumer waits on; load it BEFORE looking
+    /// at the ring, then pass it to [`Consumer::wait_change`].
+    pub fn data_seq(&self) -> u32 {
+        self.ring.ctl().flags.0.data_seq.load(Ordering::Acquire)
+    }
+
+    /// Blocks (futex) until the producer publishes beyond `tail_seen`,
+    /// closes (when `closed_seen` was false), or anyone bumps the futex
+    /// word past `seq` ([`Probe::wake_rx_waiter`]); up to `timeout_ms`.
+    /// Unlike [`Consumer::wait_data`] it also sleeps on a non-empty ring
+    /// (bytes the daemon has already handed to the NIC).
+    pub fn wait_change(&mut self, seq: u32, tail_seen: u64, closed_seen: bool, timeout_ms: u32) {
+        let f = &self.ring.ctl().flags.0;
+        announce(&f.reader_waiting, WAIT_FUTEX);
+        let tail = self.ring.ctl().tail.0.load(Ordering::Acquire);
+        let closed = f.producer_closed.load(Ordering::Acquire) != 0;
+        if tail == tail_seen && closed == closed_seen {
+            futex_wait(&f.data_seq, seq, timeout_ms);
+        }
+        withdraw(&f.reader_waiting, WAIT_FUTEX);
+    }
+}
+
+impl Producer {
+    /// Start of the ring's data area (`capacity()` bytes).
+    pub fn data_ptr(&self) -> *mut u8 {
+        self.ring.data
+    }
+
+    /// The producer position (bytes published so far).
+    pub fn tail(&self) -> u64 {
+        self.ring.ctl().tail.0.load(Ordering::Relaxed)
+    }
+
+    /// Publishes `n` bytes that something else (the NIC) already wrote into
+    /// the free room at the tail. Returns false (and publishes nothing) if
+    /// `n` exceeds the free room: the writer overran the ring.
+    pub fn commit(&mut self, n: usize) -> bool {
+        if n > self.free() {
+            return false;
+        }
+        let ctl = self.ring.ctl();
+        let tail = ctl.tail.0.load(Ordering::Relaxed);
+        ctl.tail.0.store(tail + n as u64, Ordering::Release);
+        true
+    }
+}
+
+impl Probe {
+    /// Wakes a thread in [`Consumer::wait_change`] on the receiving ring
+    /// (bumps its futex word first, so a wake-up cannot be lost).
+    pub fn wake_rx_waiter(&self) {
+        let f = &self.rx.ctl().flags.0;
+        f.data_seq.fetch_add(1, Ordering::Release);
+        futex_wake(&f.data_seq);
+    }
+
+    /// Wakes a thread in [`Probe::wait_tx_free`] (bumps the futex word
+    /// first), so it recomputes what it waits for.
+    pub fn wake_tx_waiter(&self) {
+        let f = &self.tx.ctl().flags.0;
+        f.room_seq.fetch_add(1, Ordering::Release);
+        futex_wake(&f.room_seq);
+    }
+
+    /// Sending-ring producer position.
+    pub fn tx_tail(&self) -> u64 {
+        self.tx.ctl().tail.0.load(Ordering::Acquire)
+    }
+
+    /// Sending-ring capacity.
+    pub fn tx_capacity(&self) -> usize {
+        self.tx.size
+    }
+
+    /// Blocks (futex) until the consumer of the sending ring has freed room
+    /// up to `need` bytes, up to `timeout_ms`, without the producer's lock
+    /// (the relay's producer only commits; this thread only watches). Same
+    /// hand-shake as [`Producer::wait_room`]; use one or the other per ring.
+    pub fn wait_tx_free(&self, need: usize, timeout_ms: u32) {
+        let f = &self.tx.ctl().flags.0;
+        let seq = f.room_seq.load(Ordering::Acquire);
+        f.writer_need.store(need as u64, Ordering::Relaxed);
+        announce(&f.writer_waiting, WAIT_FUTEX);
+        if self.tx_free() < need && !self.tx_peer_gone() {
+            futex_wait(&f.room_seq, seq, timeout_ms);
+        }
+        withdraw(&f.writer_waiting, WAIT_FUTEX);
     }
 }
 

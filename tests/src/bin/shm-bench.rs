@@ -10,6 +10,7 @@
 //!   shm-bench connrate ADDR N                  connect + 1-byte echo + close, prints conn/s
 //!                                              and p50/p99 us of connect + first byte
 //!   shm-bench integrity ADDR BYTES SEED        random sizes, both directions, checksummed
+//!   shm-bench ceiling SIZE                     the hardware reference (module `ceiling`)
 //! ADDR is ip:port, or unix:PATH for AF_UNIX.
 //!
 //! The benchmark (root): `shm-bench bench [--quick]` builds a node (two pods
@@ -17,7 +18,9 @@
 //! lane, plain TCP over veth and AF_UNIX in the same run, plus iperf3 and
 //! sockperf with and without the library, and the fallback path's overhead
 //! (library loaded, connection stays on TCP) against plain TCP, and prints
-//! tables with ratios.
+//! tables with ratios, and the hardware ceiling of the two cores next to
+//! them (`ceiling`). `bench --stream` runs just the 64 KiB and 1 MiB stream
+//! rows and the ceiling.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -264,13 +267,17 @@ fn main() {
         "pingpong" => pingpong(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
         "connrate" => connrate(a(2), a(3).parse().unwrap()),
         "integrity" => integrity(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
-        "bench" => bench::run(args.iter().any(|x| x == "--quick")),
+        "bench" => bench::run(
+            args.iter().any(|x| x == "--quick"),
+            args.iter().any(|x| x == "--stream"),
+        ),
+        "ceiling" => ceiling::print(a(2).parse().unwrap()),
         _ => usage(),
     }
 }
 
 fn usage() -> ! {
-    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | bench [--quick]");
+    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | ceiling SIZE | bench [--quick] [--stream]");
     std::process::exit(2)
 }
 
@@ -312,7 +319,9 @@ mod bench {
             .collect()
     }
 
-    pub fn run(quick: bool) {
+    /// `stream_only`: just the 64 KiB and 1 MiB stream rows and the
+    /// hardware ceiling (a quick look while tuning the ring).
+    pub fn run(quick: bool, stream_only: bool) {
         let node = Node::new("bench", 2);
         let sock = node.dir.join("bench.sock");
         let sock = sock.to_str().unwrap().to_string();
@@ -327,6 +336,18 @@ mod bench {
             Lane::Shm => format!("{ip}:7101"),
             Lane::Unix => format!("unix:{sock}"),
         };
+        if std::env::var_os("SHM_BENCH_HOLD").is_some() {
+            // Keeps the node up for experiments by hand until stdin closes.
+            println!(
+                "hold: client netns {} server netns {} ip {ip} socket {} preload {}",
+                node.pods[0].netns,
+                node.pods[1].netns,
+                node.socket().display(),
+                flowlane_e2e::shm::preload_lib().display()
+            );
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+            return;
+        }
         let lanes = [Lane::Shm, Lane::Tcp, Lane::Unix];
         let scale = if quick { 1 } else { 4 };
         println!("flowlane shared-memory lane benchmark (same run; ratios are shm vs plain TCP over veth)");
@@ -352,7 +373,13 @@ mod bench {
         // the lanes, so one lane is not measured alone in a burst of other
         // load on this shared machine.
         const ROUNDS: usize = 3;
-        for size in [64usize, 1024, 65536, 1 << 20] {
+        let sizes: &[usize] = if stream_only {
+            &[65536, 1 << 20]
+        } else {
+            &[64, 1024, 65536, 1 << 20]
+        };
+        let mut tcp_gbs = Vec::new();
+        for &size in sizes {
             let total: u64 = match size {
                 64 => 64 << 20,
                 1024 => 512 << 20,
@@ -378,12 +405,17 @@ mod bench {
                 }
             }
             let v = gbs.map(median);
+            tcp_gbs.push((size, v[0], v[1]));
             if size == 65536 {
                 cpu = cpus.map(median);
             }
             row(&format!("stream GB/s, {size} B messages"), v, false);
         }
         row("CPU s per GB (64 KiB stream)", cpu, true);
+        ceiling_rows(&tcp_gbs);
+        if stream_only {
+            return;
+        }
         for size in [64usize, 4096] {
             let iters = (20_000 * scale as usize).to_string();
             let mut p50 = [0.0; 3];
@@ -418,6 +450,34 @@ mod bench {
         }
         fallback(&node, quick);
         third_party(&node);
+    }
+
+    /// The hardware ceiling (see `ceiling`) next to the lane and TCP figures
+    /// of this run: how far the lane is from what the two cores can do, and
+    /// what ratio to TCP the hardware allows at all.
+    fn ceiling_rows(runs: &[(usize, f64, f64)]) {
+        println!();
+        println!("hardware ceiling (same run; threads pinned to cores 0/1, spin only, no syscalls, best of 5)");
+        println!(
+            "{:<44} {:>8} {:>8} {:>9}",
+            "reference", "GB/s", "x tcp", "shm/ref"
+        );
+        for &(size, shm, tcp) in runs {
+            for (name, v) in crate::ceiling::figures(size) {
+                println!(
+                    "{:<44} {:>8.2} {:>7.1}x {:>8.0}%",
+                    format!("{name}, {size} B"),
+                    v,
+                    v / tcp,
+                    shm / v * 100.0
+                );
+            }
+        }
+        println!(
+            "futex wake-up, one way (what a sleeping side costs): {:.1} us; cache line round trip between the cores: {:.0} ns",
+            crate::ceiling::futex_wakeup_us(),
+            crate::ceiling::line_round_trip_ns()
+        );
     }
 
     /// Median of a few values (robust against one run hit by other load).
@@ -597,4 +657,470 @@ mod bench {
             );
         }
     }
+}
+
+/// The hardware reference for the stream figures: what these two cores can
+/// move through shared memory at all, measured with the tightest code:
+/// threads pinned to cores 0 and 1 (SCHED_FIFO when allowed, see `pin`),
+/// two MAP_SHARED mappings of one memfd as two processes would have, spin
+/// only, no syscalls, no library. Same message shape as the `stream`
+/// figures: the writer sends `msg`-byte messages from its own buffer, the
+/// reader reads into a 1 MiB buffer (as `serve` does), both buffers 16 bytes
+/// past a page boundary as glibc's malloc places them.
+///
+/// - two-copy, lane ring: the lane's own `Producer`/`Consumer` (ring.rs,
+///   1 MiB ring) in a spin loop: the two copies of the lane, nothing else.
+/// - two-copy, minimal ring: a bare SPSC byte ring (head and tail on their
+///   own lines, peer index cached, publish every 64 KiB) as a cross-check.
+/// - one-copy: the reader copies from a shared buffer the writer filled
+///   once (no second copy, no cross-core handover): the reader's copy alone.
+/// - memcpy, one core: two cache-resident private buffers.
+/// - memcpy, both cores at once: shows whether the two virtual CPUs really
+///   ran in parallel during the run.
+/// - futex wake-up: one-way latency of waking a thread that sleeps on a
+///   futex (threads not pinned): what a sleeping side of the lane costs.
+/// - cache line round trip between the pinned cores: the price of each
+///   handover of a line. On this VM it depends on where the host places
+///   the two virtual CPUs (about 50 ns on one core complex, several hundred
+///   across), and the two-copy figures follow it.
+mod ceiling {
+    use flowlane_lane::ring::{self, Side};
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    use std::time::Instant;
+
+    #[repr(C, align(128))]
+    struct Line(AtomicU64);
+
+    /// A memfd of `len` bytes mapped twice (one mapping per "process").
+    struct Shared {
+        maps: [*mut u8; 2],
+        len: usize,
+    }
+
+    impl Shared {
+        fn new(len: usize) -> Shared {
+            // SAFETY: memfd_create with a valid C string.
+            let fd = unsafe { libc::memfd_create(c"ceiling".as_ptr(), libc::MFD_CLOEXEC) };
+            assert!(fd >= 0, "memfd_create");
+            // SAFETY: fd is ours.
+            assert_eq!(unsafe { libc::ftruncate(fd, len as libc::off_t) }, 0);
+            let map = || {
+                // SAFETY: a fresh shared mapping of the memfd.
+                let p = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED | libc::MAP_POPULATE,
+                        fd,
+                        0,
+                    )
+                };
+                assert_ne!(p, libc::MAP_FAILED, "mmap");
+                p as *mut u8
+            };
+            let maps = [map(), map()];
+            // SAFETY: the mappings keep the memory alive.
+            unsafe { libc::close(fd) };
+            Shared { maps, len }
+        }
+    }
+
+    impl Drop for Shared {
+        fn drop(&mut self) {
+            for m in self.maps {
+                // SAFETY: our own mapping; its users (scoped threads) are done.
+                unsafe { libc::munmap(m as *mut libc::c_void, self.len) };
+            }
+        }
+    }
+
+    /// A private buffer 16 bytes past a page boundary, touched once.
+    struct Buf {
+        ptr: *mut u8,
+        len: usize,
+        layout: std::alloc::Layout,
+    }
+
+    // SAFETY: an owned allocation, used by one thread at a time.
+    unsafe impl Send for Buf {}
+
+    impl Buf {
+        fn new(len: usize) -> Buf {
+            let layout = std::alloc::Layout::from_size_align(len + 4096, 4096).unwrap();
+            // SAFETY: non-zero size.
+            let base = unsafe { std::alloc::alloc(layout) };
+            assert!(!base.is_null());
+            // SAFETY: inside the allocation.
+            let ptr = unsafe { base.add(16) };
+            // SAFETY: [ptr, ptr+len) is inside the allocation.
+            unsafe { std::ptr::write_bytes(ptr, 7, len) };
+            Buf { ptr, len, layout }
+        }
+
+        fn slice(&mut self) -> &mut [u8] {
+            // SAFETY: our allocation, initialised in new.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        }
+    }
+
+    impl Drop for Buf {
+        fn drop(&mut self) {
+            // SAFETY: allocated in new with this layout, 16 bytes before ptr.
+            unsafe { std::alloc::dealloc(self.ptr.sub(16), self.layout) };
+        }
+    }
+
+    /// A spin step; every 2^20th (milliseconds) yields, in case the peer
+    /// is off its core after all.
+    fn relax(spins: &mut u32) {
+        *spins = spins.wrapping_add(1);
+        if *spins % (1 << 20) == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Pins the calling thread to `cpu` and, when allowed (root), makes it
+    /// SCHED_FIFO: a spin-only pipeline collapses whenever one side is
+    /// descheduled (the other spins its whole slice), so on a shared machine
+    /// the reference is measured undisturbed by other load
+    /// (`CEILING_NO_RT=1` turns that off). The kernel's RT throttling (95%
+    /// per second) still applies; each run is well under a second.
+    fn pin(cpu: usize) {
+        // SAFETY: cpu_set_t and sched_param are plain data; both calls act
+        // on the calling thread only.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            if std::env::var_os("CEILING_NO_RT").is_none() {
+                let p = libc::sched_param { sched_priority: 1 };
+                libc::sched_setscheduler(0, libc::SCHED_FIFO, &p);
+            }
+        }
+    }
+
+    /// Runs `writer` on core 0 and `reader` on core 1 (scoped threads, so
+    /// the caller's scheduling is untouched); GB/s of `total` bytes.
+    fn pair(total: u64, writer: impl FnOnce() + Send, reader: impl FnOnce() + Send) -> f64 {
+        let barrier = std::sync::Barrier::new(2);
+        let t0 = std::thread::scope(|s| {
+            let w = s.spawn(|| {
+                pin(0);
+                barrier.wait();
+                let t0 = Instant::now();
+                writer();
+                t0
+            });
+            s.spawn(|| {
+                pin(1);
+                barrier.wait();
+                reader();
+            });
+            w.join().unwrap()
+        });
+        total as f64 / t0.elapsed().as_secs_f64() / 1e9
+    }
+
+    /// The lane's ring (ring.rs) in a spin-only loop.
+    fn lane_ring(msg: usize, total: u64) -> f64 {
+        let len = ring::region_len_for(1 << 20);
+        let sh = Shared::new(len);
+        // SAFETY: both mappings cover the region and outlive the endpoints
+        // (the threads end inside `pair`).
+        let (mut tx, _) = unsafe { ring::endpoints(sh.maps[0], len, Side::Client) }.unwrap();
+        // SAFETY: as above.
+        let (_, mut rx) = unsafe { ring::endpoints(sh.maps[1], len, Side::Server) }.unwrap();
+        let mut src = Buf::new(msg);
+        let mut dst = Buf::new(1 << 20);
+        pair(
+            total,
+            move || {
+                let (src, mut spins, mut sent) = (src.slice(), 0u32, 0u64);
+                while sent < total {
+                    let mut off = 0;
+                    while off < msg {
+                        let n = tx.write(&src[off..]);
+                        if n == 0 {
+                            relax(&mut spins);
+                        }
+                        tx.take_reader_wakeup();
+                        off += n;
+                    }
+                    sent += msg as u64;
+                }
+            },
+            move || {
+                let (dst, mut spins, mut got) = (dst.slice(), 0u32, 0u64);
+                while got < total {
+                    let n = rx.read(dst);
+                    if n == 0 {
+                        relax(&mut spins);
+                    }
+                    rx.take_writer_wakeup();
+                    got += n as u64;
+                }
+            },
+        )
+    }
+
+    /// A bare SPSC ring: tail and head on their own lines, 64 KiB publish.
+    fn minimal_ring(msg: usize, total: u64) -> f64 {
+        const RING: usize = 1 << 20;
+        const CHUNK: usize = 64 << 10;
+        let sh = Shared::new(4096 + RING);
+        let (wp, rp) = (sh.maps[0] as usize, sh.maps[1] as usize);
+        let mut src = Buf::new(msg);
+        let mut dst = Buf::new(1 << 20);
+        // (tail, head, data) of one mapping.
+        let parts = |base: usize| {
+            let b = base as *mut u8;
+            // SAFETY: the two lines lie in the first page of the mapping,
+            // the data area after it; the mapping outlives the threads.
+            unsafe {
+                (
+                    &*(b as *const Line),
+                    &*(b.add(128) as *const Line),
+                    b.add(4096),
+                )
+            }
+        };
+        pair(
+            total,
+            move || {
+                let (tail, head, data) = parts(wp);
+                let src = src.slice();
+                let (mut pos, mut head_cache, mut spins) = (0u64, 0u64, 0u32);
+                while pos < total {
+                    let mut off = 0;
+                    while off < msg {
+                        let n = CHUNK.min(msg - off);
+                        while pos + n as u64 - head_cache > RING as u64 {
+                            head_cache = head.0.load(Ordering::Acquire);
+                            relax(&mut spins);
+                        }
+                        let at = pos as usize & (RING - 1);
+                        let first = n.min(RING - at);
+                        // SAFETY: [pos, pos+n) is free room; src holds msg bytes.
+                        unsafe {
+                            super::copy(data.add(at), src.as_ptr().add(off), first);
+                            super::copy(data, src.as_ptr().add(off + first), n - first);
+                        }
+                        pos += n as u64;
+                        off += n;
+                        tail.0.store(pos, Ordering::Release);
+                    }
+                }
+            },
+            move || {
+                let (tail, head, data) = parts(rp);
+                let dst = dst.slice();
+                let (mut pos, mut tail_cache, mut spins) = (0u64, 0u64, 0u32);
+                while pos < total {
+                    while tail_cache == pos {
+                        tail_cache = tail.0.load(Ordering::Acquire);
+                        relax(&mut spins);
+                    }
+                    // One "read call": what is there, up to the buffer.
+                    let mut want = ((tail_cache - pos) as usize).min(dst.len());
+                    let mut d = 0;
+                    while want > 0 {
+                        let n = want.min(CHUNK);
+                        let at = pos as usize & (RING - 1);
+                        let first = n.min(RING - at);
+                        // SAFETY: [pos, pos+n) was published; dst has room.
+                        unsafe {
+                            super::copy(dst.as_mut_ptr().add(d), data.add(at), first);
+                            super::copy(dst.as_mut_ptr().add(d + first), data, n - first);
+                        }
+                        pos += n as u64;
+                        d += n;
+                        want -= n;
+                        head.0.store(pos, Ordering::Release);
+                    }
+                    // The copies must not be optimised away as dead stores.
+                    std::hint::black_box(&mut *dst);
+                }
+            },
+        )
+    }
+
+    /// The reader's copy alone: from a shared buffer filled once by the
+    /// writer's core into the reader's buffer, `msg` bytes at a time.
+    fn one_copy(msg: usize, total: u64) -> f64 {
+        const LEN: usize = 1 << 20;
+        let sh = Shared::new(LEN);
+        let (w, r) = (sh.maps[0] as usize, sh.maps[1] as usize);
+        let mut dst = Buf::new(1 << 20);
+        pair(
+            total,
+            // The writer fills it once, before the reader starts (barrier).
+            // SAFETY: the whole mapping.
+            move || unsafe { std::ptr::write_bytes(w as *mut u8, 9, LEN) },
+            move || {
+                let dst = dst.slice();
+                let mut pos = 0u64;
+                while pos < total {
+                    let at = pos as usize % LEN;
+                    let n = msg.min(LEN - at);
+                    // SAFETY: in bounds of both.
+                    unsafe { super::copy(dst.as_mut_ptr(), (r as *const u8).add(at), n) };
+                    std::hint::black_box(&mut *dst);
+                    pos += n as u64;
+                }
+            },
+        )
+    }
+
+    /// One core copying `msg` bytes between two private buffers.
+    fn memcpy_one_core(msg: usize, total: u64) -> f64 {
+        std::thread::scope(|s| s.spawn(|| memcpy_loop(1, msg, total)).join().unwrap())
+    }
+
+    /// Both cores copying at once (each its own buffers); the slower
+    /// core's GB/s. Far below `memcpy_one_core` means the two virtual CPUs
+    /// did not really run in parallel during this run (host contention),
+    /// which caps every two-core figure.
+    fn memcpy_both_cores(msg: usize, total: u64) -> f64 {
+        std::thread::scope(|s| {
+            let a = s.spawn(|| memcpy_loop(0, msg, total));
+            let b = s.spawn(|| memcpy_loop(1, msg, total));
+            a.join().unwrap().min(b.join().unwrap())
+        })
+    }
+
+    /// On `cpu`: copies `msg` bytes between two private buffers until
+    /// `total` bytes are copied; GB/s.
+    fn memcpy_loop(cpu: usize, msg: usize, total: u64) -> f64 {
+        {
+            {
+                let (mut src, mut dst) = (Buf::new(msg), Buf::new(msg));
+                pin(cpu);
+                let t0 = Instant::now();
+                let mut done = 0;
+                while done < total {
+                    // SAFETY: both buffers hold msg bytes.
+                    unsafe { super::copy(dst.slice().as_mut_ptr(), src.slice().as_ptr(), msg) };
+                    std::hint::black_box(dst.slice());
+                    done += msg as u64;
+                }
+                total as f64 / t0.elapsed().as_secs_f64() / 1e9
+            }
+        }
+    }
+
+    /// One-way futex wake-up latency in microseconds: two unpinned threads
+    /// at normal priority hand a token back and forth, sleeping each time.
+    pub fn futex_wakeup_us() -> f64 {
+        let word = AtomicU32::new(0);
+        let rounds = 2000u32;
+        let wait = |v: u32| {
+            while word.load(Ordering::Acquire) == v {
+                // SAFETY: FUTEX_WAIT on a live, aligned word.
+                unsafe {
+                    libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, v, 0, 0, 0)
+                };
+            }
+        };
+        let wake = || {
+            // SAFETY: FUTEX_WAKE on a live, aligned word.
+            unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1, 0, 0, 0) };
+        };
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for i in 0..rounds {
+                    wait(2 * i);
+                    word.store(2 * i + 2, Ordering::Release);
+                    wake();
+                }
+            });
+            for i in 0..rounds {
+                word.store(2 * i + 1, Ordering::Release);
+                wake();
+                wait(2 * i + 1);
+            }
+        });
+        t0.elapsed().as_secs_f64() * 1e6 / (2.0 * rounds as f64)
+    }
+
+    /// Round trip of one cache line between the two cores in nanoseconds
+    /// (pinned threads take turns incrementing a shared counter): the
+    /// price of every handover of a ring line or index.
+    pub fn line_round_trip_ns() -> f64 {
+        let line = Line(AtomicU64::new(0));
+        let rounds = 200_000u64;
+        let barrier = std::sync::Barrier::new(2);
+        let play = |cpu: usize, me: u64| {
+            pin(cpu);
+            barrier.wait();
+            let t0 = Instant::now();
+            let mut spins = 0u32;
+            for i in 0..rounds {
+                while line.0.load(Ordering::Acquire) != 2 * i + me {
+                    relax(&mut spins);
+                }
+                line.0.store(2 * i + me + 1, Ordering::Release);
+            }
+            t0.elapsed()
+        };
+        let t = std::thread::scope(|s| {
+            let a = s.spawn(|| play(0, 0));
+            s.spawn(|| play(1, 1));
+            a.join().unwrap()
+        });
+        t.as_secs_f64() * 1e9 / rounds as f64
+    }
+
+    /// The best of `runs` (a ceiling: the least disturbed run).
+    fn best(runs: usize, f: impl Fn() -> f64) -> f64 {
+        (0..runs).map(|_| f()).fold(0.0, f64::max)
+    }
+
+    /// `(name, GB/s)` rows for `msg`-byte messages, best of 5 runs each.
+    pub fn figures(msg: usize) -> Vec<(&'static str, f64)> {
+        let total: u64 = 2 << 30;
+        vec![
+            (
+                "two-copy, lane ring, spin",
+                best(5, || lane_ring(msg, total)),
+            ),
+            (
+                "two-copy, minimal ring, spin",
+                best(5, || minimal_ring(msg, total)),
+            ),
+            (
+                "one-copy (reader copy only)",
+                best(5, || one_copy(msg, total)),
+            ),
+            (
+                "memcpy, one core, cached",
+                best(5, || memcpy_one_core(msg, total)),
+            ),
+            (
+                "memcpy, both cores at once (per core)",
+                best(5, || memcpy_both_cores(msg, total)),
+            ),
+        ]
+    }
+
+    /// `shm-bench ceiling SIZE`.
+    pub fn print(msg: usize) {
+        for (name, v) in figures(msg) {
+            println!("ceiling {msg} {v:.2} GB/s {name}");
+        }
+        println!("futex one-way wake-up {:.1} us", futex_wakeup_us());
+        println!("cache line round trip {:.0} ns", line_round_trip_ns());
+    }
+}
+
+/// The copy the ceiling uses: the lane's (ring.rs `copy_bytes`).
+///
+/// # Safety
+/// As `ptr::copy_nonoverlapping`.
+unsafe fn copy(dst: *mut u8, src: *const u8, n: usize) {
+    // SAFETY: caller contract.
+    unsafe { flowlane_lane::ring::copy_bytes(dst, src, n) }
 }
