@@ -127,11 +127,8 @@ impl DaemonClient {
         }
         // Zero means "forever" to SO_*TIMEO: never allow that.
         let timeout = timeout.max(Duration::from_millis(1));
-        let mut fd = sys::socket_unix_stream()?;
-        if let Some(min) = min_fd {
-            fd = sys::move_up(fd, min);
-        }
-        let client = DaemonClient {
+        let fd = sys::socket_unix_stream()?;
+        let mut client = DaemonClient {
             fd,
             timeout,
             broken: false,
@@ -145,6 +142,11 @@ impl DaemonClient {
                 backoff::start(path_hash);
             }
         })?;
+        if let Some(min) = min_fd {
+            // Only once connected: a failed connect (no daemon) costs no
+            // extra system calls.
+            client.fd = sys::move_up(fd, min);
+        }
         Ok(client)
     }
 

@@ -52,8 +52,11 @@ fn file_id(fd: libc::c_int) -> Option<(u64, u64)> {
 }
 
 impl Held {
-    fn connect(socket: &Path, timeout: Duration, pid: u32, netns: Option<u64>) -> Option<Held> {
+    /// A new kept connection, bound to the calling thread's namespace
+    /// (read after the connect: no daemon costs no /proc lookup).
+    fn connect(socket: &Path, timeout: Duration, pid: u32) -> Option<Held> {
         let client = DaemonClient::connect_at(socket, timeout, Some(state::high_fd_base())).ok()?;
+        let netns = thread_netns();
         let id = file_id(client.raw_fd())?;
         let gone = Arc::new(AtomicBool::new(false));
         state::track_private(client.raw_fd(), gone.clone());
@@ -148,11 +151,10 @@ pub fn with<R>(
     // SAFETY: we hold `busy`: no other thread reaches the slot.
     let slot = unsafe { &mut *SLOT.held.get() };
     let pid = std::process::id();
-    let netns = thread_netns();
     let mut reused = false;
     if let Some(h) = slot.take() {
         if h.usable(pid) {
-            if h.netns != netns {
+            if h.netns != thread_netns() {
                 // A thread in another namespace: the kept connection speaks
                 // for the namespace it was made in.
                 *slot = Some(h);
@@ -165,7 +167,7 @@ pub fn with<R>(
         }
     }
     if slot.is_none() {
-        *slot = Some(Held::connect(socket, timeout, pid, netns)?);
+        *slot = Some(Held::connect(socket, timeout, pid)?);
     }
     let h = slot.as_mut()?;
     let r = f(&mut h.client);
@@ -181,7 +183,7 @@ pub fn with<R>(
     }
     // The kept connection broke mid-request (the daemon restarted since
     // its last use): once more on a fresh one.
-    *slot = Some(Held::connect(socket, timeout, pid, netns)?);
+    *slot = Some(Held::connect(socket, timeout, pid)?);
     let h = slot.as_mut()?;
     let r = f(&mut h.client);
     if h.client.is_broken() {
