@@ -32,7 +32,71 @@ pub trait LaneStream: Send + Sync {
     fn shutdown_send(&self) -> io::Result<()>;
     /// Abort both directions; the peer's recv/send fail with ConnectionReset.
     fn reset(&self);
+    /// Zero-copy placement into the peer's memory, when the transport can
+    /// do it (RDMA WRITE); `None`: bytes go through `send`/`recv` only.
+    fn direct(&self) -> Option<&dyn DirectLane> {
+        None
+    }
 }
+
+/// One ring's data area in the daemon's own mapping of a pod's channel.
+#[derive(Debug, Clone, Copy)]
+pub struct RingArea {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+/// `len` bytes from offset `src` of our sending area to offset `dst` of the
+/// peer's receiving area (a ring wrap splits a transfer into pieces).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    pub src: usize,
+    pub dst: usize,
+    pub len: usize,
+}
+
+/// Bytes moved without copies (issue 6: "the ring memory is registered with
+/// the NIC"). Each daemon registers its pod's two ring data areas; the
+/// receiving side describes its area to the sender in-band (opaque bytes:
+/// address, key, size), and the sender writes straight from its pod's
+/// sending ring into the remote pod's receiving ring, then sends a small
+/// notification on the stream. RDMA orders the write before the message, so
+/// when the peer reads the notification the bytes are in its memory.
+pub trait DirectLane: Send + Sync {
+    /// Registers `tx` (the source of our placements) and `rx` (where the
+    /// peer may place) and returns `rx`'s description for the peer plus a
+    /// guard: dropping it waits (bounded) for placements in flight and then
+    /// unregisters. `on_placed(n)` is called, in order, when `n` more bytes
+    /// of our placements reached the peer's memory (from a transport thread:
+    /// it must not block).
+    ///
+    /// # Safety
+    /// Both areas must stay mapped, and `rx` must be written by nothing but
+    /// the peer's placements past the ring's tail, until the guard is dropped.
+    unsafe fn register_rings(
+        &self,
+        tx: RingArea,
+        rx: RingArea,
+        on_placed: Box<dyn Fn(u64) + Send + Sync>,
+    ) -> io::Result<(Vec<u8>, Box<dyn Send + Sync>)>;
+    /// Takes the peer's description; returns the size of its area.
+    fn set_peer_ring(&self, desc: &[u8]) -> io::Result<usize>;
+    /// Writes `pieces` of our `tx` area into the peer's area, then sends
+    /// `notify` as ordinary stream bytes behind them (all of it, blocking
+    /// for flow control like `send`).
+    fn place(&self, pieces: &[Piece], notify: &[u8]) -> io::Result<()>;
+    /// The transport checksums payloads (tests): the relay then checksums
+    /// placed bytes end to end too.
+    fn checksums(&self) -> bool {
+        false
+    }
+}
+
+// SAFETY: a RingArea is only an address and a length; whoever dereferences
+// it does so under `DirectLane::register_rings`' contract.
+unsafe impl Send for RingArea {}
+// SAFETY: as above.
+unsafe impl Sync for RingArea {}
 
 /// Streams to and from peer daemons, multiplexed over a few links per peer.
 pub trait LaneTransport: Send + Sync {

@@ -19,7 +19,7 @@ pub mod transport;
 
 pub use discovery::{discover, Device, GidEntry, GidType, Inventory, LinkLayer, Port, PortState};
 pub use gid::{select_gid, NoGidReason, NoUsableGid, NodeAddress, SelectedGid};
-pub use lane_stream::{LaneStream, LaneTransport, StreamKey};
+pub use lane_stream::{DirectLane, LaneStream, LaneTransport, Piece, RingArea, StreamKey};
 pub use sysfs::Sysfs;
 pub use topology::kubernetes::KubeNodeDirectory;
 pub use topology::{ClusterView, NodeDirectory, NodeEntry, RdmaLane, StaticNodeFile};

@@ -11,9 +11,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use flowlane_rdma::transport::exercise::{check_receive, exchange, ExchangeSpec, Pattern};
+use flowlane_rdma::transport::exercise::{
+    check_receive, direct_exchange, exchange, DirectSpec, ExchangeSpec, Pattern,
+};
 use flowlane_rdma::transport::{MemProvider, MemTransport, RdmaOptions};
-use flowlane_rdma::{LaneStream, LaneTransport, StreamKey};
+use flowlane_rdma::{LaneStream, LaneTransport, Piece, RingArea, StreamKey};
 
 fn small_opts() -> RdmaOptions {
     // A tiny ring and window so credits and windows run out constantly.
@@ -459,4 +461,202 @@ fn a_transport_shut_down_right_after_its_last_send_still_delivers_it() {
     // The daemon exits right away: the tail and the FIN must still arrive.
     a.shutdown();
     assert_eq!(reader.join().unwrap().unwrap(), total);
+}
+
+// ---- Zero copy: placements from a registered sending ring straight into
+// the peer's registered receiving ring (`DirectLane`), as the relay does
+// with pod rings. The in-process fabric copies registered memory like the
+// NIC would and refuses writes outside a registration (remote access
+// error), so bounds and credit bugs fail here.
+
+fn direct_spec(i: u64, opener: bool, tx_ring: usize, rx_ring: usize) -> DirectSpec {
+    DirectSpec {
+        exchange: spec(i, opener),
+        tx_ring,
+        rx_ring,
+        reader_delay: Duration::ZERO,
+        bench: false,
+    }
+}
+
+/// Both directions at once, random placement sizes, rings of different
+/// sizes on the two sides (4 KiB and 16 KiB), so transfers are cut at both
+/// rings' wraps and the sender waits for ring space (ROOM) constantly;
+/// every byte is checked where it landed, with payload CRCs on.
+#[test]
+fn placements_move_bytes_ring_to_ring_across_wraps_both_ways() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let n = 4u16;
+    let b2 = Arc::clone(&b);
+    let acceptor = thread::spawn(move || {
+        let workers: Vec<_> = (0..n)
+            .map(|_| {
+                let (k, s) = b2.accept().unwrap();
+                let i = (k.client.port() - 40000) as u64;
+                thread::spawn(move || {
+                    direct_exchange(Arc::from(s), direct_spec(i, false, 16 << 10, 4 << 10)).unwrap()
+                })
+            })
+            .collect();
+        workers.into_iter().for_each(|w| {
+            w.join().unwrap();
+        });
+    });
+    let workers: Vec<_> = (0..n)
+        .map(|i| {
+            let s = a.open(b.local_addr(), key(100 + i)).unwrap();
+            let i = 100 + i as u64;
+            thread::spawn(move || {
+                direct_exchange(Arc::from(s), direct_spec(i, true, 4 << 10, 16 << 10)).unwrap()
+            })
+        })
+        .collect();
+    for w in workers {
+        let r = w.join().unwrap();
+        assert!(r.sent > 0 && r.received > 0);
+    }
+    acceptor.join().unwrap();
+    assert_eq!(errors(&*a, "link_failed"), 0);
+}
+
+/// A slow reader: the receiver pauses after every placement; the sender
+/// may only place into room the reader reported, so nothing is overwritten
+/// before it was read (the byte check would see it).
+#[test]
+fn a_slow_reader_limits_placements_to_its_ring_space() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let sa = a.open(b.local_addr(), key(120)).unwrap();
+    let (_, sb) = b.accept().unwrap();
+    let mut slow = direct_spec(7, false, 4 << 10, 4 << 10);
+    slow.reader_delay = Duration::from_millis(2);
+    slow.exchange.send_bytes = 0;
+    slow.exchange.recv_bytes = 120_000;
+    let mut fast = direct_spec(7, true, 8 << 10, 4 << 10);
+    fast.exchange.send_bytes = 120_000;
+    fast.exchange.recv_bytes = 0;
+    let r = thread::spawn(move || direct_exchange(Arc::from(sb), slow).unwrap());
+    let w = direct_exchange(Arc::from(sa), fast).unwrap();
+    assert_eq!(w.sent, 120_000);
+    assert_eq!(r.join().unwrap().received, 120_000);
+}
+
+/// The queue pair fails in the middle of a transfer: both sides' placements
+/// and receives end with an error (ConnectionReset), nobody hangs, and
+/// unregistering the rings does not wait for completions that never come.
+#[test]
+fn a_link_failure_mid_placement_ends_both_sides_with_an_error() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let sa = a.open(b.local_addr(), key(130)).unwrap();
+    let (_, sb) = b.accept().unwrap();
+    let big = |opener: bool| {
+        let mut s = direct_spec(9, opener, 4 << 10, 4 << 10);
+        s.exchange.send_bytes = 50_000_000;
+        s.exchange.recv_bytes = 50_000_000;
+        s.reader_delay = Duration::from_micros(200);
+        s
+    };
+    let (sa_spec, sb_spec) = (big(true), big(false));
+    let ta = thread::spawn(move || direct_exchange(Arc::from(sa), sa_spec));
+    let tb = thread::spawn(move || direct_exchange(Arc::from(sb), sb_spec));
+    thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    assert!(a.fail_link(b.local_addr(), "test: queue pair error"));
+    let (ra, rb) = (ta.join().unwrap(), tb.join().unwrap());
+    assert!(ra.is_err(), "opener finished despite the failure: {ra:?}");
+    assert!(rb.is_err(), "acceptor finished despite the failure: {rb:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}
+
+/// A placement outside the peer's registered ring (a sender that trusts a
+/// wrong size) is a remote access error: the link fails and the streams
+/// reset, nothing is written outside the registration.
+#[test]
+fn a_placement_outside_the_peer_ring_fails_the_link() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let sa = a.open(b.local_addr(), key(140)).unwrap();
+    let (_, sb) = b.accept().unwrap();
+    let mut a_tx = vec![7u8; 8192];
+    let mut a_rx = vec![0u8; 4096];
+    let mut b_tx = vec![0u8; 4096];
+    let mut b_rx = vec![0u8; 4096 + 4096];
+    let area = |v: &mut Vec<u8>, len: usize| RingArea {
+        ptr: v.as_mut_ptr(),
+        len,
+    };
+    let (da, db) = (sa.direct().unwrap(), sb.direct().unwrap());
+    // SAFETY: the vectors outlive the guards (dropped at the end).
+    let (_, ga) = unsafe {
+        da.register_rings(
+            area(&mut a_tx, 8192),
+            area(&mut a_rx, 4096),
+            Box::new(|_| {}),
+        )
+    }
+    .unwrap();
+    // B registers only the first 4 KiB of its buffer as its ring.
+    let (desc_b, gb) = unsafe {
+        db.register_rings(
+            area(&mut b_tx, 4096),
+            area(&mut b_rx, 4096),
+            Box::new(|_| {}),
+        )
+    }
+    .unwrap();
+    assert_eq!(da.set_peer_ring(&desc_b).unwrap(), 4096);
+    // In range: fine.
+    da.place(
+        &[Piece {
+            src: 0,
+            dst: 0,
+            len: 4096,
+        }],
+        b"ok",
+    )
+    .unwrap();
+    let mut buf = [0u8; 2];
+    assert_eq!(sb.recv(&mut buf).unwrap(), 2);
+    assert_eq!(&b_rx[..4096], &[7u8; 4096][..]);
+    // Out of range: refused before posting.
+    assert_eq!(
+        da.place(
+            &[Piece {
+                src: 0,
+                dst: 4096,
+                len: 1
+            }],
+            b"no"
+        )
+        .unwrap_err()
+        .kind(),
+        ErrorKind::InvalidInput
+    );
+    // A peer description lying about the size: the fabric refuses the
+    // write (remote access error) and the link fails.
+    let mut lie: serde_json::Value = serde_json::from_slice(&desc_b).unwrap();
+    lie["len"] = serde_json::json!(8192);
+    da.set_peer_ring(&serde_json::to_vec(&lie).unwrap())
+        .unwrap();
+    let _ = da.place(
+        &[Piece {
+            src: 0,
+            dst: 4096,
+            len: 4096,
+        }],
+        b"xx",
+    );
+    eventually("the link failed", || errors(&*a, "link_failed") >= 1);
+    assert_eq!(
+        sb.recv(&mut buf).unwrap_err().kind(),
+        ErrorKind::ConnectionReset
+    );
+    assert_eq!(
+        &b_rx[4096..],
+        &[0u8; 4096][..],
+        "nothing written outside the ring"
+    );
+    drop((ga, gb));
 }

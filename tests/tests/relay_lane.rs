@@ -48,6 +48,9 @@ struct Node {
     dir: PathBuf,
     pods: Vec<Pod>,
     daemon: Option<Child>,
+    /// The relay moves bytes by (emulated) placement into the remote ring:
+    /// the zero-copy protocol of the RDMA transport, over tcp-test.
+    zero_copy: bool,
 }
 
 impl Node {
@@ -138,6 +141,10 @@ impl Node {
             .arg("--nodes-file")
             .arg(nodes_file)
             .args(["--node-name", &self.name])
+            .env(
+                "FLOWLANE_RELAY_ZERO_COPY",
+                if self.zero_copy { "1" } else { "0" },
+            )
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
@@ -204,6 +211,12 @@ struct Cluster {
 
 impl Cluster {
     fn new(pods: usize) -> Cluster {
+        Cluster::build(pods, false)
+    }
+
+    /// `zero_copy`: the daemons' relay places bytes into the remote pod's
+    /// ring (the RDMA transport's zero-copy protocol, emulated by tcp-test).
+    fn build(pods: usize, zero_copy: bool) -> Cluster {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let tag = format!("{:x}{n:x}", std::process::id() % 0xfff);
         let slot = ((std::process::id() + n * 7) % 120) as u8;
@@ -240,6 +253,7 @@ impl Cluster {
                 dir: ndir,
                 pods: Vec::new(),
                 daemon: None,
+                zero_copy,
             });
         }
         // The underlay: one veth between the two node namespaces.
@@ -447,8 +461,20 @@ fn wait_closed(c: &Cluster, n: u64) {
 /// daemons prove the relay lane carried it (and the shm lane did not).
 #[test]
 fn relay_carries_checksummed_echo_both_ways_between_nodes() {
+    checksummed_echo(false);
+}
+
+/// The same over the zero-copy protocol (RING/PLACED/ROOM: bytes land in
+/// the remote ring before the frame that publishes them; credits are the
+/// remote ring's free room), with random sizes across ring wraps.
+#[test]
+fn zero_copy_relay_carries_checksummed_echo_both_ways_between_nodes() {
+    checksummed_echo(true);
+}
+
+fn checksummed_echo(zero_copy: bool) {
     let _g = serial();
-    let c = Cluster::new(1);
+    let c = Cluster::build(1, zero_copy);
     let bytes = 8_000_000u64;
     echo_across(&c, 0, 1, 7501, 3, bytes);
     echo_across(&c, 1, 0, 7502, 2, bytes);
@@ -472,8 +498,17 @@ fn relay_carries_checksummed_echo_both_ways_between_nodes() {
 /// Each case checks what a TCP program expects at both ends.
 #[test]
 fn socket_semantics_hold_across_the_relay() {
+    socket_semantics(false);
+}
+
+#[test]
+fn socket_semantics_hold_across_the_zero_copy_relay() {
+    socket_semantics(true);
+}
+
+fn socket_semantics(zero_copy: bool) {
     let _g = serial();
-    let c = Cluster::new(1);
+    let c = Cluster::build(1, zero_copy);
     let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
     let (a, b) = (&n0.pods[0], &n1.pods[0]);
     let ip = b.ip.to_string();
@@ -591,8 +626,17 @@ fn first_line(b: &mut Bg) -> String {
 /// connection.
 #[test]
 fn peer_killed_mid_stream_ends_the_other_side() {
+    peer_killed(false);
+}
+
+#[test]
+fn peer_killed_mid_stream_over_the_zero_copy_relay_ends_the_other_side() {
+    peer_killed(true);
+}
+
+fn peer_killed(zero_copy: bool) {
     let _g = serial();
-    let c = Cluster::new(1);
+    let c = Cluster::build(1, zero_copy);
     let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
     let (a, b) = (&n0.pods[0], &n1.pods[0]);
     for (round, kill_server) in [(0u16, true), (1, false)] {

@@ -4,7 +4,7 @@
 //! ```text
 //! rdma-lane-bench serve   --device rxe0 --gid-index 1 --listen 192.168.47.2:7480 [--checksums]
 //! rdma-lane-bench check   --device rxe0 --gid-index 1 --peer 192.168.47.2:7480 --streams 16 [--checksums]
-//! rdma-lane-bench bench   --device rxe0 --gid-index 1 --peer 192.168.47.2:7480 --size 65536 --total 67108864 [--streams 1]
+//! rdma-lane-bench bench   --device rxe0 --gid-index 1 --peer 192.168.47.2:7480 --size 65536 --total 67108864 [--streams 1] [--direct]
 //! rdma-lane-bench lat     --device rxe0 --gid-index 1 --peer 192.168.47.2:7480 --size 2 --iters 1000
 //! rdma-lane-bench wait-reset --device rxe0 --gid-index 1 --peer 192.168.47.2:7480
 //! rdma-lane-bench tcp-serve --listen 192.168.47.2:7481
@@ -23,10 +23,10 @@ use std::{
     process::ExitCode,
     sync::Arc,
     thread,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
-use flowlane_rdma::transport::exercise::{exchange, ExchangeSpec};
+use flowlane_rdma::transport::exercise::{direct_exchange, exchange, DirectSpec, ExchangeSpec};
 use flowlane_rdma::transport::{RdmaOptions, RdmaTransport, VerbsProvider};
 use flowlane_rdma::{LaneStream, LaneTransport, StreamKey};
 
@@ -112,6 +112,7 @@ fn serve_stream(key: StreamKey, s: Box<dyn LaneStream>) {
         1 => exchange(s, check_spec(i, false)).map(|_| ()),
         2 => sink(&*s),
         4 => echo(&*s),
+        5 => direct_exchange(s, direct_sink()).map(|_| ()),
         _ => {
             let mut b = [0u8; 1];
             s.recv(&mut b).map(|_| ())
@@ -120,6 +121,44 @@ fn serve_stream(key: StreamKey, s: Box<dyn LaneStream>) {
     if let Err(e) = r {
         eprintln!("stream {i}: {e}");
     }
+}
+
+/// The receiving side of `bench --direct`: 1 MiB rings (a pod's default).
+fn direct_sink() -> DirectSpec {
+    DirectSpec {
+        exchange: ExchangeSpec {
+            send_seed: 0,
+            recv_seed: 0,
+            send_bytes: 0,
+            recv_bytes: u64::MAX,
+            max_msg: 1,
+        },
+        tx_ring: 1 << 20,
+        rx_ring: 1 << 20,
+        reader_delay: Duration::ZERO,
+        bench: true,
+    }
+}
+
+/// `bench --direct`: `total` bytes placed from a registered 1 MiB ring
+/// straight into the peer's registered 1 MiB ring in `size`-byte
+/// placements, credits by the peer's ring space (what the relay does with
+/// pod rings): no copy on either side.
+fn bench_direct(t: &RdmaTransport, peer: SocketAddr, size: usize, total: u64) -> io::Result<f64> {
+    let s: Arc<dyn LaneStream> = Arc::from(t.open(peer, key(0, 5))?);
+    let spec = DirectSpec {
+        exchange: ExchangeSpec {
+            send_seed: 0,
+            recv_seed: 0,
+            send_bytes: total,
+            recv_bytes: 0,
+            max_msg: size.clamp(1, 1 << 20),
+        },
+        bench: true,
+        ..direct_sink()
+    };
+    let r = direct_exchange(s, spec)?;
+    Ok(r.sent as f64 / r.elapsed.as_secs_f64())
 }
 
 fn sink(s: &dyn LaneStream) -> io::Result<()> {
@@ -332,8 +371,13 @@ fn run() -> io::Result<bool> {
                 a.num("--total", 64 << 20),
                 a.num("--streams", 1),
             );
-            let bps = bench_rdma(&t, a.addr("--peer"), size, total, streams)?;
-            println!("@@BENCH {{\"lane\":\"rdma\",\"size\":{size},\"streams\":{streams},\"bytes_per_sec\":{bps:.0}}}");
+            let direct = a.has("--direct");
+            let bps = if direct {
+                bench_direct(&t, a.addr("--peer"), size, total)?
+            } else {
+                bench_rdma(&t, a.addr("--peer"), size, total, streams)?
+            };
+            println!("@@BENCH {{\"lane\":\"rdma\",\"direct\":{direct},\"size\":{size},\"streams\":{streams},\"bytes_per_sec\":{bps:.0}}}");
             Ok(true)
         }
         "lat" => {

@@ -6,12 +6,12 @@
 
 use std::{
     io,
-    sync::Arc,
+    sync::{Arc, Condvar, Mutex},
     thread,
     time::{Duration, Instant},
 };
 
-use crate::lane_stream::LaneStream;
+use crate::lane_stream::{LaneStream, Piece, RingArea};
 
 /// Small deterministic generator (xorshift64*), so both ends derive the
 /// same bytes from a seed without sharing them.
@@ -161,4 +161,379 @@ pub fn check_receive(
         ));
     }
     Ok(got)
+}
+
+/// A zero-copy exchange ([`DirectLane`]): each side owns a sending ring and
+/// a receiving ring (power-of-two sizes, which may differ between the
+/// sides), registers them, and the sender places pattern bytes straight
+/// into the peer's receiving ring, cut at both rings' wraps, never beyond
+/// the room the peer reported; the receiver checks every byte where it
+/// landed. What the relay does with pod rings, without pods.
+#[derive(Debug, Clone, Copy)]
+pub struct DirectSpec {
+    pub exchange: ExchangeSpec,
+    /// Our sending ring and receiving ring sizes (powers of two).
+    pub tx_ring: usize,
+    pub rx_ring: usize,
+    /// The receiver pauses this long after each placement it consumed (a
+    /// slow reader: the sender must wait for ring space).
+    pub reader_delay: Duration,
+    /// Benchmark mode: every placement is `max_msg` bytes, nothing is
+    /// generated or checked (the bytes are whatever the ring holds), and
+    /// `recv_bytes == u64::MAX` receives until the peer's end.
+    pub bench: bool,
+}
+
+/// Messages of the exchange's own protocol on the stream.
+const MSG_DESC: u8 = b'D';
+const MSG_PLACED: u8 = b'P';
+const MSG_ROOM: u8 = b'R';
+const MSG_END: u8 = b'E';
+
+/// Ring memory with a stable address (page-aligned, zeroed).
+struct RingMem(memmap2::MmapMut);
+
+impl RingMem {
+    fn new(len: usize) -> io::Result<Self> {
+        Ok(RingMem(memmap2::MmapMut::map_anon(len)?))
+    }
+    fn area(&mut self) -> RingArea {
+        RingArea {
+            ptr: self.0.as_mut_ptr(),
+            len: self.0.len(),
+        }
+    }
+}
+
+/// Sends messages whole, from either thread.
+struct Sender {
+    stream: Arc<dyn LaneStream>,
+    lock: Mutex<()>,
+}
+
+impl Sender {
+    fn send(&self, m: &[u8]) -> io::Result<()> {
+        let _g = self.lock.lock().unwrap();
+        let mut off = 0;
+        while off < m.len() {
+            off += self.stream.send(&m[off..])?;
+        }
+        Ok(())
+    }
+    fn place(&self, pieces: &[Piece], notify: &[u8]) -> io::Result<()> {
+        let _g = self.lock.lock().unwrap();
+        let dl = self
+            .stream
+            .direct()
+            .ok_or_else(|| io::Error::other("no direct lane"))?;
+        dl.place(pieces, notify)
+    }
+}
+
+/// Reads whole messages of the exchange's protocol.
+struct Reader {
+    stream: Arc<dyn LaneStream>,
+    buf: Vec<u8>,
+}
+
+impl Reader {
+    fn fill(&mut self, n: usize) -> io::Result<bool> {
+        let mut b = [0u8; 64];
+        while self.buf.len() < n {
+            let k = self.stream.recv(&mut b)?;
+            if k == 0 {
+                return Ok(false);
+            }
+            self.buf.extend_from_slice(&b[..k]);
+        }
+        Ok(true)
+    }
+    /// The next message's kind and argument bytes; None at the stream's end.
+    fn next(&mut self) -> io::Result<Option<(u8, Vec<u8>)>> {
+        if !self.fill(1)? {
+            return Ok(None);
+        }
+        let arg = match self.buf[0] {
+            MSG_DESC => {
+                if !self.fill(3)? {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                2 + u16::from_le_bytes([self.buf[1], self.buf[2]]) as usize
+            }
+            MSG_PLACED => 4,
+            MSG_ROOM => 8,
+            MSG_END => 0,
+            k => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("bad message {k}"),
+                ))
+            }
+        };
+        if !self.fill(1 + arg)? {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        let m: Vec<u8> = self.buf.drain(..1 + arg).collect();
+        Ok(Some((m[0], m[1..].to_vec())))
+    }
+}
+
+/// Cuts `len` bytes from local position `src` to remote position `dst` at
+/// both rings' wraps.
+pub fn ring_pieces(src: u64, src_size: usize, dst: u64, dst_size: usize, len: usize) -> Vec<Piece> {
+    let (mut s, mut d, mut left) = (src, dst, len);
+    let mut v = Vec::with_capacity(3);
+    while left > 0 {
+        let so = (s as usize) & (src_size - 1);
+        let dof = (d as usize) & (dst_size - 1);
+        let k = left.min(src_size - so).min(dst_size - dof);
+        v.push(Piece {
+            src: so,
+            dst: dof,
+            len: k,
+        });
+        s += k as u64;
+        d += k as u64;
+        left -= k;
+    }
+    v
+}
+
+/// Runs a zero-copy exchange over `stream` (both sides call it).
+pub fn direct_exchange(
+    stream: Arc<dyn LaneStream>,
+    spec: DirectSpec,
+) -> io::Result<ExchangeReport> {
+    let t0 = Instant::now();
+    let dl_check = stream
+        .direct()
+        .ok_or_else(|| io::Error::other("the stream cannot place"))?;
+    let _ = dl_check;
+    let mut tx_mem = RingMem::new(spec.tx_ring)?;
+    let mut rx_mem = RingMem::new(spec.rx_ring)?;
+    let (tx_area, rx_area) = (tx_mem.area(), rx_mem.area());
+    // (bytes completed, bytes of room the peer reported) + wake-up.
+    let progress = Arc::new((Mutex::new((0u64, 0u64)), Condvar::new()));
+    let p2 = Arc::clone(&progress);
+    let on_placed = Box::new(move |n: u64| {
+        p2.0.lock().unwrap().0 += n;
+        p2.1.notify_all();
+    });
+    // SAFETY: both areas stay mapped (tx_mem, rx_mem) until after `guard`
+    // is dropped at the end of this function; rx is written only by the
+    // peer's placements.
+    let (desc, guard) = unsafe {
+        stream
+            .direct()
+            .unwrap()
+            .register_rings(tx_area, rx_area, on_placed)?
+    };
+    let out = Arc::new(Sender {
+        stream: Arc::clone(&stream),
+        lock: Mutex::new(()),
+    });
+    let mut m = vec![MSG_DESC];
+    m.extend_from_slice(&(desc.len() as u16).to_le_bytes());
+    m.extend_from_slice(&desc);
+    out.send(&m)?;
+    let mut rd = Reader {
+        stream: Arc::clone(&stream),
+        buf: Vec::new(),
+    };
+    let peer_ring = match rd.next()? {
+        Some((MSG_DESC, arg)) => stream.direct().unwrap().set_peer_ring(&arg[2..])?,
+        other => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("expected the peer's ring, got {other:?}"),
+            ))
+        }
+    };
+    progress.0.lock().unwrap().1 = peer_ring as u64;
+    // Our stream side ends when our sender is done and the peer's END came
+    // (then neither side needs the other's ROOM any more): whichever of the
+    // two comes second shuts the stream down.
+    let ends = Arc::new(Mutex::new((false, false)));
+    let finish = {
+        let (ends, stream) = (Arc::clone(&ends), Arc::clone(&stream));
+        move |sender: bool| -> io::Result<()> {
+            let mut g = ends.lock().unwrap();
+            if sender {
+                g.0 = true
+            } else {
+                g.1 = true
+            }
+            if g.0 && g.1 {
+                stream.shutdown_send()?;
+            }
+            Ok(())
+        }
+    };
+    let finish2 = finish.clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let (out2, prog, tx_ptr) = (
+        Arc::clone(&out),
+        Arc::clone(&progress),
+        tx_area.ptr as usize,
+    );
+    let sender = thread::spawn(move || -> io::Result<u64> {
+        let mut data = PatternStream::new(spec.exchange.send_seed);
+        let mut sizes = Pattern::new(spec.exchange.send_seed ^ 0x5A5A);
+        let (size, max) = (spec.tx_ring, spec.exchange.max_msg.max(1));
+        let mut written = 0u64; // bytes generated into our sending ring
+        let mut placed = 0u64;
+        while placed < spec.exchange.send_bytes {
+            let want = if spec.bench {
+                max as u64
+            } else {
+                1 + sizes.next_u64() % max as u64
+            }
+            .min(spec.exchange.send_bytes - placed);
+            // Wait until our ring has room to generate and the peer's ring
+            // room to receive.
+            let k = {
+                let (lock, cv) = &*prog;
+                let mut g = lock.lock().unwrap();
+                loop {
+                    let (done, room) = *g;
+                    let local = size as u64 - (written - done);
+                    let remote = room.saturating_sub(placed);
+                    let k = want.min(local).min(remote);
+                    if k > 0 {
+                        break k as usize;
+                    }
+                    if stop2.load(std::sync::atomic::Ordering::Acquire) {
+                        return Err(io::Error::other("the receiving side failed"));
+                    }
+                    g = cv.wait_timeout(g, Duration::from_secs(1)).unwrap().0;
+                }
+            };
+            // Generate k bytes at our ring's position `written` (= placed).
+            let mut bytes = vec![0u8; if spec.bench { 0 } else { k }];
+            data.fill(&mut bytes);
+            let off = (written as usize) & (size - 1);
+            let first = k.min(size - off);
+            // SAFETY: [written, written + k) is free room of our ring
+            // (k <= size - in flight), which nothing else touches.
+            if !spec.bench {
+                unsafe {
+                    let base = tx_ptr as *mut u8;
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(off), first);
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), base, k - first);
+                }
+            }
+            written += k as u64;
+            let pieces = ring_pieces(placed, size, placed, peer_ring, k);
+            let mut notify = vec![MSG_PLACED];
+            notify.extend_from_slice(&(k as u32).to_le_bytes());
+            out2.place(&pieces, &notify)?;
+            placed += k as u64;
+        }
+        out2.send(&[MSG_END])?;
+        finish2(true)?;
+        Ok(placed)
+    });
+    // Receive: check placed bytes where they landed, report room.
+    let mut want = PatternStream::new(spec.exchange.recv_seed);
+    let (rsize, rptr) = (spec.rx_ring, rx_area.ptr as usize);
+    let mut got = 0u64;
+    let mut reported = 0u64;
+    let mut exp = Vec::new();
+    let recv_result = (|| -> io::Result<()> {
+        loop {
+            match rd.next()? {
+                None => return Ok(()),
+                Some((MSG_END, _)) => finish(false)?,
+                Some((MSG_ROOM, arg)) => {
+                    let head = u64::from_le_bytes(arg.try_into().unwrap());
+                    let (lock, cv) = &*progress;
+                    let mut g = lock.lock().unwrap();
+                    g.1 = g.1.max(head + peer_ring as u64);
+                    cv.notify_all();
+                }
+                Some((MSG_PLACED, arg)) => {
+                    let n = u32::from_le_bytes(arg.try_into().unwrap()) as usize;
+                    if got + n as u64 > reported + rsize as u64 {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "the peer placed beyond the room reported",
+                        ));
+                    }
+                    if !spec.bench {
+                        exp.resize(n, 0);
+                        want.fill(&mut exp);
+                        let off = (got as usize) & (rsize - 1);
+                        let first = n.min(rsize - off);
+                        // SAFETY: the peer placed these bytes before this
+                        // message (RC ordering) and places nothing there until
+                        // we report the room.
+                        let (a, b) = unsafe {
+                            let base = rptr as *const u8;
+                            (
+                                std::slice::from_raw_parts(base.add(off), first),
+                                std::slice::from_raw_parts(base, n - first),
+                            )
+                        };
+                        if let Some(i) = a.iter().chain(b).zip(&exp).position(|(x, y)| x != y) {
+                            return Err(io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!("placed byte {} differs", got + i as u64),
+                            ));
+                        }
+                    }
+                    got += n as u64;
+                    if !spec.reader_delay.is_zero() {
+                        thread::sleep(spec.reader_delay);
+                    }
+                    // Consumed: report a quarter ring at a time.
+                    if got - reported >= (rsize / 4) as u64 {
+                        reported = got;
+                        let mut m = vec![MSG_ROOM];
+                        m.extend_from_slice(&got.to_le_bytes());
+                        out.send(&m)?;
+                    }
+                }
+                Some((k, _)) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("unexpected message {k}"),
+                    ))
+                }
+            }
+            if got == spec.exchange.recv_bytes && reported != got {
+                reported = got;
+                let mut m = vec![MSG_ROOM];
+                m.extend_from_slice(&got.to_le_bytes());
+                out.send(&m)?;
+            }
+        }
+    })();
+    if recv_result.is_err() {
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        stream.reset();
+    }
+    let sent = sender
+        .join()
+        .map_err(|_| io::Error::other("sender thread panicked"))?;
+    if recv_result.is_err() || sent.is_err() {
+        stream.reset();
+    }
+    drop(guard);
+    drop((tx_mem, rx_mem));
+    recv_result?;
+    if got != spec.exchange.recv_bytes && spec.exchange.recv_bytes != u64::MAX {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "received {got} bytes, expected {}",
+                spec.exchange.recv_bytes
+            ),
+        ));
+    }
+    Ok(ExchangeReport {
+        sent: sent?,
+        received: got,
+        elapsed: t0.elapsed(),
+    })
 }

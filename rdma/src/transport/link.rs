@@ -18,7 +18,7 @@ use std::{
 };
 
 use super::credit::LinkCredits;
-use super::fabric::{Completion, Fabric, Geometry};
+use super::fabric::{Completion, Fabric, Geometry, Write};
 use super::stream::{RdmaStream, StreamShared};
 use super::wire::{self, Header, Kind, FLAG_CHECKSUM, FLAG_NEED_CREDIT, HEADER_LEN};
 use crate::lane_stream::{LaneStream, StreamKey};
@@ -98,6 +98,9 @@ struct LinkState {
     last_received: Instant,
     peer_needs_credit: bool,
     next_stream_id: u32,
+    /// One entry per posted message, in posting order (completions come in
+    /// that order): the stream and bytes of a zero-copy placement.
+    inflight: VecDeque<Option<(Arc<StreamShared>, u64)>>,
 }
 
 pub(crate) struct Link {
@@ -147,6 +150,7 @@ impl Link {
                 last_received: now,
                 peer_needs_credit: false,
                 next_stream_id: if cfg.odd_ids { 1 } else { 2 },
+                inflight: VecDeque::new(),
             }),
             cfg,
             can_post: Condvar::new(),
@@ -188,6 +192,54 @@ impl Link {
 
     pub(crate) fn stream_count(&self) -> usize {
         self.streams.lock().unwrap().len()
+    }
+
+    pub(crate) fn fabric(&self) -> &dyn Fabric {
+        &*self.fabric
+    }
+
+    pub(crate) fn checksums(&self) -> bool {
+        self.cfg.checksums
+    }
+
+    /// Posts zero-copy `writes` and then `notify` as stream data behind
+    /// them, waiting for link credit; `total` bytes are reported to the
+    /// stream when the message completed (the NIC has them).
+    pub(crate) fn send_placed(
+        &self,
+        stream: &Arc<StreamShared>,
+        writes: &[Write],
+        notify: &[u8],
+        total: u64,
+    ) -> io::Result<()> {
+        let mut st = self.st.lock().unwrap();
+        loop {
+            if let Some(why) = &st.failed {
+                return Err(reset_error(why));
+            }
+            self.pump(&mut st);
+            if st.failed.is_none() && st.outbox.is_empty() && st.credits.can_send_data() {
+                let placed = Some((Arc::clone(stream), total));
+                if let Err(e) =
+                    self.post_with(&mut st, Kind::Data, stream.id, 0, notify, writes, placed)
+                {
+                    self.fail_locked(&mut st, &format!("post failed: {e}"));
+                    return Err(reset_error(&format!("post failed: {e}")));
+                }
+                self.stats
+                    .bytes_sent
+                    .fetch_add(total + notify.len() as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+            if st.failed.is_some() {
+                continue;
+            }
+            st = self
+                .can_post
+                .wait_timeout(st, Duration::from_secs(1))
+                .unwrap()
+                .0;
+        }
     }
 
     fn max_payload(&self) -> usize {
@@ -301,6 +353,7 @@ impl Link {
         tracing::warn!(peer = %self.peer, reason = why, "RDMA link failed");
         st.failed = Some(format!("RDMA link to {} failed: {why}", self.peer));
         st.outbox.clear();
+        st.inflight.clear();
         self.fabric.shutdown();
         let _ = self.control.shutdown(Shutdown::Both);
         let streams = std::mem::take(&mut *self.streams.lock().unwrap());
@@ -318,6 +371,20 @@ impl Link {
         stream: u32,
         arg: u32,
         payload: &[u8],
+    ) -> io::Result<()> {
+        self.post_with(st, kind, stream, arg, payload, &[], None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_with(
+        &self,
+        st: &mut LinkState,
+        kind: Kind,
+        stream: u32,
+        arg: u32,
+        payload: &[u8],
+        writes: &[Write],
+        placed: Option<(Arc<StreamShared>, u64)>,
     ) -> io::Result<()> {
         let seq = st.send_seq;
         let slot = seq % self.cfg.geometry.slots;
@@ -339,7 +406,8 @@ impl Link {
             arg,
             checksum,
         };
-        self.fabric.post(slot, &h.encode(), payload, seq)?;
+        self.fabric.post(slot, &h.encode(), payload, seq, writes)?;
+        st.inflight.push_back(placed);
         st.send_seq = seq.wrapping_add(1);
         st.last_sent = Instant::now();
         self.stats.messages_sent.fetch_add(1, Ordering::Relaxed);
@@ -380,6 +448,7 @@ impl Link {
 
     fn run_poller(self: Arc<Self>) {
         let mut comps = Vec::with_capacity(64);
+        let mut placed = Vec::new();
         loop {
             let timeout = {
                 let st = self.st.lock().unwrap();
@@ -412,7 +481,12 @@ impl Link {
                     break;
                 }
                 let r = match c {
-                    Completion::Sent => st.credits.on_send_complete().map_err(|e| e.to_string()),
+                    Completion::Sent => {
+                        if let Some(Some(p)) = st.inflight.pop_front() {
+                            placed.push(p);
+                        }
+                        st.credits.on_send_complete().map_err(|e| e.to_string())
+                    }
                     Completion::Received { imm, len } => self.on_message(&mut st, imm, len),
                     Completion::Failed(why) => Err(why),
                 };
@@ -432,6 +506,12 @@ impl Link {
             }
             self.pump(&mut st);
             self.can_post.notify_all();
+            drop(st);
+            // Outside the link lock: the relay's callback may wake threads
+            // that post.
+            for (s, n) in placed.drain(..) {
+                s.on_placed(n);
+            }
         }
         // Drop the streams' references so everything can be freed.
         self.streams.lock().unwrap().clear();

@@ -7,18 +7,59 @@ use std::{
     collections::{HashMap, VecDeque},
     io,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
         Arc, Condvar, Mutex, OnceLock, Weak,
     },
     time::Duration,
 };
 
-use super::fabric::{Completion, Fabric, FabricProvider, Geometry};
+use super::fabric::{Completion, Fabric, FabricProvider, Geometry, Registration, Write};
 
 /// Halves waiting to be joined, by token.
 fn registry() -> &'static Mutex<HashMap<u64, Weak<Endpoint>>> {
     static R: OnceLock<Mutex<HashMap<u64, Weak<Endpoint>>>> = OnceLock::new();
     R.get_or_init(Default::default)
+}
+
+/// A registered range: address, length, whether peers may write into it.
+type MemRegion = (usize, usize, bool);
+
+/// Registered memory by key (lkey = rkey here), process-wide like a PD.
+fn regions() -> &'static Mutex<HashMap<u32, MemRegion>> {
+    static R: OnceLock<Mutex<HashMap<u32, MemRegion>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+struct MemRegistration {
+    key: u32,
+    addr: usize,
+}
+
+impl Registration for MemRegistration {
+    fn addr(&self) -> u64 {
+        self.addr as u64
+    }
+    fn lkey(&self) -> u32 {
+        self.key
+    }
+    fn rkey(&self) -> u32 {
+        self.key
+    }
+}
+
+impl Drop for MemRegistration {
+    fn drop(&mut self) {
+        // Under the lock a write copies with: no copy into freed memory.
+        regions().lock().unwrap().remove(&self.key);
+    }
+}
+
+/// True when `[addr, addr + len)` lies in registration `key` (and that one
+/// accepts remote writes when `remote`).
+fn covered(table: &HashMap<u32, MemRegion>, key: u32, addr: u64, len: u32, remote: bool) -> bool {
+    table.get(&key).is_some_and(|&(a, l, w)| {
+        (!remote || w) && addr as usize >= a && addr as usize + len as usize <= a + l
+    })
 }
 
 struct Endpoint {
@@ -118,7 +159,32 @@ impl Drop for MemFabric {
 }
 
 impl Fabric for MemFabric {
-    fn post(&self, slot: u32, header: &[u8], payload: &[u8], imm: u32) -> io::Result<()> {
+    unsafe fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        remote_write: bool,
+    ) -> io::Result<Box<dyn Registration>> {
+        static NEXT: AtomicU32 = AtomicU32::new(1);
+        let key = NEXT.fetch_add(1, Ordering::Relaxed);
+        regions()
+            .lock()
+            .unwrap()
+            .insert(key, (ptr as usize, len, remote_write));
+        Ok(Box::new(MemRegistration {
+            key,
+            addr: ptr as usize,
+        }))
+    }
+
+    fn post(
+        &self,
+        slot: u32,
+        header: &[u8],
+        payload: &[u8],
+        imm: u32,
+        writes: &[Write],
+    ) -> io::Result<()> {
         let me = &self.0;
         let len = header.len() + payload.len();
         if me.state.lock().unwrap().broken {
@@ -153,6 +219,29 @@ impl Fabric for MemFabric {
                 peer.break_with("write with no posted receive");
                 me.break_with("receiver not ready");
                 return Ok(());
+            }
+            if !writes.is_empty() {
+                let table = regions().lock().unwrap();
+                let bad = writes.iter().any(|w| {
+                    !covered(&table, w.lkey, w.local, w.len, false)
+                        || !covered(&table, w.rkey, w.remote, w.len, true)
+                });
+                if bad {
+                    // What a real queue pair reports: a remote access error
+                    // fails the connection on both sides.
+                    drop(table);
+                    drop(st);
+                    peer.break_with("remote access error");
+                    me.break_with("remote access error (write outside a registration)");
+                    return Ok(());
+                }
+                for w in writes {
+                    // SAFETY: both ranges lie in live registrations (checked
+                    // under the table lock, which their drop takes first).
+                    unsafe {
+                        std::ptr::copy(w.local as *const u8, w.remote as *mut u8, w.len as usize)
+                    };
+                }
             }
             st.posted_recvs -= 1;
             let mut s = peer.ring[slot as usize].lock().unwrap();

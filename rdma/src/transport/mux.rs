@@ -23,7 +23,8 @@ use crate::lane_stream::{LaneStream, LaneTransport, StreamKey};
 
 /// Bumped when the link protocol changes; peers with another version are
 /// refused at the handshake (the daemon then keeps those pods on TCP).
-const PROTOCOL: u32 = 1;
+/// 2: zero-copy placements (the relay's RING/PLACED/ROOM frames).
+const PROTOCOL: u32 = 2;
 const MAX_HELLO: usize = 64 * 1024;
 
 #[derive(Debug, Serialize, Deserialize)]

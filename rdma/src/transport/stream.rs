@@ -8,20 +8,74 @@
 use std::{
     collections::VecDeque,
     io,
-    sync::{Arc, Condvar, Mutex, Weak},
-    time::Duration,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Condvar, Mutex, Weak,
+    },
+    time::{Duration, Instant},
 };
 
+use serde::{Deserialize, Serialize};
+
 use super::credit::{RecvWindow, WindowOverrun};
+use super::fabric::{Registration, Write};
 use super::link::{Link, Outgoing};
 use super::wire::Kind;
-use crate::lane_stream::LaneStream;
+use crate::lane_stream::{DirectLane, LaneStream, Piece, RingArea};
 
 pub(crate) struct StreamShared {
     pub(crate) id: u32,
     link: Weak<Link>,
     st: Mutex<StreamState>,
     cv: Condvar,
+    direct: Mutex<DirectState>,
+    /// Bytes of our placements posted and not yet completed.
+    placing: AtomicU64,
+}
+
+/// Zero copy: our registered sending area, the peer's receiving area.
+#[derive(Default)]
+struct DirectState {
+    /// (address, lkey, length)
+    tx: Option<(u64, u32, usize)>,
+    /// (address, rkey, length)
+    peer: Option<(u64, u32, usize)>,
+    on_placed: Option<Box<dyn Fn(u64) + Send + Sync>>,
+}
+
+/// What the peer needs to write into our receiving area.
+#[derive(Debug, Serialize, Deserialize)]
+struct AreaDesc {
+    addr: u64,
+    rkey: u32,
+    len: u64,
+}
+
+/// Keeps a stream's rings registered (see `DirectLane::register_rings`).
+struct RingsRegistration {
+    shared: Arc<StreamShared>,
+    _regs: Vec<Box<dyn Registration>>,
+}
+
+/// How long unregistering waits for placements in flight.
+const UNREGISTER_WAIT: Duration = Duration::from_secs(5);
+
+impl Drop for RingsRegistration {
+    fn drop(&mut self) {
+        // The NIC may still read the area for placements in flight: wait for
+        // their completions, unless the link failed (its queue pair is in
+        // ERROR and touches no memory any more).
+        let deadline = Instant::now() + UNREGISTER_WAIT;
+        while self.shared.placing.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            if self.shared.link.upgrade().is_none_or(|l| l.is_failed()) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut d = self.shared.direct.lock().unwrap();
+        d.on_placed = None;
+        d.tx = None;
+    }
 }
 
 struct StreamState {
@@ -61,7 +115,17 @@ impl StreamShared {
                 tx_error: None,
             }),
             cv: Condvar::new(),
+            direct: Mutex::default(),
+            placing: AtomicU64::new(0),
         })
+    }
+
+    /// `n` bytes of our placements completed.
+    pub(crate) fn on_placed(&self, n: u64) {
+        if let Some(f) = &self.direct.lock().unwrap().on_placed {
+            f(n);
+        }
+        self.placing.fetch_sub(n, Ordering::AcqRel);
     }
 
     /// Bytes arrived. An overrun is the peer breaking the protocol: the
@@ -255,6 +319,10 @@ impl LaneStream for RdmaStream {
         Ok(())
     }
 
+    fn direct(&self) -> Option<&dyn DirectLane> {
+        Some(self)
+    }
+
     fn reset(&self) {
         let s = &self.shared;
         {
@@ -270,6 +338,120 @@ impl LaneStream for RdmaStream {
             link.post_control(Outgoing::new(Kind::Reset, s.id, 0));
             link.forget(s.id);
         }
+    }
+}
+
+fn bad_input(m: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, m.to_string())
+}
+
+impl DirectLane for RdmaStream {
+    unsafe fn register_rings(
+        &self,
+        tx: RingArea,
+        rx: RingArea,
+        on_placed: Box<dyn Fn(u64) + Send + Sync>,
+    ) -> io::Result<(Vec<u8>, Box<dyn Send + Sync>)> {
+        let s = &self.shared;
+        let link = s.link()?;
+        // SAFETY: the caller keeps both areas mapped until the returned
+        // guard (which owns the registrations) is dropped.
+        let (txr, rxr) = unsafe {
+            (
+                link.fabric().register(tx.ptr, tx.len, false)?,
+                link.fabric().register(rx.ptr, rx.len, true)?,
+            )
+        };
+        let desc = AreaDesc {
+            addr: rxr.addr(),
+            rkey: rxr.rkey(),
+            len: rx.len as u64,
+        };
+        {
+            let mut d = s.direct.lock().unwrap();
+            d.tx = Some((txr.addr(), txr.lkey(), tx.len));
+            d.on_placed = Some(on_placed);
+        }
+        let guard = RingsRegistration {
+            shared: Arc::clone(s),
+            _regs: vec![txr, rxr],
+        };
+        Ok((
+            serde_json::to_vec(&desc).map_err(io::Error::other)?,
+            Box::new(guard),
+        ))
+    }
+
+    fn set_peer_ring(&self, desc: &[u8]) -> io::Result<usize> {
+        let a: AreaDesc = serde_json::from_slice(desc)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        let len = usize::try_from(a.len).map_err(|_| bad_input("peer ring too large"))?;
+        self.shared.direct.lock().unwrap().peer = Some((a.addr, a.rkey, len));
+        Ok(len)
+    }
+
+    fn place(&self, pieces: &[Piece], notify: &[u8]) -> io::Result<()> {
+        let s = &self.shared;
+        let link = s.link()?;
+        let writes = {
+            let d = s.direct.lock().unwrap();
+            let (Some((taddr, lkey, tlen)), Some((paddr, rkey, plen))) = (d.tx, d.peer) else {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotConnected,
+                    "rings not registered or peer ring unknown",
+                ));
+            };
+            pieces
+                .iter()
+                .map(|p| {
+                    if p.src + p.len > tlen || p.dst + p.len > plen || p.len > u32::MAX as usize {
+                        return Err(bad_input("piece outside a ring"));
+                    }
+                    Ok(Write {
+                        local: taddr + p.src as u64,
+                        lkey,
+                        remote: paddr + p.dst as u64,
+                        rkey,
+                        len: p.len as u32,
+                    })
+                })
+                .collect::<io::Result<Vec<_>>>()?
+        };
+        if notify.len() > self.max_payload {
+            return Err(bad_input("notification larger than a message"));
+        }
+        // The notification is stream bytes: it takes window like `send`.
+        let n = notify.len() as u64;
+        {
+            let mut st = s.st.lock().unwrap();
+            loop {
+                if let Some(why) = st.reset.as_ref().or(st.tx_error.as_ref()) {
+                    return Err(reset_error(why));
+                }
+                if st.tx_shut {
+                    return Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "place after shutdown_send",
+                    ));
+                }
+                if st.tx_window >= n {
+                    st.tx_window -= n;
+                    break;
+                }
+                st = s.cv.wait_timeout(st, RECHECK).unwrap().0;
+            }
+        }
+        let total: u64 = pieces.iter().map(|p| p.len as u64).sum();
+        s.placing.fetch_add(total, Ordering::AcqRel);
+        link.send_placed(s, &writes, notify, total)
+            .inspect_err(|_| {
+                s.placing.fetch_sub(total, Ordering::AcqRel);
+                s.st.lock().unwrap().tx_window += n;
+            })
+    }
+
+    fn checksums(&self) -> bool {
+        self.shared.link().is_ok_and(|l| l.checksums())
     }
 }
 

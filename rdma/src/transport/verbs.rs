@@ -33,11 +33,16 @@ use sideway::ibverbs::{
     AccessFlags,
 };
 
-use super::fabric::{Completion, Fabric, FabricProvider, Geometry};
+use super::fabric::{Completion, Fabric, FabricProvider, Geometry, Registration, Write};
 use crate::topology::RdmaLane;
 
 const WR_SEND: u64 = 1;
 const WR_RECV: u64 = 2;
+/// Zero-copy writes: unsignaled (they complete with the message behind
+/// them); only an error produces a completion for them.
+const WR_PLACE: u64 = 3;
+/// Writes one message may carry (a transfer cut at two ring wraps is 3).
+const MAX_WRITES: u32 = 3;
 /// Busy-poll this long after the last completion before sleeping on the
 /// completion channel: back-to-back messages then cost no syscalls.
 const SPIN: Duration = Duration::from_micros(50);
@@ -171,6 +176,9 @@ struct Resources {
     recv_mr: Arc<MemoryRegion>,
     _send_mem: MmapMut,
     _recv_mem: MmapMut,
+    /// Where zero-copy regions are registered (the provider's: one key
+    /// works on every link of this device).
+    pd: Arc<ProtectionDomain>,
 }
 
 pub struct VerbsHalf {
@@ -231,7 +239,7 @@ impl FabricProvider for VerbsProvider {
             .create_qp_builder()
             .setup_send_cq(Arc::clone(&cq))
             .setup_recv_cq(Arc::clone(&cq))
-            .setup_max_send_wr(g.slots + 8)
+            .setup_max_send_wr((1 + MAX_WRITES) * g.slots + 8)
             .setup_max_recv_wr(g.slots + 8)
             .setup_max_send_sge(1)
             .setup_max_recv_sge(1)
@@ -268,6 +276,7 @@ impl FabricProvider for VerbsProvider {
             recv_mr,
             _send_mem: send_mem,
             _recv_mem: recv_mem,
+            pd: Arc::clone(&self.pd),
         };
         Ok((
             VerbsHalf {
@@ -386,6 +395,7 @@ impl VerbsFabric {
                 }
                 match wc.wr_id() {
                     WR_SEND => out.push(Completion::Sent),
+                    WR_PLACE => {} // unsignaled; completes with its message
                     WR_RECV => out.push(Completion::Received {
                         imm: wc.imm_data(),
                         len: wc.byte_len(),
@@ -453,9 +463,59 @@ impl VerbsFabric {
     }
 }
 
+/// A registered zero-copy region.
+struct VerbsRegistration(Arc<MemoryRegion>);
+
+impl Registration for VerbsRegistration {
+    fn addr(&self) -> u64 {
+        self.0.get_ptr() as u64
+    }
+    fn lkey(&self) -> u32 {
+        self.0.lkey()
+    }
+    fn rkey(&self) -> u32 {
+        self.0.rkey()
+    }
+}
+
 impl Fabric for VerbsFabric {
-    fn post(&self, slot: u32, header: &[u8], payload: &[u8], imm: u32) -> io::Result<()> {
+    unsafe fn register(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        remote_write: bool,
+    ) -> io::Result<Box<dyn Registration>> {
+        let access = if remote_write {
+            AccessFlags::LocalWrite | AccessFlags::RemoteWrite
+        } else {
+            AccessFlags::none()
+        };
+        // SAFETY: the caller keeps the memory mapped until the registration
+        // (which owns the MR) is dropped.
+        let mr = unsafe { self.res.pd.reg_mr(ptr as usize, len, access) }.map_err(|e| {
+            verr(
+                "registering a ring with the NIC (memlock limit? the daemon needs RLIMIT_MEMLOCK unlimited or CAP_IPC_LOCK)",
+                e,
+            )
+        })?;
+        Ok(Box::new(VerbsRegistration(mr)))
+    }
+
+    fn post(
+        &self,
+        slot: u32,
+        header: &[u8],
+        payload: &[u8],
+        imm: u32,
+        writes: &[Write],
+    ) -> io::Result<()> {
         let len = header.len() + payload.len();
+        if writes.len() > MAX_WRITES as usize {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "too many writes for one message",
+            ));
+        }
         if slot >= self.slots || len > self.slot_size {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -472,6 +532,14 @@ impl Fabric for VerbsFabric {
         }
         let mut qp = self.res.qp.lock().unwrap();
         let mut guard = qp.start_post_send();
+        for w in writes {
+            let wr = guard
+                .construct_wr(WR_PLACE, WorkRequestFlags::none())
+                .setup_write(w.rkey, w.remote);
+            // SAFETY: the SGE names registered memory whose owner keeps it
+            // mapped and unchanged until this chain's message completes.
+            unsafe { wr.setup_sge(w.lkey, w.local, w.len) };
+        }
         let wr = guard
             .construct_wr(WR_SEND, WorkRequestFlags::Signaled)
             .setup_write_imm(self.remote_rkey, self.remote_addr + off as u64, imm);

@@ -191,9 +191,16 @@ pub fn decode_key(b: &[u8]) -> Result<StreamKey, WireError> {
 
 /// CRC-32 (IEEE 802.3, the zlib one), table-driven.
 pub fn crc32(data: &[u8]) -> u32 {
+    crc32_parts(&[data])
+}
+
+/// CRC-32 of the concatenation of `parts` (bytes that wrap around a ring).
+pub fn crc32_parts(parts: &[&[u8]]) -> u32 {
     let mut c = !0u32;
-    for &b in data {
-        c = CRC_TABLE[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
+    for data in parts {
+        for &b in *data {
+            c = CRC_TABLE[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
+        }
     }
     !c
 }

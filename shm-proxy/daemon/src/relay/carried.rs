@@ -35,16 +35,17 @@ use flowlane_rdma::{LaneStream, StreamKey};
 
 use super::frames::{self, Frame, InBuf, DATA_HEADER, MAX_DATA};
 use super::os;
+use super::placed::DirectState;
 
 /// Longest futex sleep of a pump; between slices it checks the pod's
 /// process and the connection's state. Idle cost: a few wake-ups a second.
-const SLICE_MS: u32 = 100;
+pub(super) const SLICE_MS: u32 = 100;
 
 /// How long the server pod may take to attach to its region after its
 /// claim was answered (it does so at once; longer means it fell back).
 const ATTACH_GRACE: Duration = Duration::from_secs(3);
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -79,31 +80,34 @@ pub struct Carried {
     pub key: StreamKey,
     /// The pod's ends as the daemon sees them: it produces into the pod's
     /// receiving ring and consumes the pod's sending ring.
-    to_pod: Mutex<Producer>,
-    from_pod: Mutex<Consumer>,
-    probe: Probe,
+    pub(super) to_pod: Mutex<Producer>,
+    pub(super) from_pod: Mutex<Consumer>,
+    pub(super) probe: Probe,
     /// Our reference to the pod's TCP socket (doorbells for the remote pod,
     /// and it holds the pod connection's FIN back until the relay is done).
     sock: OwnedFd,
     /// The pod process that set the connection up (its death ends it).
     pidfd: Option<OwnedFd>,
-    stream: Arc<dyn LaneStream>,
+    pub(super) stream: Arc<dyn LaneStream>,
     /// The server daemon waits for its pod to attach.
     wait_attach: bool,
-    send_lock: Mutex<()>,
+    pub(super) send_lock: Mutex<()>,
     wake_pending: AtomicBool,
     failed: AtomicBool,
-    pod_died: AtomicBool,
-    sent_eof: AtomicBool,
-    sent_gone: AtomicBool,
-    got_eof: AtomicBool,
-    got_gone: AtomicBool,
-    sent_final: AtomicBool,
+    pub(super) pod_died: AtomicBool,
+    pub(super) sent_eof: AtomicBool,
+    pub(super) sent_gone: AtomicBool,
+    pub(super) got_eof: AtomicBool,
+    pub(super) got_gone: AtomicBool,
+    pub(super) sent_final: AtomicBool,
     got_final: AtomicBool,
     pub bytes_out: AtomicU64,
     pub bytes_in: AtomicU64,
     pub pumps_left: AtomicUsize,
     pub opened: Instant,
+    /// Zero copy (`placed.rs`), over a transport that can place; its
+    /// registration is dropped before the region.
+    pub(super) direct: Option<DirectState>,
     // Last: the rings point into it.
     _region: Region,
 }
@@ -111,6 +115,7 @@ pub struct Carried {
 impl Carried {
     /// `side` is the daemon's side of the region: `Server` towards a client
     /// pod, `Client` towards a server pod.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         id: u64,
         key: StreamKey,
@@ -119,6 +124,7 @@ impl Carried {
         sock: OwnedFd,
         pidfd: Option<OwnedFd>,
         stream: Arc<dyn LaneStream>,
+        zero_copy: bool,
     ) -> Carried {
         let base = region.map.as_mut_ptr();
         // SAFETY: the mapping is `region.len` bytes, page aligned, owned by
@@ -127,6 +133,10 @@ impl Carried {
         let (tx, rx) = unsafe { ring::endpoints(base, region.len, side) }.expect("size checked");
         // SAFETY: as above.
         let probe = unsafe { Probe::new(base, region.len, side) }.expect("size checked");
+        let direct = stream
+            .direct()
+            .filter(|_| zero_copy)
+            .map(|dl| DirectState::register(id, dl, &tx, &rx, probe));
         Carried {
             id,
             key,
@@ -151,6 +161,7 @@ impl Carried {
             bytes_in: AtomicU64::new(0),
             pumps_left: AtomicUsize::new(2),
             opened: Instant::now(),
+            direct,
             _region: region,
         }
     }
@@ -170,7 +181,7 @@ impl Carried {
     }
 
     /// Sends one frame whole, then any wake request that waited for the lock.
-    fn send_frame(&self, bytes: &[u8]) -> io::Result<()> {
+    pub(super) fn send_frame(&self, bytes: &[u8]) -> io::Result<()> {
         let r = {
             let _g = lock(&self.send_lock);
             frames::send_all(&*self.stream, bytes)
@@ -181,7 +192,7 @@ impl Carried {
 
     /// Sends a pending WAKE if nobody else is sending; a thread holding the
     /// lock calls this again after releasing it, so no request is lost.
-    fn flush_wake(&self) {
+    pub(super) fn flush_wake(&self) {
         while self.wake_pending.load(Ordering::Acquire) {
             let Ok(_g) = self.send_lock.try_lock() else {
                 return;
@@ -199,7 +210,7 @@ impl Carried {
     }
 
     /// Our pod needs a doorbell: ask the peer daemon to ring it.
-    fn request_wake(&self) {
+    pub(super) fn request_wake(&self) {
         self.wake_pending.store(true, Ordering::Release);
         self.flush_wake();
     }
@@ -218,7 +229,7 @@ impl Carried {
     }
 
     /// Both directions settled here: tell the peer (FINAL) and end our side.
-    fn maybe_finish(&self) {
+    pub(super) fn maybe_finish(&self) {
         let out_done =
             self.sent_eof.load(Ordering::Acquire) || self.got_gone.load(Ordering::Acquire);
         let in_done =
@@ -238,14 +249,14 @@ impl Carried {
         }
     }
 
-    fn pod_exited(&self) -> bool {
+    pub(super) fn pod_exited(&self) -> bool {
         self.pidfd
             .as_ref()
             .is_some_and(|p| os::process_exited(p, 0))
     }
 
     /// Sleeps one slice without a ring to wait on.
-    fn idle_slice(&self) {
+    pub(super) fn idle_slice(&self) {
         match &self.pidfd {
             Some(p) => {
                 os::process_exited(p, SLICE_MS as i32);
@@ -274,6 +285,11 @@ impl Carried {
         if self.wait_attach && !self.await_attach() {
             self.fail("the server pod did not attach to its ring");
             return;
+        }
+        match self.out_mode() {
+            None => return,
+            Some(Some(peer_size)) => return self.pump_out_placing(peer_size),
+            Some(None) => {}
         }
         let mut buf = vec![0u8; DATA_HEADER + MAX_DATA];
         loop {
@@ -341,7 +357,7 @@ impl Carried {
     }
 
     /// Lane -> pod's receiving ring, and the peer's control frames.
-    pub fn pump_in(&self) {
+    pub fn pump_in(self: &Arc<Self>) {
         let mut inb = InBuf::new(DATA_HEADER + MAX_DATA);
         loop {
             let frame = match inb.next_frame(&*self.stream) {
@@ -372,6 +388,19 @@ impl Carried {
                     self.maybe_finish();
                 }
                 Frame::Control(frames::FINAL) => self.got_final.store(true, Ordering::Release),
+                Frame::Ring { can_place, desc } => {
+                    if let Err(e) = self.on_ring(can_place, &desc) {
+                        self.fail(&e);
+                        return;
+                    }
+                }
+                Frame::Placed { len, crc } => {
+                    if let Err(e) = self.on_placed(len, crc) {
+                        self.fail(&e);
+                        return;
+                    }
+                }
+                Frame::Room(head) => self.on_room(head),
                 Frame::Control(other) => {
                     self.fail(&format!("unknown lane frame {other:#x}"));
                     return;

@@ -20,6 +20,18 @@
 //!   FINAL                            both directions are settled here and every frame you
 //!                                    sent has reached my pod's ring; nothing follows
 //!                                    (then shutdown_send). An end without FINAL is a failure.
+//! zero copy (only over a transport with `LaneStream::direct`), both ways:
+//!   RING  u8 can_place, u16-le n, n bytes   first frame: the description of my pod's
+//!                                    receiving ring (n = 0: none) and whether I can place
+//!                                    from my pod's sending ring. A direction places iff
+//!                                    its receiver offered a ring and its sender can place.
+//!   PLACED u32-le n                  n more bytes of my pod's stream are in your pod's
+//!                                    receiving ring at its tail (written by the NIC
+//!                                    before this frame): publish them
+//!   PLACED_CRC u32-le n, u32-le crc  the same, with the CRC-32 of those bytes
+//!   ROOM  u64-le head                your placements into my pod's ring: my pod has
+//!                                    consumed up to stream position `head` (credits:
+//!                                    you may place up to head + ring size)
 //! ```
 
 use std::io;
@@ -36,6 +48,10 @@ pub const WAKE: u8 = 2;
 pub const EOF: u8 = 3;
 pub const GONE: u8 = 4;
 pub const FINAL: u8 = 5;
+pub const RING: u8 = 6;
+pub const PLACED: u8 = 7;
+pub const PLACED_CRC: u8 = 8;
+pub const ROOM: u8 = 9;
 
 /// Bytes before a DATA frame's payload.
 pub const DATA_HEADER: usize = 5;
@@ -53,6 +69,31 @@ pub fn send_all(stream: &dyn LaneStream, mut buf: &[u8]) -> io::Result<()> {
         buf = &buf[n..];
     }
     Ok(())
+}
+
+/// A RING frame.
+pub fn ring_frame(can_place: bool, desc: &[u8]) -> Vec<u8> {
+    let mut f = vec![RING, can_place as u8];
+    f.extend_from_slice(&(desc.len() as u16).to_le_bytes());
+    f.extend_from_slice(desc);
+    f
+}
+
+/// A PLACED (or PLACED_CRC) frame.
+pub fn placed_frame(len: usize, crc: Option<u32>) -> Vec<u8> {
+    let mut f = vec![if crc.is_some() { PLACED_CRC } else { PLACED }];
+    f.extend_from_slice(&(len as u32).to_le_bytes());
+    if let Some(c) = crc {
+        f.extend_from_slice(&c.to_le_bytes());
+    }
+    f
+}
+
+/// A ROOM frame.
+pub fn room_frame(head: u64) -> [u8; 9] {
+    let mut f = [ROOM; 9];
+    f[1..].copy_from_slice(&head.to_le_bytes());
+    f
 }
 
 /// Writes a DATA header for `len` payload bytes into `hdr`.
@@ -74,6 +115,15 @@ pub struct InBuf {
 pub enum Frame {
     Data(usize),
     Control(u8),
+    Ring {
+        can_place: bool,
+        desc: Vec<u8>,
+    },
+    Placed {
+        len: usize,
+        crc: Option<u32>,
+    },
+    Room(u64),
     /// The stream ended (shutdown_send by the peer).
     End,
 }
@@ -124,9 +174,47 @@ impl InBuf {
             return Ok(Frame::End);
         }
         let t = self.buf[self.start];
-        if t != DATA {
-            self.start += 1;
-            return Ok(Frame::Control(t));
+        match t {
+            DATA => {}
+            RING => {
+                if !self.want(stream, 4)? {
+                    return Err(truncated());
+                }
+                let s = self.start;
+                let can_place = self.buf[s + 1] != 0;
+                let n = u16::from_le_bytes([self.buf[s + 2], self.buf[s + 3]]) as usize;
+                if !self.want(stream, 4 + n)? {
+                    return Err(truncated());
+                }
+                let desc = self.buf[self.start + 4..self.start + 4 + n].to_vec();
+                self.start += 4 + n;
+                return Ok(Frame::Ring { can_place, desc });
+            }
+            PLACED | PLACED_CRC => {
+                let n = if t == PLACED { 5 } else { 9 };
+                if !self.want(stream, n)? {
+                    return Err(truncated());
+                }
+                let b = &self.buf[self.start..self.start + n];
+                let len = u32::from_le_bytes(b[1..5].try_into().unwrap()) as usize;
+                let crc =
+                    (t == PLACED_CRC).then(|| u32::from_le_bytes(b[5..9].try_into().unwrap()));
+                self.start += n;
+                return Ok(Frame::Placed { len, crc });
+            }
+            ROOM => {
+                if !self.want(stream, 9)? {
+                    return Err(truncated());
+                }
+                let b = &self.buf[self.start + 1..self.start + 9];
+                let head = u64::from_le_bytes(b.try_into().unwrap());
+                self.start += 9;
+                return Ok(Frame::Room(head));
+            }
+            _ => {
+                self.start += 1;
+                return Ok(Frame::Control(t));
+            }
         }
         if !self.want(stream, DATA_HEADER)? {
             return Err(truncated());
@@ -193,9 +281,13 @@ mod tests {
         data_header(&mut hdr, 10);
         wire.extend_from_slice(&hdr);
         wire.extend_from_slice(b"0123456789");
+        wire.extend_from_slice(&ring_frame(true, b"desc"));
+        wire.extend_from_slice(&placed_frame(70000, None));
+        wire.extend_from_slice(&placed_frame(9, Some(0xDEAD_BEEF)));
+        wire.extend_from_slice(&room_frame(1 << 40));
         wire.extend_from_slice(&[EOF, FINAL]);
         let s = Script(Mutex::new((wire, 0)));
-        let mut b = InBuf::new(8);
+        let mut b = InBuf::new(16);
         assert_eq!(b.next_frame(&s).unwrap(), Frame::Control(WAKE));
         assert_eq!(b.next_frame(&s).unwrap(), Frame::Data(10));
         let mut got = Vec::new();
@@ -205,6 +297,28 @@ mod tests {
             got.extend_from_slice(&p);
         }
         assert_eq!(got, b"0123456789");
+        assert_eq!(
+            b.next_frame(&s).unwrap(),
+            Frame::Ring {
+                can_place: true,
+                desc: b"desc".to_vec()
+            }
+        );
+        assert_eq!(
+            b.next_frame(&s).unwrap(),
+            Frame::Placed {
+                len: 70000,
+                crc: None
+            }
+        );
+        assert_eq!(
+            b.next_frame(&s).unwrap(),
+            Frame::Placed {
+                len: 9,
+                crc: Some(0xDEAD_BEEF)
+            }
+        );
+        assert_eq!(b.next_frame(&s).unwrap(), Frame::Room(1 << 40));
         assert_eq!(b.next_frame(&s).unwrap(), Frame::Control(EOF));
         assert_eq!(b.next_frame(&s).unwrap(), Frame::Control(FINAL));
         assert_eq!(b.next_frame(&s).unwrap(), Frame::End);

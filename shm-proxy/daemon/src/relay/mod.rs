@@ -24,11 +24,13 @@
 //!    fresh region of its own. Any failure or timeout before that point
 //!    leaves both pods on plain TCP with identical bytes.
 //!
-//! Then `carried.rs` pumps bytes. Gated off unless `--lane-listen` is given.
+//! Then `carried.rs` pumps bytes (`placed.rs`: without copies, over a
+//! transport that can place them). Gated off unless `--lane-listen` is given.
 
 mod carried;
 pub mod frames;
 mod os;
+mod placed;
 pub mod route;
 pub mod tcp_test;
 
@@ -101,6 +103,20 @@ pub struct Relay {
     opened: AtomicU64,
     closed: AtomicU64,
     closed_bytes: AtomicU64,
+    /// Move bytes without copies where the transport can (see `placed.rs`).
+    zero_copy: bool,
+}
+
+/// `FLOWLANE_RELAY_ZERO_COPY=0|1` overrides the default: zero copy over
+/// RDMA, copies over the `tcp-test` double (whose emulated placements,
+/// stop-and-wait per ring, exist to test the protocol on hosts, not to be
+/// fast).
+fn zero_copy_for(transport: &str) -> bool {
+    match std::env::var("FLOWLANE_RELAY_ZERO_COPY").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => transport == "rdma",
+    }
 }
 
 impl Relay {
@@ -115,6 +131,8 @@ impl Relay {
         } else {
             "relay"
         };
+        let zero_copy = zero_copy_for(transport.name());
+        tracing::info!(transport = transport.name(), zero_copy, "relay: data path");
         let relay = Arc::new(Relay {
             transport,
             router,
@@ -127,6 +145,7 @@ impl Relay {
             opened: AtomicU64::new(0),
             closed: AtomicU64::new(0),
             closed_bytes: AtomicU64::new(0),
+            zero_copy,
         });
         let r = relay.clone();
         std::thread::Builder::new()
@@ -480,7 +499,16 @@ impl Relay {
             let _ = stream.shutdown_send();
             return;
         }
-        let c = Carried::new(id, key, region, Side::Server, sock, pidfd, stream);
+        let c = Carried::new(
+            id,
+            key,
+            region,
+            Side::Server,
+            sock,
+            pidfd,
+            stream,
+            self.zero_copy,
+        );
         self.run(c);
     }
 
@@ -533,7 +561,16 @@ impl Relay {
                 return self.fallback(NoChannelReason::NoIntent, relay_reason::LANE_UNREACHABLE);
             }
         }
-        let c = Carried::new(id, key, region, Side::Client, sock, pidfd, stream);
+        let c = Carried::new(
+            id,
+            key,
+            region,
+            Side::Client,
+            sock,
+            pidfd,
+            stream,
+            self.zero_copy,
+        );
         self.run(c);
         tracing::debug!(id, client = %peer, server = %local, "relay: connection carried");
         Answer {
@@ -570,6 +607,12 @@ impl Relay {
         let c = Arc::new(c);
         self.opened.fetch_add(1, Ordering::Relaxed);
         lock(&self.active).insert(c.id, c.clone());
+        // Zero copy: our rings' description goes first, before any data.
+        if let Some(d) = &c.direct {
+            if let Err(e) = c.send_frame(&d.ring_frame()) {
+                c.fail(&format!("lane send: {e}"));
+            }
+        }
         for dir in ["out", "in"] {
             let (r, c2) = (self.clone(), c.clone());
             let spawned = std::thread::Builder::new()

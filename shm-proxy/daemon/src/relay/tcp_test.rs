@@ -7,19 +7,27 @@
 //! production transport is `flowlane_rdma`'s RDMA one (`--lane-transport`).
 //! Header: `b"FLR1"`, u16-le length, the key as JSON.
 //!
+//! Inside the stream, records: `0, u32-le n, n bytes` (stream bytes) and
+//! `1, u32-le dst, u32-le n, n bytes` (a placement, see
+//! [`DirectLane`]): the receiver copies a placement's bytes into its
+//! registered ring area at `dst` before it reads on, so the relay's
+//! zero-copy protocol (RING/PLACED/ROOM, credits by ring space) runs and is
+//! tested on hosts without RDMA, with copies standing in for the NIC.
+//!
 //! Reset: the trait wants the peer's `recv` to fail; plain TCP can only
 //! promise an RST when the last reference closes, so a reset here shuts the
 //! socket down (the peer sees end-of-stream) and closes with `SO_LINGER` 0.
 //! The relay never mistakes that for a clean end: a clean end is always
 //! announced in-band first (`FINAL`, see `frames.rs`).
 
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flowlane_rdma::{LaneStream, LaneTransport, StreamKey};
+use flowlane_rdma::{DirectLane, LaneStream, LaneTransport, Piece, RingArea, StreamKey};
 
 const MAGIC: &[u8; 4] = b"FLR1";
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -96,9 +104,63 @@ impl LaneTransport for TcpTestTransport {
     }
 }
 
+const REC_BYTES: u8 = 0;
+const REC_PLACE: u8 = 1;
+
+/// This side's sending ring (the source of placements) and what to call
+/// when they left.
+struct TxRing {
+    area: RingArea,
+    on_placed: Box<dyn Fn(u64) + Send + Sync>,
+}
+
+/// This side's registered rings, each under its own lock (a placement
+/// blocked on a full socket must not stop the other direction's reader),
+/// cleared when the relay drops the guard.
+#[derive(Default)]
+struct Rings {
+    tx: Mutex<Option<TxRing>>,
+    rx: Mutex<Option<RingArea>>,
+}
+
+/// Unregisters on drop: nothing is read from or copied into the areas
+/// afterwards.
+struct RingsGuard(Arc<Rings>);
+
+impl Drop for RingsGuard {
+    fn drop(&mut self) {
+        *self.0.tx.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.0.rx.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
 struct TcpLane {
     s: TcpStream,
     reset: AtomicBool,
+    /// Serialises records (the relay sends from several threads).
+    send: Mutex<()>,
+    /// Bytes left of the stream-bytes record being read.
+    pending: Mutex<usize>,
+    rings: Arc<Rings>,
+    peer_ring: AtomicUsize,
+}
+
+fn write_all_vectored(mut s: &TcpStream, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match s.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn read_u32(mut s: &TcpStream) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
 }
 
 impl TcpLane {
@@ -106,6 +168,59 @@ impl TcpLane {
         TcpLane {
             s,
             reset: AtomicBool::new(false),
+            send: Mutex::new(()),
+            pending: Mutex::new(0),
+            rings: Arc::default(),
+            peer_ring: AtomicUsize::new(0),
+        }
+    }
+
+    /// Reads the next record header; a placement is copied into our
+    /// receiving ring here. Returns the next stream-bytes record's length,
+    /// or None at a clean end of the stream.
+    fn next_record(&self) -> io::Result<Option<usize>> {
+        loop {
+            let mut kind = [0u8; 1];
+            let n = loop {
+                match (&self.s).read(&mut kind) {
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    r => break r?,
+                }
+            };
+            if n == 0 {
+                return Ok(None);
+            }
+            match kind[0] {
+                REC_BYTES => {
+                    let len = read_u32(&self.s)? as usize;
+                    if len > 0 {
+                        return Ok(Some(len));
+                    }
+                }
+                REC_PLACE => {
+                    let dst = read_u32(&self.s)? as usize;
+                    let len = read_u32(&self.s)? as usize;
+                    let rx = self.rings.rx.lock().unwrap_or_else(|e| e.into_inner());
+                    let Some(r) = rx.as_ref().filter(|r| dst + len <= r.len) else {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "placement outside the registered ring",
+                        ));
+                    };
+                    // SAFETY: [dst, dst + len) lies in the registered area,
+                    // which stays mapped while registered (we hold the lock
+                    // the guard's drop takes), and is free ring room that
+                    // only placements write (register_rings' contract).
+                    let area = unsafe { std::slice::from_raw_parts_mut(r.ptr.add(dst), len) };
+                    (&self.s).read_exact(area)?;
+                }
+                other => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("bad lane record {other}"),
+                    ))
+                }
+            }
         }
     }
 
@@ -121,22 +236,46 @@ impl TcpLane {
 impl LaneStream for TcpLane {
     fn send(&self, buf: &[u8]) -> io::Result<usize> {
         self.check()?;
-        loop {
-            match (&self.s).write(buf) {
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                r => return r,
-            }
+        if buf.is_empty() {
+            return Ok(0);
         }
+        let mut head = [REC_BYTES, 0, 0, 0, 0];
+        head[1..].copy_from_slice(&(buf.len() as u32).to_le_bytes());
+        let _g = self.send.lock().unwrap_or_else(|e| e.into_inner());
+        write_all_vectored(&self.s, &mut [IoSlice::new(&head), IoSlice::new(buf)])?;
+        Ok(buf.len())
     }
 
     fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
         self.check()?;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if *pending == 0 {
+            match self.next_record()? {
+                Some(len) => *pending = len,
+                None => {
+                    self.check()?;
+                    return Ok(0);
+                }
+            }
+        }
+        let want = (*pending).min(buf.len());
         let n = loop {
-            match (&self.s).read(buf) {
+            match (&self.s).read(&mut buf[..want]) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 r => break r?,
             }
         };
+        if n == 0 {
+            self.check()?;
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "lane stream ended inside a record",
+            ));
+        }
+        *pending -= n;
         // A local reset wakes a blocked recv with end-of-stream: report it
         // as the reset it is.
         self.check()?;
@@ -164,6 +303,73 @@ impl LaneStream for TcpLane {
             )
         };
         let _ = self.s.shutdown(Shutdown::Both);
+    }
+
+    fn direct(&self) -> Option<&dyn DirectLane> {
+        Some(self)
+    }
+}
+
+impl DirectLane for TcpLane {
+    unsafe fn register_rings(
+        &self,
+        tx: RingArea,
+        rx: RingArea,
+        on_placed: Box<dyn Fn(u64) + Send + Sync>,
+    ) -> io::Result<(Vec<u8>, Box<dyn Send + Sync>)> {
+        *self.rings.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(TxRing {
+            area: tx,
+            on_placed,
+        });
+        *self.rings.rx.lock().unwrap_or_else(|e| e.into_inner()) = Some(rx);
+        let desc = (rx.len as u64).to_le_bytes().to_vec();
+        Ok((desc, Box::new(RingsGuard(self.rings.clone()))))
+    }
+
+    fn set_peer_ring(&self, desc: &[u8]) -> io::Result<usize> {
+        let size: [u8; 8] = desc
+            .try_into()
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "bad ring description"))?;
+        let size = u64::from_le_bytes(size) as usize;
+        self.peer_ring.store(size, Ordering::Release);
+        Ok(size)
+    }
+
+    fn place(&self, pieces: &[Piece], notify: &[u8]) -> io::Result<()> {
+        self.check()?;
+        let peer = self.peer_ring.load(Ordering::Acquire);
+        let tx = self.rings.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = tx.as_ref() else {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "rings not registered",
+            ));
+        };
+        let _g = self.send.lock().unwrap_or_else(|e| e.into_inner());
+        let mut total = 0u64;
+        for p in pieces {
+            if p.src + p.len > r.area.len || p.dst + p.len > peer {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "piece outside a ring",
+                ));
+            }
+            let mut head = [REC_PLACE; 9];
+            head[1..5].copy_from_slice(&(p.dst as u32).to_le_bytes());
+            head[5..].copy_from_slice(&(p.len as u32).to_le_bytes());
+            // SAFETY: within the registered sending area (checked), which
+            // stays mapped while registered; the relay does not free these
+            // bytes before `on_placed` says so.
+            let bytes = unsafe { std::slice::from_raw_parts(r.area.ptr.add(p.src), p.len) };
+            write_all_vectored(&self.s, &mut [IoSlice::new(&head), IoSlice::new(bytes)])?;
+            total += p.len as u64;
+        }
+        let mut head = [REC_BYTES, 0, 0, 0, 0];
+        head[1..].copy_from_slice(&(notify.len() as u32).to_le_bytes());
+        write_all_vectored(&self.s, &mut [IoSlice::new(&head), IoSlice::new(notify)])?;
+        // The kernel has the bytes: the ring may reuse their room.
+        (r.on_placed)(total);
+        Ok(())
     }
 }
 
