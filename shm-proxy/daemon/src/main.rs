@@ -14,6 +14,7 @@ mod memfd;
 mod metrics;
 mod nodes;
 mod pods;
+mod rdma_lane;
 mod relay;
 mod ring_watch;
 mod server;
@@ -200,19 +201,12 @@ fn start_relay(
             relay::tcp_test::TcpTestTransport::bind(listen)
                 .with_context(|| format!("listening for lane streams on {listen}"))?,
         ),
-        "rdma" => match start_rdma_transport(&nodes, listen) {
-            Ok(t) => t,
-            // A DaemonSet runs the same flags on every node: a node without
-            // a usable RDMA port keeps its daemon (the shm lane, counters,
-            // diag) and its pods' cross-node connections stay on TCP.
-            Err(e) => {
-                tracing::warn!(
-                    error = format!("{e:#}"),
-                    "RDMA lane unavailable on this node; cross-node connections stay on TCP"
-                );
-                return Ok(None);
-            }
-        },
+        // Follows this node's lane (rdma_lane.rs): a node without a usable
+        // RDMA port keeps its daemon (the shm lane, counters, diag), its
+        // pods' cross-node connections stay on TCP (the reason is logged),
+        // and the lane opens when a port comes up; a port that goes down or
+        // a device being removed closes it.
+        "rdma" => rdma_lane::SupervisedRdma::start(nodes.clone(), listen).0,
         other => anyhow::bail!("--lane-transport {other}: unknown (tcp-test, rdma)"),
     };
     let router = relay::route::Router::new(nodes, transport.name() == "rdma");
@@ -224,30 +218,6 @@ fn start_relay(
         .set_relay_stats(Box::new(move || r.lane_stats()));
     tracing::info!(%listen, transport = name, "cross-node relay enabled");
     Ok(Some(relay))
-}
-
-/// The RDMA transport on the device and GID discovery chose (else this
-/// node's entry in the node table).
-fn start_rdma_transport(
-    nodes: &nodes::Nodes,
-    listen: std::net::SocketAddr,
-) -> anyhow::Result<std::sync::Arc<dyn flowlane_rdma::LaneTransport>> {
-    let lane = nodes
-        .local_rdma()
-        .or_else(|| nodes.this_node().and_then(|n| n.rdma))
-        .context(
-            "--lane-transport rdma: this node has no RDMA lane (no active port with a usable GID)",
-        )?;
-    let provider = flowlane_rdma::transport::VerbsProvider::from_lane(&lane)
-        .with_context(|| format!("opening RDMA device {} port {}", lane.device, lane.port))?;
-    Ok(std::sync::Arc::new(
-        flowlane_rdma::RdmaTransport::start(
-            provider,
-            listen,
-            flowlane_rdma::RdmaOptions::default(),
-        )
-        .with_context(|| format!("starting the RDMA lane on {listen}"))?,
-    ))
 }
 
 async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {

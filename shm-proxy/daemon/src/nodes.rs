@@ -203,9 +203,13 @@ impl Nodes {
         }
     }
 
-    /// This node's entry in the current node table, if listed.
-    pub fn this_node(&self) -> Option<NodeEntry> {
-        self.directory.view().ok()?.node(&self.node_name).cloned()
+    /// Why this node has no RDMA lane (discovery's reason), when it has none.
+    pub fn local_rdma_reason(&self) -> Option<String> {
+        self.local
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .no_lane
+            .clone()
     }
 
     /// The last round's view (JSON, as in `<state-dir>/daemon/nodes.json`);
