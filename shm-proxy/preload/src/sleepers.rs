@@ -72,10 +72,14 @@ impl Bell {
         if !self.usable() {
             return;
         }
-        self.rung.store(true, Ordering::Release);
         let one: u64 = 1;
         // SAFETY: an 8-byte write from a local to our eventfd.
         unsafe { real::write(self.fd, (&one as *const u64).cast(), 8) };
+        // After the write: an owner that resets between the two finds the
+        // flag on its next reset (one extra wake-up at most); the other
+        // order could leave the eventfd signalled with the flag cleared,
+        // and the owner's every sleep would return at once.
+        self.rung.store(true, Ordering::Release);
     }
 
     /// Clears a ring that came in after the owner's last wait (called by
