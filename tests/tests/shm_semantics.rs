@@ -566,7 +566,9 @@ const TWO_WAITERS_CLIENT: &str = r#"
 import os, select, socket, sys, threading, time
 CASES = {'poll+poll': ('poll', 'poll'), 'poll+recv': ('poll', 'peek'),
          'epoll+recv': ('epoll', 'peek'), 'epoll+epoll': ('epoll', 'epoll'),
-         'poll+select': ('poll', 'select'), 'select+epoll': ('select', 'epoll')}
+         'poll+select': ('poll', 'select'), 'select+epoll': ('select', 'epoll'),
+         'one epoll set': ('shared', 'shared')}
+SHARED = {}
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
 
 def wait(kind, want, out, i):
@@ -576,6 +578,8 @@ def wait(kind, want, out, i):
     elif kind == 'epoll':
         e = select.epoll(); e.register(c.fileno(), want)
         ok = any(ev & want for _, ev in e.poll(10)); e.close()
+    elif kind == 'shared':  # both threads in one epoll set (level-triggered)
+        ok = any(ev & want for _, ev in SHARED['set'].poll(10))
     elif kind == 'select':
         r, w, _ = select.select([c] if want == select.POLLIN else [],
                                 [c] if want == select.POLLOUT else [], [], 10)
@@ -585,6 +589,8 @@ def wait(kind, want, out, i):
     out[i] = ok
 
 def both(kinds, want, name, kick):
+    if 'shared' in kinds:
+        SHARED['set'] = select.epoll(); SHARED['set'].register(c.fileno(), want)
     out = [None, None]
     ts = [threading.Thread(target=wait, args=(k, want, out, i), daemon=True)
           for i, k in enumerate(kinds)]
@@ -622,7 +628,7 @@ print('ok two-waiters', sent)
 fn two_threads_waiting_on_one_connection_both_wake() {
     let node = Node::new("twow", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
-    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", TWO_WAITERS_SERVER, "7270", "6"]));
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", TWO_WAITERS_SERVER, "7270", "7"]));
     wait_listening(s, 7270);
     let ip = s.ip.to_string();
     let mut cmd = node.cmd(c, true, &[PYTHON, "-c", TWO_WAITERS_CLIENT, &ip, "7270"]);
