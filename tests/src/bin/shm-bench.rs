@@ -322,7 +322,10 @@ mod bench {
     /// `stream_only`: just the 64 KiB and 1 MiB stream rows and the
     /// hardware ceiling (a quick look while tuning the ring).
     pub fn run(quick: bool, stream_only: bool) {
-        let node = Node::new("bench", 2);
+        // A held node (experiments by hand) gets its own names, so a
+        // benchmark run next to it does not replace its pods.
+        let hold = std::env::var_os("SHM_BENCH_HOLD").is_some();
+        let node = Node::new(if hold { "hold" } else { "bench" }, 2);
         let sock = node.dir.join("bench.sock");
         let sock = sock.to_str().unwrap().to_string();
         let _tcp = Bg::spawn(prog(&node, Lane::Tcp, true, &["serve", "7100"]));
@@ -336,7 +339,7 @@ mod bench {
             Lane::Shm => format!("{ip}:7101"),
             Lane::Unix => format!("unix:{sock}"),
         };
-        if std::env::var_os("SHM_BENCH_HOLD").is_some() {
+        if hold {
             // Keeps the node up for experiments by hand until stdin closes.
             println!(
                 "hold: client netns {} server netns {} ip {ip} socket {} preload {}",
