@@ -496,6 +496,97 @@ fn checksummed_echo(zero_copy: bool) {
 /// poll, select and edge-triggered epoll readiness; a pre-fork server
 /// accepting in children; dup2; non-blocking connect and I/O; splice.
 /// Each case checks what a TCP program expects at both ends.
+/// `forked_client.py IP PORT BYTES OUT`: connects, forks, and the parent
+/// exits at once; the child (which inherited the connection and the
+/// channel) echoes BYTES through the server after the parent is gone and
+/// writes its verdict to the file OUT.
+const FORKED_CLIENT: &str = r#"
+import socket, sys, os, time, hashlib, threading, traceback
+ip, port, total, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+c = socket.create_connection((ip, port))
+c.sendall(b"x"); assert c.recv(1) == b"x"  # on the lane before the fork
+if os.fork() > 0:
+    os._exit(0)
+try:
+    time.sleep(1.0)  # the daemon notices the exit of the parent within 100 ms
+    data = os.urandom(total)
+    def sender():
+        c.sendall(data); c.shutdown(socket.SHUT_WR)
+    t = threading.Thread(target=sender); t.start()
+    got = bytearray()
+    while True:
+        d = c.recv(1 << 16)
+        if not d:
+            break
+        got += d
+    t.join()
+    assert bytes(got) == data, (len(got), total)
+    verdict = "ok %d %s\n" % (len(got), hashlib.sha256(got).hexdigest())
+except Exception:
+    verdict = "failed " + traceback.format_exc().replace("\n", " | ") + "\n"
+with open(out + ".tmp", "w") as f:
+    f.write(verdict)
+os.rename(out + ".tmp", out)
+"#;
+
+/// A pod process that forks and exits while its child keeps the
+/// connection: the daemon then watches the child (it maps the channel), so
+/// the connection goes on instead of being taken for dead. Both the copying
+/// and the zero-copy relay.
+#[test]
+fn a_forked_child_keeps_a_relayed_connection_after_its_parent_exits() {
+    for zero_copy in [false, true] {
+        let _g = serial();
+        let c = Cluster::build(1, zero_copy);
+        let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+        let (a, b) = (&n0.pods[0], &n1.pods[0]);
+        let port = 7591u16;
+        let _srv = Bg::spawn(n1.cmd(
+            b,
+            true,
+            &[PYTHON, "-c", ECHO_SERVER, &port.to_string(), "1"],
+        ));
+        wait_listening(b, port);
+        let ip = b.ip.to_string();
+        // The parent exits at once; wait for the child's output through a
+        // file (the parent's exit closes nothing the child needs).
+        let out_file = c.dir.join(format!("forked-{zero_copy}.out"));
+        let out_path = out_file.display().to_string();
+        run_ok(
+            n0.cmd(
+                a,
+                true,
+                &[
+                    PYTHON,
+                    "-c",
+                    FORKED_CLIENT,
+                    &ip,
+                    &port.to_string(),
+                    "3000000",
+                    &out_path,
+                ],
+            ),
+            T,
+            "forked client",
+        );
+        let t0 = Instant::now();
+        let out = loop {
+            let out = std::fs::read_to_string(&out_file).unwrap_or_default();
+            if out.contains('\n') || t0.elapsed() > Duration::from_secs(60) {
+                break out;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(
+            out.starts_with("ok 3000000"),
+            "zero_copy={zero_copy}: {out}\n{}",
+            c.logs()
+        );
+        let (opened, _, _) = n0.relay();
+        assert!(opened >= 1, "not relayed: {}", c.logs());
+    }
+}
+
 #[test]
 fn socket_semantics_hold_across_the_relay() {
     socket_semantics(false);

@@ -149,6 +149,17 @@ fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
     assert_eq!(opened - before, conns, "node1 RDMA lane\n{}", logs(&rig));
     assert!(moved >= conns * 2 * bytes, "node1 moved {moved} bytes");
     assert_eq!(rdma_lane(&rig, 2).0 - before2, conns, "node2 RDMA lane");
+    // Zero copy: both daemons placed (RDMA WRITE from the pod's sending ring
+    // into the remote pod's receiving ring) instead of copying.
+    for n in [1u8, 2] {
+        let log = rig.node_log(n, "flowlaned.log");
+        assert!(
+            log.lines()
+                .any(|l| l.contains("zero-copy modes") && l.contains("out=Some(")),
+            "node{n} did not place bytes without copies\n{}",
+            logs(&rig)
+        );
+    }
 
     // iperf3: plain TCP between the same pods, then through the relay.
     let mut figures = Vec::new();
@@ -242,8 +253,59 @@ fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
         "iperf3 did not use the RDMA relay\n{}",
         logs(&rig)
     );
+    // The same pods and iperf3 through the relay's copying data path (the
+    // fallback: FLOWLANE_RELAY_ZERO_COPY=0), same run: the zero-copy gain.
+    relay_nodes_up_copying(&rig);
+    warm_up(&rig, "rrcli", "rrsrv", srv_ip);
+    let mut copying = Vec::new();
+    for rev in ["", " -R"] {
+        let srv = rig
+            .spawn(2, "pod-exec.sh --lane rrsrv iperf3 -s -1 -p 7604", T)
+            .expect("iperf3 server");
+        wait_listening(&rig, 2, "rrsrv", 7604);
+        let out = rig.run_ok(
+            1,
+            &format!("pod-exec.sh --lane rrcli iperf3 -c {srv_ip} -p 7604 -t 3 -J{rev}"),
+            T,
+        );
+        let _ = srv.wait();
+        let v: Value = serde_json::from_str(&out.stdout).expect("iperf3 -J");
+        copying.push(
+            v["end"]["sum_received"]["bits_per_second"]
+                .as_f64()
+                .unwrap_or(0.0)
+                / 1e6,
+        );
+    }
+    eprintln!(
+        "iperf3 over the rig, rdma relay copying: {:.1} Mbit/s, -R {:.1} Mbit/s; zero copy / copying: {:.2}x, -R {:.2}x",
+        copying[0],
+        copying[1],
+        figures[1].1 / copying[0],
+        figures[2].1 / copying[1]
+    );
     let _ = rig.del_pod(1, "rrcli");
     let _ = rig.del_pod(2, "rrsrv");
+}
+
+/// Both daemons restarted with the relay's copying data path.
+fn relay_nodes_up_copying(rig: &RdmaRig) {
+    let args = "--lane-listen $RIG_ADDR:7471 --lane-transport rdma --nodes-file /etc/flowlane/nodes.json --node-name node$RIG_NODE --log-level info,flowlaned=debug";
+    let jobs: Vec<_> = [1u8, 2]
+        .iter()
+        .map(|&n| {
+            rig.spawn(
+                n,
+                &format!("FLOWLANE_RELAY_ZERO_COPY=0 FLOWLANED_ARGS='{args}' node-up.sh"),
+                T,
+            )
+            .expect("node-up.sh")
+        })
+        .collect();
+    for j in jobs {
+        let out = j.wait().expect("node-up.sh ran");
+        assert!(out.success(), "node-up.sh: {}{}", out.stdout, out.stderr);
+    }
 }
 
 /// The project's ring all-reduce (2 ranks, one pod per node; every sum is

@@ -7,7 +7,9 @@
 //!
 //! Prints, per round and as medians: `ib_write_bw` (64 KiB, node1 → node2),
 //! the lane's stream throughput with 64 KiB and 1 MiB sends (one stream,
-//! `rdma-lane-bench bench`), TCP between the two guests (64 KiB writes),
+//! `rdma-lane-bench bench`), the zero-copy path (`bench --direct`: placements
+//! from a registered 1 MiB ring into the peer's, 64 and 256 KiB), TCP
+//! between the two guests (64 KiB writes),
 //! `ib_send_lat` and the lane's ping-pong (2 bytes), with the ratios. Under
 //! emulation absolute figures are low (the guests' CPUs are emulated by
 //! TCG and rxe does all transport work in software): compare ratios only.
@@ -84,6 +86,7 @@ cat /tmp/lane-serve.log /tmp/tcp-serve.log; exit 1"
     )?;
     let (mut wbw, mut l64, mut l1m, mut tcp, mut slat, mut llat) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut d64, mut d256) = (vec![], vec![]);
     for round in 1..=rounds {
         // Alternate the order so slow drifts of the host's load hit all.
         let w = perftest::ib_write_bw(&rig, 65536, 4)?.avg_bytes_per_sec();
@@ -96,6 +99,20 @@ cat /tmp/lane-serve.log /tmp/tcp-serve.log; exit 1"
         let b = lane(
             &rig,
             &format!("bench --peer {peer}:{PORT} --size 1048576 --total {TOTAL}"),
+            "BENCH",
+            300,
+        )?;
+        // Zero copy: placements from a registered 1 MiB ring into the
+        // peer's registered 1 MiB ring (the relay's pod-ring data path).
+        let c = lane(
+            &rig,
+            &format!("bench --direct --peer {peer}:{PORT} --size 65536 --total {TOTAL}"),
+            "BENCH",
+            300,
+        )?;
+        let e = lane(
+            &rig,
+            &format!("bench --direct --peer {peer}:{PORT} --size 262144 --total {TOTAL}"),
             "BENCH",
             300,
         )?;
@@ -117,9 +134,11 @@ cat /tmp/lane-serve.log /tmp/tcp-serve.log; exit 1"
         )?;
         let f = |v: &Value| v["bytes_per_sec"].as_f64().unwrap_or(0.0);
         println!(
-            "round {round}: ib_write_bw {} | lane 64K {} | lane 1M {} | tcp {} | ib_send_lat typ {:.1} us | lane rtt p50 {:.1} us",
-            mb(w), mb(f(&a)), mb(f(&b)), mb(f(&t)), s.typical_us, l["p50_us"].as_f64().unwrap_or(0.0)
+            "round {round}: ib_write_bw {} | lane 64K {} | lane 1M {} | zero-copy 64K {} | zero-copy 256K {} | tcp {} | ib_send_lat typ {:.1} us | lane rtt p50 {:.1} us",
+            mb(w), mb(f(&a)), mb(f(&b)), mb(f(&c)), mb(f(&e)), mb(f(&t)), s.typical_us, l["p50_us"].as_f64().unwrap_or(0.0)
         );
+        d64.push(f(&c));
+        d256.push(f(&e));
         wbw.push(w);
         l64.push(f(&a));
         l1m.push(f(&b));
@@ -131,6 +150,8 @@ cat /tmp/lane-serve.log /tmp/tcp-serve.log; exit 1"
     // minute of host load), then their medians.
     let ratio = |x: &[f64], y: &[f64]| median(x.iter().zip(y).map(|(a, b)| a / b).collect());
     let (r64, r1m, rtcp) = (ratio(&l64, &wbw), ratio(&l1m, &wbw), ratio(&l64, &tcp));
+    let (rd64, rd256) = (ratio(&d64, &wbw), ratio(&d256, &wbw));
+    let (dm64, dm256) = (median(d64), median(d256));
     let rlat = ratio(&llat, &slat.iter().map(|s| 2.0 * s).collect::<Vec<_>>());
     let (w, a, b, t) = (median(wbw), median(l64), median(l1m), median(tcp));
     let (s, l) = (median(slat), median(llat));
@@ -146,6 +167,14 @@ cat /tmp/lane-serve.log /tmp/tcp-serve.log; exit 1"
     println!(
         "| lane stream, 1 MiB sends | {} | {r1m:.2} of ib_write_bw |",
         mb(b)
+    );
+    println!(
+        "| lane zero copy, ring to ring, 64 KiB placements | {} | {rd64:.2} of ib_write_bw |",
+        mb(dm64)
+    );
+    println!(
+        "| lane zero copy, ring to ring, 256 KiB placements | {} | {rd256:.2} of ib_write_bw |",
+        mb(dm256)
     );
     println!(
         "| TCP guest to guest, 64 KiB writes | {} | lane 64K = {rtcp:.2}x TCP |",

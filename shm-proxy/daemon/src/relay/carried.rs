@@ -86,8 +86,9 @@ pub struct Carried {
     /// Our reference to the pod's TCP socket (doorbells for the remote pod,
     /// and it holds the pod connection's FIN back until the relay is done).
     sock: OwnedFd,
-    /// The pod process that set the connection up (its death ends it).
-    pidfd: Option<OwnedFd>,
+    /// The pod process that holds the connection: the one that set it up,
+    /// then a forked child that kept it (see `pod_exited`).
+    pidfd: Mutex<Option<OwnedFd>>,
     pub(super) stream: Arc<dyn LaneStream>,
     /// The server daemon waits for its pod to attach.
     wait_attach: bool,
@@ -144,7 +145,7 @@ impl Carried {
             from_pod: Mutex::new(rx),
             probe,
             sock,
-            pidfd,
+            pidfd: Mutex::new(pidfd),
             stream,
             wait_attach: side == Side::Client,
             send_lock: Mutex::new(()),
@@ -249,19 +250,43 @@ impl Carried {
         }
     }
 
+    /// True when no pod process holds the connection any more. When the
+    /// watched process exited, a process it forked that still maps the
+    /// channel (and so holds the connection: pre-fork servers, daemonizing
+    /// clients) is watched instead.
     pub(super) fn pod_exited(&self) -> bool {
-        self.pidfd
-            .as_ref()
-            .is_some_and(|p| os::process_exited(p, 0))
+        let mut g = lock(&self.pidfd);
+        let Some(p) = g.as_ref() else {
+            return false;
+        };
+        if !os::process_exited(p, 0) {
+            return false;
+        }
+        let name = format!("flowlane-relay-{}", self.id);
+        match os::process_mapping_memfd(&name, std::process::id())
+            .and_then(|pid| os::pidfd_open(pid).ok().map(|fd| (pid, fd)))
+        {
+            Some((pid, fd)) => {
+                tracing::debug!(
+                    id = self.id,
+                    pid,
+                    "relay: the pod process exited; a process it forked keeps the connection"
+                );
+                *g = Some(fd);
+                false
+            }
+            None => true,
+        }
     }
 
     /// Sleeps one slice without a ring to wait on.
     pub(super) fn idle_slice(&self) {
-        match &self.pidfd {
-            Some(p) => {
-                os::process_exited(p, SLICE_MS as i32);
-            }
-            None => std::thread::sleep(Duration::from_millis(SLICE_MS as u64)),
+        // A duplicate: `pod_exited` may replace the watched process meanwhile.
+        let watched = lock(&self.pidfd).as_ref().and_then(|p| p.try_clone().ok());
+        match &watched {
+            // An exited process answers at once: sleep the slice anyway.
+            Some(p) if !os::process_exited(p, SLICE_MS as i32) => {}
+            _ => std::thread::sleep(Duration::from_millis(SLICE_MS as u64)),
         }
     }
 

@@ -160,3 +160,15 @@ pub fn process_maps_memfd(pid: u32, name: &str) -> bool {
         .map(|maps| maps.lines().any(|l| l.contains(&needle)))
         .unwrap_or(false)
 }
+
+/// A process other than `except` that maps memfd `name` (a child the pod
+/// forked inherits its parent's mappings), if any. Reads every process's
+/// maps: used once, when the process that set a connection up exited.
+pub fn process_mapping_memfd(name: &str, except: u32) -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != except)
+        .find(|&pid| process_maps_memfd(pid, name))
+}
