@@ -200,47 +200,74 @@ fn until_rdma_carries(
 }
 
 /// A pattern stream pod node1 -> pod node2, both ways, carried over RDMA:
-/// returns (server job, client job) once node 1's daemon carries it.
+/// returns (server job, client job) once node 1's daemon carries it. A
+/// connection that stays on TCP (the link to the peer still being set up)
+/// or whose set-up fails is stopped and tried again on the next port.
 fn carried_stream<'a>(
     rig: &'a RdmaRig,
     cli: &str,
     srv: &str,
     srv_ip: &str,
-    port: u16,
+    port: &mut u16,
 ) -> (Job<'a>, Job<'a>) {
     let quoted = shell_quote(PATTERN);
-    let (opened, active) = rdma_lane(rig, 1);
-    let server = rig
-        .spawn(
-            2,
-            &format!("pod-exec.sh --lane {srv} python3 -c {quoted} server {port} 150"),
-            T,
-        )
-        .expect("pattern server");
-    wait_listening(rig, 2, srv, port);
-    let client = rig
-        .spawn(
-            1,
-            &format!("pod-exec.sh --lane {cli} python3 -c {quoted} client {srv_ip} {port} 150"),
-            T,
-        )
-        .expect("pattern client");
-    let t0 = Instant::now();
-    loop {
-        let (o, a) = rdma_lane(rig, 1);
-        if o > opened && a > active {
-            break;
+    for _attempt in 0..3 {
+        *port += 1;
+        let p = *port;
+        let (opened, active) = rdma_lane(rig, 1);
+        let server = rig
+            .spawn(
+                2,
+                &format!(
+                    "pod-exec.sh --lane {srv} python3 -c {quoted} server {p} 150 & echo $! > /tmp/pattern-{p}.pid; wait $!"
+                ),
+                T,
+            )
+            .expect("pattern server");
+        wait_listening(rig, 2, srv, p);
+        let client = rig
+            .spawn(
+                1,
+                &format!(
+                    "pod-exec.sh --lane {cli} python3 -c {quoted} client {srv_ip} {p} 150 & echo $! > /tmp/pattern-{p}.pid; wait $!"
+                ),
+                T,
+            )
+            .expect("pattern client");
+        let t0 = Instant::now();
+        let carried = loop {
+            let (o, a) = rdma_lane(rig, 1);
+            if o > opened {
+                // Carried; still flowing?
+                break a > active;
+            }
+            if t0.elapsed() > Duration::from_secs(20) {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        };
+        if carried {
+            // Bytes flow for a moment before the failure.
+            std::thread::sleep(Duration::from_secs(2));
+            if rdma_lane(rig, 1).1 > active {
+                return (server, client);
+            }
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the pattern stream was not carried over RDMA\n{}",
-            logs(rig)
-        );
-        std::thread::sleep(Duration::from_millis(500));
+        eprintln!("pattern stream on port {p} not carried over RDMA (or ended at once); next port");
+        for node in rdma_vm::NODES {
+            let _ = rig.run(
+                node,
+                &format!("kill $(cat /tmp/pattern-{p}.pid) 2>/dev/null"),
+                T,
+            );
+        }
+        let _ = client.wait();
+        let _ = server.wait();
     }
-    // Bytes flow for a moment before the failure.
-    std::thread::sleep(Duration::from_secs(2));
-    (server, client)
+    panic!(
+        "no pattern stream was carried over RDMA in 3 tries\n{}",
+        logs(rig)
+    )
 }
 
 /// How a pattern end ended: its `ended ...` line, checked for a clean end
@@ -335,8 +362,7 @@ fn underlay_down_ends_relayed_connections_and_the_lane_comes_back() {
         .expect("the RDMA lane carries a connection before the failure");
     let failed_before = (link_failures(&rig, 1), link_failures(&rig, 2));
 
-    port += 1;
-    let (server, client) = carried_stream(&rig, "ldcli", "ldsrv", &srv_ip, port);
+    let (server, client) = carried_stream(&rig, "ldcli", "ldsrv", &srv_ip, &mut port);
     // Down for 15 s, then up again; link-down also deleted the host-gw
     // route through eth0, which the node's routing (here: the rig) restores.
     let down_at = epoch_now(&rig, 1);
@@ -423,8 +449,7 @@ fn rdma_device_removed_under_a_stream_ends_it_cleanly_and_the_lane_comes_back() 
     until_rdma_carries(&rig, "lrcli", "lrsrv", &srv_ip, &mut port, 5)
         .expect("the RDMA lane carries a connection before the failure");
 
-    port += 1;
-    let (server, client) = carried_stream(&rig, "lrcli", "lrsrv", &srv_ip, port);
+    let (server, client) = carried_stream(&rig, "lrcli", "lrsrv", &srv_ip, &mut port);
     let removed_at = epoch_now(&rig, 1);
     // In the background: it blocks in the kernel for as long as a process
     // holds the device open.
