@@ -4,6 +4,8 @@
 //! Blocking on purpose: the daemon runs one pump thread per direction per
 //! carried connection, and tokio stays on the control plane.
 //! Agreed in `/work/coord/rdma-lane-interface.md`; change only by agreement.
+//! Extended additively for zero copy: [`LaneStream::direct`] (default
+//! `None`) and [`DirectLane`]; implementations without them are unchanged.
 
 use std::{io, net::SocketAddr};
 

@@ -64,11 +64,6 @@ const HANDSHAKE_WAIT: Duration = Duration::from_millis(300);
 /// How long the client daemon waits for its pod to map the channel (it
 /// does right after its connect returns).
 const MAP_WAIT: Duration = Duration::from_millis(150);
-/// Ring size (per direction) of relayed connections with zero copy: nothing
-/// is buffered between the two pods' rings, so a ring is the whole window
-/// of a direction (see docs/relay.md, "Zero copy"); the daemon pins both.
-const ZERO_COPY_RING: usize = 4 << 20;
-
 /// Answered (refused) streams are dropped after this long.
 const LINGER: Duration = Duration::from_secs(5);
 /// Accepted streams nobody claimed are dropped after this long.
@@ -397,12 +392,6 @@ impl Relay {
         };
         let id = self.shared.lock().next_channel_id();
         let name = format!("flowlane-relay-{id}");
-        // The library sizes its rings from our answer's length.
-        let region_len = if self.zero_copy {
-            region_len.max(ring::region_len_for(ZERO_COPY_RING) as u64)
-        } else {
-            region_len
-        };
         let made = memfd::create_sealed(&name, region_len).and_then(|fd| {
             let region = Region::map(&fd, region_len as usize)?;
             Ok((fd, region))
@@ -549,11 +538,7 @@ impl Relay {
             }
         };
         let id = self.shared.lock().next_channel_id();
-        let len = ring::region_len_for(if self.zero_copy {
-            ZERO_COPY_RING
-        } else {
-            ring::DEFAULT_RING_SIZE
-        });
+        let len = ring::region_len_for(ring::DEFAULT_RING_SIZE);
         let made = memfd::create_sealed(&format!("flowlane-relay-{id}"), len as u64)
             .and_then(|fd| Ok((Region::map(&fd, len)?, fd)));
         let (region, memfd) = match made {
