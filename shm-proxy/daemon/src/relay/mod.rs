@@ -561,18 +561,48 @@ impl Relay {
                 return self.fallback(NoChannelReason::NoIntent, relay_reason::LANE_UNREACHABLE);
             }
         }
-        let c = Carried::new(
-            id,
-            key,
-            region,
-            Side::Client,
-            sock,
-            pidfd,
-            stream,
-            self.zero_copy,
-        );
-        self.run(c);
-        tracing::debug!(id, client = %peer, server = %local, "relay: connection carried");
+        // The pod waits for this answer (500 ms): registering its rings with
+        // the NIC (zero copy: pinning their pages) happens after it, off its
+        // path. The pod attaches to the region on its own; the pumps wait
+        // for that (and for nothing else from the daemon's side).
+        let zero_copy = self.zero_copy;
+        let carry = move |r: &Arc<Relay>| {
+            let c = Carried::new(
+                id,
+                key,
+                region,
+                Side::Client,
+                sock,
+                pidfd,
+                stream,
+                zero_copy,
+            );
+            r.run(c);
+            tracing::debug!(id, client = %peer, server = %local, "relay: connection carried");
+        };
+        // A failed spawn drops its closure: keep `carry` reachable for the
+        // synchronous fallback.
+        let carry = Arc::new(Mutex::new(Some(carry)));
+        let run_once = {
+            let carry = carry.clone();
+            move |r: &Arc<Relay>| {
+                if let Some(f) = lock(&carry).take() {
+                    f(r)
+                }
+            }
+        };
+        let r = self.clone();
+        let spawned = zero_copy
+            && std::thread::Builder::new()
+                .name(format!("relay-carry-{id}"))
+                .spawn({
+                    let run_once = run_once.clone();
+                    move || run_once(&r)
+                })
+                .is_ok();
+        if !spawned {
+            run_once(self);
+        }
         Answer {
             response: Response::Channel {
                 id,
