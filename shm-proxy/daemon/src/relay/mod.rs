@@ -33,6 +33,7 @@ mod os;
 mod placed;
 pub mod route;
 pub mod tcp_test;
+mod wait_trace;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -64,6 +65,8 @@ const HANDSHAKE_WAIT: Duration = Duration::from_millis(300);
 /// How long the client daemon waits for its pod to map the channel (it
 /// does right after its connect returns).
 const MAP_WAIT: Duration = Duration::from_millis(150);
+/// Default ring size of zero-copy relayed connections (see `Relay`).
+const ZERO_COPY_RING: usize = ring::DEFAULT_RING_SIZE;
 /// Answered (refused) streams are dropped after this long.
 const LINGER: Duration = Duration::from_secs(5);
 /// Accepted streams nobody claimed are dropped after this long.
@@ -105,6 +108,10 @@ pub struct Relay {
     closed_bytes: AtomicU64,
     /// Move bytes without copies where the transport can (see `placed.rs`).
     zero_copy: bool,
+    /// Ring size (per direction) of zero-copy relayed connections: nothing
+    /// is buffered between the two pods' rings, so a ring is a direction's
+    /// whole window (docs/relay.md, "Zero copy"); the daemon pins both.
+    zero_copy_ring: usize,
 }
 
 /// `FLOWLANE_RELAY_ZERO_COPY=0|1` overrides the default: zero copy over
@@ -117,6 +124,15 @@ fn zero_copy_for(transport: &str) -> bool {
         Ok("1") => true,
         _ => transport == "rdma",
     }
+}
+
+/// `FLOWLANE_RELAY_RING_KIB` (a power of two within the library's ring
+/// limits) overrides the ring size of zero-copy relayed connections.
+fn zero_copy_ring() -> usize {
+    std::env::var("FLOWLANE_RELAY_RING_KIB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(ZERO_COPY_RING, |k| k << 10)
 }
 
 impl Relay {
@@ -132,7 +148,13 @@ impl Relay {
             "relay"
         };
         let zero_copy = zero_copy_for(transport.name());
-        tracing::info!(transport = transport.name(), zero_copy, "relay: data path");
+        let zero_copy_ring = zero_copy_ring();
+        tracing::info!(
+            transport = transport.name(),
+            zero_copy,
+            zero_copy_ring,
+            "relay: data path"
+        );
         let relay = Arc::new(Relay {
             transport,
             router,
@@ -146,6 +168,7 @@ impl Relay {
             closed: AtomicU64::new(0),
             closed_bytes: AtomicU64::new(0),
             zero_copy,
+            zero_copy_ring,
         });
         let r = relay.clone();
         std::thread::Builder::new()
@@ -392,6 +415,12 @@ impl Relay {
         };
         let id = self.shared.lock().next_channel_id();
         let name = format!("flowlane-relay-{id}");
+        // The library sizes its rings from our answer's length.
+        let region_len = if self.zero_copy {
+            region_len.max(ring::region_len_for(self.zero_copy_ring) as u64)
+        } else {
+            region_len
+        };
         let made = memfd::create_sealed(&name, region_len).and_then(|fd| {
             let region = Region::map(&fd, region_len as usize)?;
             Ok((fd, region))
@@ -538,7 +567,11 @@ impl Relay {
             }
         };
         let id = self.shared.lock().next_channel_id();
-        let len = ring::region_len_for(ring::DEFAULT_RING_SIZE);
+        let len = ring::region_len_for(if self.zero_copy {
+            self.zero_copy_ring
+        } else {
+            ring::DEFAULT_RING_SIZE
+        });
         let made = memfd::create_sealed(&format!("flowlane-relay-{id}"), len as u64)
             .and_then(|fd| Ok((Region::map(&fd, len)?, fd)));
         let (region, memfd) = match made {

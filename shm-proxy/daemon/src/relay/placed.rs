@@ -27,7 +27,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use flowlane_lane::ring::{Consumer, Probe, Producer};
 use flowlane_rdma::transport::wire::crc32_parts;
@@ -35,6 +35,7 @@ use flowlane_rdma::{DirectLane, Piece, RingArea};
 
 use super::carried::{lock, Carried, SLICE_MS};
 use super::frames;
+use super::wait_trace::{ReceiverTrace, SenderTrace, Want};
 
 /// Largest transfer announced by one PLACED frame (a quarter of the default
 /// ring: several are in flight while the first completes).
@@ -60,6 +61,10 @@ pub(super) struct DirectState {
     tx_base: u64,
     rx_base: u64,
     checksums: bool,
+    /// PLACED frames received, and how many of them needed a doorbell for
+    /// our pod (its reader asleep in poll/select): for the wait trace.
+    placed_frames: AtomicU64,
+    placed_wakes: AtomicU64,
     /// Keeps the rings registered; dropped (with the Carried) before the
     /// region is unmapped.
     _guard: Mutex<Option<Box<dyn Send + Sync>>>,
@@ -112,6 +117,8 @@ impl DirectState {
             placed_done,
             peer_head: AtomicU64::new(0),
             checksums: dl.checksums(),
+            placed_frames: AtomicU64::new(0),
+            placed_wakes: AtomicU64::new(0),
             _guard: Mutex::new(guard),
         }
     }
@@ -258,6 +265,12 @@ impl Carried {
         drop(tx);
         // The room reporter's target depends on the tail: let it recompute.
         self.probe.wake_tx_waiter();
+        if let Some(d) = &self.direct {
+            d.placed_frames.fetch_add(1, Ordering::Relaxed);
+            if wake {
+                d.placed_wakes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         if wake {
             self.request_wake();
         }
@@ -270,12 +283,26 @@ impl Carried {
         let size = self.probe.tx_capacity() as u64;
         let base = self.direct.as_ref().map_or(0, |d| d.rx_base);
         let mut reported = 0u64;
+        let mut trace = ReceiverTrace::new(SLICE_MS);
         loop {
             if self.failed()
                 || self.sent_final.load(Ordering::Acquire)
                 || self.got_eof.load(Ordering::Acquire)
                 || self.sent_gone.load(Ordering::Acquire)
+                || self.probe.tx_peer_gone()
             {
+                // A pod that stopped reading needs no more reports, and its
+                // ring's room wait would return at once from now on (it
+                // spun until the sending pump's slice ended): hand the
+                // GONE to the sending pump now, not after its slice.
+                self.probe.wake_rx_waiter();
+                if let Some(d) = &self.direct {
+                    trace.log(
+                        self.id,
+                        d.placed_frames.load(Ordering::Relaxed),
+                        d.placed_wakes.load(Ordering::Relaxed),
+                    );
+                }
                 return;
             }
             let head = self.probe.tx_head().wrapping_sub(base);
@@ -290,12 +317,24 @@ impl Carried {
                     return;
                 }
                 reported = head;
+                trace.rooms += 1;
                 continue;
             }
             // Free room at which the pod will have consumed a quarter ring
-            // since the last report.
-            let need = (size - (tail - reported).min(size) + size / 4).min(size);
+            // since the last report. With less than a quarter ring placed
+            // since then, that is more than the ring's size: only a new
+            // PLACED (which wakes us to recompute) can make a report due,
+            // so we sleep until one. (Capping it at the ring's size made
+            // an emptied ring satisfy the wait at once: the thread spun,
+            // one busy CPU per connection, measured 0.2-7 million loops
+            // per second of stream on the rig.)
+            let need = size - (tail - reported).min(size) + size / 4;
+            if self.probe.tx_tail().wrapping_sub(base) != tail {
+                continue; // a placement landed meanwhile: recompute
+            }
+            let since = Instant::now();
             self.probe.wait_tx_free(need as usize, SLICE_MS);
+            trace.waited(since);
         }
     }
 
@@ -325,14 +364,17 @@ impl Carried {
         let base = d.tx_base;
         // Stream positions: freed in the pod's ring, and handed to the NIC.
         let (mut consumed, mut posted) = (0u64, 0u64);
+        let mut trace = SenderTrace::new(SLICE_MS);
         loop {
             if self.failed() || self.sent_final.load(Ordering::Acquire) {
+                trace.log(self.id);
                 return;
             }
             let seq = rx.data_seq();
             self.flush_wake();
             let done = d.placed_done.load(Ordering::Acquire);
             if done > consumed {
+                trace.completed(done);
                 rx.consume((done - consumed) as usize);
                 consumed = done;
                 if rx.take_writer_wakeup() {
@@ -381,6 +423,7 @@ impl Carried {
                         return;
                     }
                     posted += k as u64;
+                    trace.placed(posted, k, posted - consumed);
                     self.bytes_out.fetch_add(k as u64, Ordering::Relaxed);
                     continue;
                 }
@@ -396,7 +439,16 @@ impl Carried {
                 rx = lock(&self.from_pod);
                 continue;
             }
+            let want = if unposted > 0 {
+                Want::Room
+            } else if posted > consumed {
+                Want::Completion
+            } else {
+                Want::Data
+            };
+            let since = Instant::now();
             rx.wait_change(seq, tail, closed, SLICE_MS);
+            trace.waited(want, since);
             let drained = rx.tail().wrapping_sub(base) == consumed && posted == consumed;
             if drained && !rx.producer_closed() && self.pod_exited() {
                 // Gone without closing its sending side: killed.
