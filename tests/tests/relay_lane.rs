@@ -969,3 +969,106 @@ fn sockperf_epoll_ping_pong_through_the_relay() {
         eprintln!("sockperf epoll ping-pong 64 B, {label}: one-way p50 {p50:.1} us");
     }
 }
+
+/// `idle_client.py IP PORT READY_FILE HOLD_S`: one round trip, then writes
+/// READY_FILE and holds the connection open and idle for HOLD_S seconds.
+const IDLE_CLIENT: &str = r#"
+import socket, sys, time
+ip, port, ready, hold = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+c = socket.create_connection((ip, port))
+c.sendall(b"ping\n")
+got = b""
+while len(got) < 5:
+    d = c.recv(64)
+    if not d:
+        sys.exit("EOF before the echo")
+    got += d
+assert got == b"ping\n", got
+open(ready, "w").write("ready\n")
+time.sleep(hold)
+c.close()
+"#;
+
+/// CPU seconds (user + system) a process used so far, from /proc/PID/stat.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("daemon stat");
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields overall, the 12th and 13th after it.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    ticks as f64 / hz
+}
+
+/// An open relayed connection with no traffic costs the daemons nothing:
+/// their threads sleep (ring futexes, the lane's completion wait) instead
+/// of polling. A busy loop in any per-connection thread (a zero-copy room
+/// reporter once spun like that) burns a whole core on both nodes, which
+/// the 3 s window below shows as ~3 CPU seconds; idle is a few ticks.
+#[test]
+fn an_idle_relayed_connection_costs_the_daemons_no_cpu() {
+    for zero_copy in [false, true] {
+        let _g = serial();
+        let c = Cluster::build(1, zero_copy);
+        let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+        let (a, b) = (&n0.pods[0], &n1.pods[0]);
+        let port = 7592u16;
+        let _srv = Bg::spawn(n1.cmd(
+            b,
+            true,
+            &[PYTHON, "-c", ECHO_SERVER, &port.to_string(), "1"],
+        ));
+        wait_listening(b, port);
+        let ready = c.dir.join(format!("idle-{zero_copy}.ready"));
+        let _cli = Bg::spawn(n0.cmd(
+            a,
+            true,
+            &[
+                PYTHON,
+                "-c",
+                IDLE_CLIENT,
+                &b.ip.to_string(),
+                &port.to_string(),
+                &ready.display().to_string(),
+                "8",
+            ],
+        ));
+        let t0 = Instant::now();
+        while !ready.exists() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "zero_copy={zero_copy}: the client's round trip did not finish\n{}",
+                c.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            n0.relay().0 >= 1 && n1.relay().0 >= 1,
+            "zero_copy={zero_copy}: not relayed\n{}",
+            c.logs()
+        );
+        // Let the set-up settle (zero-copy registration happens after the
+        // claim's answer), then watch both daemons for 3 s of idleness.
+        std::thread::sleep(Duration::from_millis(500));
+        let pids: Vec<u32> = c
+            .nodes
+            .iter()
+            .map(|n| n.daemon.as_ref().expect("daemon").id())
+            .collect();
+        let before: Vec<f64> = pids.iter().map(|&p| cpu_seconds(p)).collect();
+        std::thread::sleep(Duration::from_secs(3));
+        let used: Vec<f64> = pids
+            .iter()
+            .zip(&before)
+            .map(|(&p, b)| cpu_seconds(p) - b)
+            .collect();
+        eprintln!("zero_copy={zero_copy}: daemon CPU over 3 s idle: {used:?}");
+        assert!(
+            used.iter().all(|&u| u < 0.5),
+            "zero_copy={zero_copy}: a daemon kept a CPU busy on an idle connection: {used:?} s in 3 s\n{}",
+            c.logs()
+        );
+    }
+}
