@@ -16,19 +16,8 @@ use serde_json::Value;
 const T: Duration = Duration::from_secs(180);
 
 fn relay_nodes_up(rig: &RdmaRig) {
-    rig.nodes_up(&[
-        "--lane-listen",
-        "$RIG_ADDR:7471",
-        "--lane-transport",
-        "rdma",
-        "--nodes-file",
-        "/etc/flowlane/nodes.json",
-        "--node-name",
-        "node$RIG_NODE",
-        "--log-level",
-        "info,flowlaned=debug",
-    ])
-    .unwrap_or_else(|e| panic!("flowlaned with the RDMA lane on both guests: {e:#}"));
+    rig.nodes_up_with_rdma_lane(&["--log-level", "info,flowlaned=debug"])
+        .unwrap_or_else(|e| panic!("flowlaned with the RDMA lane on both guests: {e:#}"));
 }
 
 /// (opened, closed, bytes) of node `n`'s RDMA relay lane.

@@ -20,6 +20,9 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+mod common;
+use common::release_dir;
+
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../kubernetes")
 }
@@ -292,17 +295,6 @@ fn check_pod_references(spec: &PodSpec, objects: &Objects, what: &str) {
             "{what}: no ServiceAccount {sa}"
         );
     }
-}
-
-fn release_dir() -> PathBuf {
-    // <target>/release/deps/manifests-xxxx -> <target>/release
-    std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf()
 }
 
 /// Every `--flag=` in args is a flag the binary's --help lists.
