@@ -57,6 +57,30 @@ pub struct Piece {
     pub len: usize,
 }
 
+impl Piece {
+    /// Cuts `len` bytes from stream position `src` of a ring of `src_size`
+    /// bytes to position `dst` of a ring of `dst_size` bytes (both powers of
+    /// two) at both rings' wraps: at most three pieces.
+    pub fn split(src: u64, src_size: usize, dst: u64, dst_size: usize, len: usize) -> Vec<Piece> {
+        let (mut s, mut d, mut left) = (src, dst, len);
+        let mut v = Vec::with_capacity(3);
+        while left > 0 {
+            let so = (s as usize) & (src_size - 1);
+            let dof = (d as usize) & (dst_size - 1);
+            let k = left.min(src_size - so).min(dst_size - dof);
+            v.push(Piece {
+                src: so,
+                dst: dof,
+                len: k,
+            });
+            s += k as u64;
+            d += k as u64;
+            left -= k;
+        }
+        v
+    }
+}
+
 /// Bytes moved without copies (issue 6: "the ring memory is registered with
 /// the NIC"). Each daemon registers its pod's two ring data areas; the
 /// receiving side describes its area to the sender in-band (opaque bytes:

@@ -278,27 +278,6 @@ impl Reader {
     }
 }
 
-/// Cuts `len` bytes from local position `src` to remote position `dst` at
-/// both rings' wraps.
-pub fn ring_pieces(src: u64, src_size: usize, dst: u64, dst_size: usize, len: usize) -> Vec<Piece> {
-    let (mut s, mut d, mut left) = (src, dst, len);
-    let mut v = Vec::with_capacity(3);
-    while left > 0 {
-        let so = (s as usize) & (src_size - 1);
-        let dof = (d as usize) & (dst_size - 1);
-        let k = left.min(src_size - so).min(dst_size - dof);
-        v.push(Piece {
-            src: so,
-            dst: dof,
-            len: k,
-        });
-        s += k as u64;
-        d += k as u64;
-        left -= k;
-    }
-    v
-}
-
 /// Runs a zero-copy exchange over `stream` (both sides call it).
 pub fn direct_exchange(
     stream: Arc<dyn LaneStream>,
@@ -424,7 +403,7 @@ pub fn direct_exchange(
                 }
             }
             written += k as u64;
-            let pieces = ring_pieces(placed, size, placed, peer_ring, k);
+            let pieces = Piece::split(placed, size, placed, peer_ring, k);
             let mut notify = vec![MSG_PLACED];
             notify.extend_from_slice(&(k as u32).to_le_bytes());
             out2.place(&pieces, &notify)?;

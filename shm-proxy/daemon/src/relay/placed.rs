@@ -133,33 +133,6 @@ impl DirectState {
     }
 }
 
-/// Cuts `len` bytes from local position `src` (ring of `src_size`) to
-/// remote position `dst` (ring of `dst_size`) at both rings' wraps.
-pub(super) fn pieces(
-    src: u64,
-    src_size: usize,
-    dst: u64,
-    dst_size: usize,
-    len: usize,
-) -> Vec<Piece> {
-    let (mut s, mut d, mut left) = (src, dst, len);
-    let mut v = Vec::with_capacity(3);
-    while left > 0 {
-        let so = (s as usize) & (src_size - 1);
-        let dof = (d as usize) & (dst_size - 1);
-        let k = left.min(src_size - so).min(dst_size - dof);
-        v.push(Piece {
-            src: so,
-            dst: dof,
-            len: k,
-        });
-        s += k as u64;
-        d += k as u64;
-        left -= k;
-    }
-    v
-}
-
 /// CRC-32 of `len` ring bytes from position `pos`.
 ///
 /// # Safety
@@ -406,7 +379,7 @@ impl Carried {
                 if room > 0 {
                     let k = unposted.min(room).min(MAX_PLACE as u64) as usize;
                     let local = base.wrapping_add(posted);
-                    let ps = pieces(local, size, posted, peer_size, k);
+                    let ps = Piece::split(local, size, posted, peer_size, k);
                     // SAFETY: [local, local + k) is published by the pod and
                     // not consumed by us yet, so nobody writes it.
                     let crc = d
@@ -468,7 +441,7 @@ mod tests {
     fn transfers_are_cut_at_both_rings_wraps() {
         // No wrap.
         assert_eq!(
-            pieces(0, 16, 0, 32, 10),
+            Piece::split(0, 16, 0, 32, 10),
             vec![Piece {
                 src: 0,
                 dst: 0,
@@ -477,7 +450,7 @@ mod tests {
         );
         // Local wrap at 16, remote (32) not.
         assert_eq!(
-            pieces(12, 16, 12, 32, 8),
+            Piece::split(12, 16, 12, 32, 8),
             vec![
                 Piece {
                     src: 12,
@@ -492,7 +465,7 @@ mod tests {
             ]
         );
         // Both wrap at different points: three pieces.
-        let p = pieces(96 + 12, 16, 30, 32, 10);
+        let p = Piece::split(96 + 12, 16, 30, 32, 10);
         assert_eq!(p.iter().map(|p| p.len).sum::<usize>(), 10);
         let p: Vec<_> = p.iter().map(|p| (p.src, p.dst, p.len)).collect();
         assert_eq!(p, vec![(12, 30, 2), (14, 0, 2), (0, 2, 6)]);
