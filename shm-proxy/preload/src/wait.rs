@@ -148,24 +148,7 @@ impl PollSet<'_> {
                 revents: 0,
             });
         }
-        // SAFETY: `kernel` is a valid pollfd array of its length.
-        let r = unsafe {
-            match mask {
-                Some(m) => {
-                    let ts = libc::timespec {
-                        tv_sec: (ms / 1000) as _,
-                        tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _,
-                    };
-                    real::ppoll(
-                        self.kernel.as_mut_ptr(),
-                        self.kernel.len() as _,
-                        if ms < 0 { std::ptr::null() } else { &ts },
-                        m,
-                    )
-                }
-                None => real::poll(self.kernel.as_mut_ptr(), self.kernel.len() as _, ms),
-            }
-        };
+        let r = kernel_poll(&mut self.kernel, ms, mask);
         if bell.is_some() {
             self.kernel.pop();
         }
@@ -694,24 +677,7 @@ fn sleep_on_set(epfd: c_int, bell: c_int, ms: c_int, mask: Option<*const sigset_
             revents: 0,
         },
     ];
-    // SAFETY: a valid local pollfd array of two entries.
-    let r = unsafe {
-        match mask {
-            Some(m) => {
-                let ts = libc::timespec {
-                    tv_sec: (ms / 1000) as _,
-                    tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _,
-                };
-                real::ppoll(
-                    fds.as_mut_ptr(),
-                    2,
-                    if ms < 0 { std::ptr::null() } else { &ts },
-                    m,
-                )
-            }
-            None => real::poll(fds.as_mut_ptr(), 2, ms),
-        }
-    };
+    let r = kernel_poll(&mut fds, ms, mask);
     if r < 0 {
         return -1;
     }
@@ -949,6 +915,30 @@ pub unsafe fn epoll_wait(
         let total = n + collect(epfd, &mut out[n..]);
         if total > 0 || expired(deadline) {
             return total as c_int;
+        }
+    }
+}
+
+/// The real `poll` (or `ppoll` with `mask`, as the application asked) on
+/// `fds` for `ms` milliseconds (negative: no timeout).
+fn kernel_poll(fds: &mut [pollfd], ms: c_int, mask: Option<*const sigset_t>) -> c_int {
+    // SAFETY: `fds` is a valid pollfd array of its length; `mask` is the
+    // application's signal set, passed through as it gave it.
+    unsafe {
+        match mask {
+            Some(m) => {
+                let ts = libc::timespec {
+                    tv_sec: (ms / 1000) as _,
+                    tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _,
+                };
+                real::ppoll(
+                    fds.as_mut_ptr(),
+                    fds.len() as _,
+                    if ms < 0 { std::ptr::null() } else { &ts },
+                    m,
+                )
+            }
+            None => real::poll(fds.as_mut_ptr(), fds.len() as _, ms),
         }
     }
 }
