@@ -14,7 +14,7 @@
 //! lookup must never wait on the network. So the trait hands out an
 //! immutable snapshot ([`ClusterView`], behind an `Arc`) and lookups are
 //! plain in-memory work. Keeping the snapshot fresh is the implementation's
-//! own business: the static file reloads when its mtime changes; the
+//! own business: the static file is parsed again when its contents change; the
 //! Kubernetes implementation re-lists the Nodes from a task on the daemon's
 //! tokio runtime and swaps in a new `Arc<ClusterView>` (the same way
 //! kube-rs's own `reflector::Store` is read: synchronously). An `async fn` here would force every caller, including
@@ -24,7 +24,6 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
 
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
@@ -181,11 +180,13 @@ struct NodeFile {
 }
 
 /// The local cluster's node table: a JSON file
-/// `{"nodes": [{"name", "podCIDRs", "underlay", "rdma"?, "lanePort"?}]}`, re-read when
-/// its modification time or size changes.
+/// `{"nodes": [{"name", "podCIDRs", "underlay", "rdma"?, "lanePort"?}]}`, parsed again
+/// when its contents change. Compared by content, not mtime: a rewrite within the
+/// filesystem's timestamp tick keeps the mtime (and often the size), and the file is
+/// small enough to read on every lookup.
 pub struct StaticNodeFile {
     path: PathBuf,
-    cache: Mutex<Option<(SystemTime, u64, Arc<ClusterView>)>>,
+    cache: Mutex<Option<(Vec<u8>, Arc<ClusterView>)>>,
 }
 
 impl StaticNodeFile {
@@ -218,13 +219,9 @@ impl StaticNodeFile {
         })
     }
 
-    fn load(&self) -> Result<ClusterView, TopologyError> {
-        let bytes = std::fs::read(&self.path).map_err(|source| TopologyError::Io {
-            path: self.path.clone(),
-            source,
-        })?;
+    fn parse(&self, bytes: &[u8]) -> Result<ClusterView, TopologyError> {
         let file: NodeFile =
-            serde_json::from_slice(&bytes).map_err(|source| TopologyError::Parse {
+            serde_json::from_slice(bytes).map_err(|source| TopologyError::Parse {
                 path: self.path.clone(),
                 source,
             })?;
@@ -234,22 +231,18 @@ impl StaticNodeFile {
 
 impl NodeDirectory for StaticNodeFile {
     fn view(&self) -> Result<Arc<ClusterView>, TopologyError> {
-        let meta = std::fs::metadata(&self.path).map_err(|source| TopologyError::Io {
+        let bytes = std::fs::read(&self.path).map_err(|source| TopologyError::Io {
             path: self.path.clone(),
             source,
         })?;
-        let stamp = (
-            meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-            meta.len(),
-        );
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((mtime, len, view)) = cache.as_ref() {
-            if (*mtime, *len) == stamp {
+        if let Some((seen, view)) = cache.as_ref() {
+            if *seen == bytes {
                 return Ok(view.clone());
             }
         }
-        let view = Arc::new(self.load()?);
-        *cache = Some((stamp.0, stamp.1, view.clone()));
+        let view = Arc::new(self.parse(&bytes)?);
+        *cache = Some((bytes, view.clone()));
         Ok(view)
     }
 }
@@ -398,6 +391,20 @@ mod tests {
             "write() keeps the lane port"
         );
         assert!(v2.rdma_between("node1", "node3"));
+
+        // Rewritten in place, same size, at once (same mtime tick): still noticed.
+        let same_size = std::fs::read_to_string(&path)
+            .unwrap()
+            .replace("node3", "node4");
+        std::fs::write(&path, same_size).unwrap();
+        assert_eq!(
+            file.view()
+                .unwrap()
+                .owner_of(ip("10.204.3.5"))
+                .unwrap()
+                .name,
+            "node4"
+        );
 
         std::fs::write(&path, "{ not json").unwrap();
         assert!(matches!(file.view(), Err(TopologyError::Parse { .. })));
