@@ -1257,6 +1257,43 @@ mod tests {
         s.parse().unwrap()
     }
 
+    /// A TCP socket of the test's namespace bound to 0.0.0.0:`port` (0: any)
+    /// with SO_REUSEPORT only, not listening.
+    fn bound_socket(port: u16) -> (std::os::fd::OwnedFd, u16) {
+        use nix::sys::socket::{bind, getsockname, setsockopt, socket, sockopt};
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn};
+        use std::os::fd::AsRawFd;
+        let fd = socket(
+            AddressFamily::Inet,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        setsockopt(&fd, sockopt::ReusePort, &true).unwrap();
+        bind(fd.as_raw_fd(), &SockaddrIn::new(0, 0, 0, 0, port)).unwrap();
+        let port = getsockname::<SockaddrIn>(fd.as_raw_fd()).unwrap().port();
+        (fd, port)
+    }
+
+    /// A port that no socket without SO_REUSEPORT can bind, so no other
+    /// test's listener takes it, while the returned socket (bound, never
+    /// listening) lives. A
+    /// port taken from a listener that was closed again can be handed to a
+    /// concurrent test's bind(0) and be listening at the next sweep (1 in
+    /// ~5700 pairs of binds here).
+    fn reserved_port() -> (std::os::fd::OwnedFd, u16) {
+        bound_socket(0)
+    }
+
+    /// A socket listening on a port from `reserved_port`.
+    fn listen_on(port: u16) -> std::os::fd::OwnedFd {
+        use nix::sys::socket::{listen, Backlog};
+        let (fd, _) = bound_socket(port);
+        listen(&fd, Backlog::new(16).unwrap()).unwrap();
+        fd
+    }
+
     #[test]
     fn intent_then_claim_hands_the_same_memfd_to_both() {
         let mut n = node("pair", Limits::default());
@@ -1611,8 +1648,8 @@ mod tests {
         let b = &mut n.broker;
         // Registrations are checked against real listening sockets of the
         // pod's namespace (here: the test's own).
-        let socket = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
-        let port = socket.local_addr().unwrap().port();
+        let (_reserved, port) = reserved_port();
+        let socket = listen_on(port);
         let listen_addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
         let server_addr = SocketAddr::new("10.202.9.2".parse().unwrap(), port);
         let mut parent = std::process::Command::new("sleep")
@@ -1663,23 +1700,23 @@ mod tests {
     fn a_listener_registered_just_before_listen_survives_the_sweep() {
         let mut n = node("grace", Limits::default());
         let b = &mut n.broker;
-        // A port nobody listens on (yet): the library registers before its
-        // real listen(), so the first sweeps must not drop it.
-        let port = std::net::TcpListener::bind("0.0.0.0:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        // The library registers before its real listen(): its socket is
+        // bound, not listening, like this reservation.
+        let (bound, port) = reserved_port();
         let addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
+        // Taken before the registration, so the registration is at most
+        // 3 s old at `t0 + 3 s` however long the registering call took.
+        let t0 = Instant::now();
         let r = b.handle(&pod(2), Request::RegisterListener { addr });
         assert_eq!(r.response, Response::Ok);
-        let t0 = Instant::now();
+        let registered_by = Instant::now();
         b.tick(t0);
         b.tick(t0 + Duration::from_secs(3));
         assert_eq!(b.stats().listeners.len(), 1, "dropped within its grace");
         // Still not listening after the grace: gone.
-        b.tick(t0 + Duration::from_secs(10));
+        b.tick(registered_by + LISTENER_GRACE + Duration::from_secs(1));
         assert!(b.stats().listeners.is_empty());
+        drop(bound);
     }
 
     #[test]
