@@ -62,10 +62,33 @@ mod tests {
         assert!(!table_listens_on("garbage\nmore garbage", 80));
     }
 
+    /// A TCP socket bound to 127.0.0.1:`port` (0: any) with SO_REUSEPORT.
+    fn bound_socket(port: u16) -> (std::os::fd::OwnedFd, u16) {
+        use nix::sys::socket::{bind, getsockname, setsockopt, socket, sockopt};
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn};
+        use std::os::fd::AsRawFd;
+        let fd = socket(
+            AddressFamily::Inet,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        setsockopt(&fd, sockopt::ReusePort, &true).unwrap();
+        bind(fd.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port)).unwrap();
+        let port = getsockname::<SockaddrIn>(fd.as_raw_fd()).unwrap().port();
+        (fd, port)
+    }
+
     #[test]
     fn sees_a_real_listener_come_and_go() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
+        use nix::sys::socket::{listen, Backlog};
+        // The port stays bound (not listening) by `_reserved` after the
+        // listener closes: a port freed by closing could go to another
+        // test's bind(0) listener before the second look.
+        let (_reserved, port) = bound_socket(0);
+        let (l, _) = bound_socket(port);
+        listen(&l, Backlog::new(16).unwrap()).unwrap();
         assert!(netns_listens_on(std::process::id(), port).unwrap());
         drop(l);
         assert!(!netns_listens_on(std::process::id(), port).unwrap());
