@@ -2,6 +2,7 @@
 //! shared-memory ring format and the daemon's wire protocol.
 
 pub mod client;
+pub mod copy;
 pub mod notify;
 pub mod proto;
 pub mod ring;

@@ -39,8 +39,9 @@
 //!   `tail` visible) before reporting end-of-stream.
 
 use std::io::IoSlice;
-use std::ptr;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+use crate::copy::{copy_bytes, copy_to_ring, CopyTuner};
 
 /// Size of the control page at the start of the region.
 pub const HEADER_LEN: usize = 4096;
@@ -56,37 +57,6 @@ const CTL_OFFSET: [usize; 2] = [512, 1024];
 /// Large copies publish their progress every this many bytes, so the
 /// other side can start on the first part (pipelining within one call).
 const CHUNK: usize = 64 << 10;
-
-/// Largest piece handed to one `memcpy` when source and destination are
-/// not co-aligned (see `copy_bytes`). Below glibc's `rep movsb` threshold
-/// (2112 bytes on CPUs with FSRM, more elsewhere).
-const PIECE: usize = 2048;
-
-/// Copies `n` bytes. glibc's memcpy hands copies above ~2 KiB to
-/// `rep movsb`, which on some CPUs runs an order of magnitude slower when
-/// source and destination are not co-aligned on 64 bytes (measured on the
-/// test machine: 1.5-2 GB/s instead of 25 GB/s for a 64 KiB copy with the
-/// destination 1 or 15 bytes off). A ring position and an application
-/// buffer are co-aligned only by chance (one odd-sized message shifts every
-/// later one), so such copies go in pieces that stay on memcpy's vector
-/// loop (22-37 GB/s for any alignment).
-///
-/// # Safety
-/// As `ptr::copy_nonoverlapping(src, dst, n)`.
-pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, n: usize) {
-    if n <= PIECE || (dst as usize).wrapping_sub(src as usize) % 64 == 0 {
-        // SAFETY: caller contract.
-        unsafe { ptr::copy_nonoverlapping(src, dst, n) };
-        return;
-    }
-    let mut off = 0;
-    while off < n {
-        let k = (n - off).min(PIECE);
-        // SAFETY: [off, off + k) lies inside both ranges (caller contract).
-        unsafe { ptr::copy_nonoverlapping(src.add(off), dst.add(off), k) };
-        off += k;
-    }
-}
 
 /// Offset of the attach word: 0 = undecided, 1 = the server mapped the
 /// region and uses it, 2 = the client gave up waiting and both stay on TCP.
@@ -320,6 +290,7 @@ pub unsafe fn endpoints(
             ring: tx,
             head_cache: 0,
             bell: false,
+            tuner: CopyTuner::new(),
         },
         Consumer {
             ring: rx,
@@ -496,6 +467,8 @@ pub struct Producer {
     head_cache: u64,
     /// A chunk publish inside a call found a consumer that wants a doorbell.
     bell: bool,
+    /// How bulk copies into this ring store (see `copy`).
+    tuner: CopyTuner,
 }
 
 /// The reading end of one ring.
@@ -528,7 +501,8 @@ impl Producer {
 
     /// Copies as much of the slices (in order) as fits, publishing once.
     pub fn write_vectored(&mut self, srcs: &[IoSlice<'_>]) -> usize {
-        let ctl = self.ring.ctl();
+        let ring = self.ring; // a copy, so `ctl` does not borrow `self`
+        let ctl = ring.ctl();
         let start = ctl.tail.0.load(Ordering::Relaxed); // we are the only writer of tail
         let want: usize = srcs.iter().map(|s| s.len()).sum();
         let mut free = self.ring.size - (start - self.head_cache) as usize;
@@ -553,7 +527,7 @@ impl Producer {
                 if (pos - published) as usize >= CHUNK && want - ((pos - start) as usize) > 0 {
                     ctl.tail.0.store(pos, Ordering::Release);
                     published = pos;
-                    let f = &self.ring.ctl().flags.0;
+                    let f = &ctl.flags.0;
                     self.bell |= take(&f.reader_waiting, &f.data_seq);
                 }
             }
@@ -588,14 +562,16 @@ impl Producer {
 
     /// # Safety
     /// `[pos, pos + src.len())` must be free room (not readable by the consumer).
-    unsafe fn copy_in(&self, pos: u64, src: &[u8]) {
+    unsafe fn copy_in(&mut self, pos: u64, src: &[u8]) {
         let off = (pos as usize) & (self.ring.size - 1);
         let first = src.len().min(self.ring.size - off);
         // SAFETY: both ranges lie inside the data area; the caller guarantees
         // the consumer does not access them until `tail` is published.
+        // Each copy that streams ends with its own fence (see `copy`).
+        let (data, tuner) = (self.ring.data, &mut self.tuner);
         unsafe {
-            copy_bytes(self.ring.data.add(off), src.as_ptr(), first);
-            copy_bytes(self.ring.data, src.as_ptr().add(first), src.len() - first);
+            copy_to_ring(data.add(off), src.as_ptr(), first, tuner);
+            copy_to_ring(data, src.as_ptr().add(first), src.len() - first, tuner);
         }
     }
 

@@ -30,6 +30,9 @@ pub struct Config {
     /// `FLOWLANE_WAIT_SLICE_MS`: longest single kernel sleep of a
     /// poll/select/epoll wait on a shared-memory connection.
     pub wait_slice_ms: i32,
+    /// `FLOWLANE_NT_STORES=0`: bulk copies into rings use ordinary stores
+    /// only (default: streaming stores, see `flowlane_lane::copy`).
+    pub nt_stores: bool,
 }
 
 static CONFIG: OnceLock<Config> = OnceLock::new();
@@ -92,6 +95,8 @@ fn read_env() -> Config {
         .and_then(|v| v.trim().parse::<i32>().ok())
         .unwrap_or(DEFAULT_WAIT_SLICE_MS)
         .clamp(1, 3_600_000);
+    let nt_stores = env(c"FLOWLANE_NT_STORES")
+        .is_none_or(|v| !matches!(v.trim(), "0" | "false" | "no" | "off"));
     Config {
         disabled,
         ring_size,
@@ -99,6 +104,7 @@ fn read_env() -> Config {
         log_level,
         socket,
         wait_slice_ms,
+        nt_stores,
     }
 }
 

@@ -27,16 +27,18 @@ mod wait;
 /// on (every exported function catches them and answers like libc would).
 extern "C" fn init() {
     let cfg = config::get();
+    flowlane_lane::copy::set_streaming_stores(cfg.nt_stores);
     state::install_fork_handlers();
     std::panic::set_hook(Box::new(|info| {
         log::emit(1, format_args!("internal error (contained): {info}"));
     }));
     log::log_at!(
         3,
-        "loaded (disabled={}, ring={} bytes, spin={} us, socket={})",
+        "loaded (disabled={}, ring={} bytes, spin={} us, nt stores={}, socket={})",
         cfg.disabled,
         cfg.ring_size,
         cfg.spin_us,
+        cfg.nt_stores,
         cfg.socket.display()
     );
 }

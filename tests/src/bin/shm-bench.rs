@@ -1154,5 +1154,5 @@ mod ceiling {
 /// As `ptr::copy_nonoverlapping`.
 unsafe fn copy(dst: *mut u8, src: *const u8, n: usize) {
     // SAFETY: caller contract.
-    unsafe { flowlane_lane::ring::copy_bytes(dst, src, n) }
+    unsafe { flowlane_lane::copy::copy_bytes(dst, src, n) }
 }
