@@ -1032,6 +1032,38 @@ mod ceiling {
         }
     }
 
+    /// One core copying `msg`-byte pieces out of a 256 MiB buffer (far
+    /// larger than the caches) into a private one: what a reader can pull
+    /// from memory. A ring the writer fills with streaming stores is read
+    /// from memory, so this bounds the lane when the vCPUs sit far apart
+    /// (see docs/shm-lane.md, "Copies into the ring").
+    fn copy_from_memory(msg: usize, total: u64) -> f64 {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                const SPAN: usize = 256 << 20;
+                let msg = msg.min(SPAN);
+                let (mut src, mut dst) = (Buf::new(SPAN), Buf::new(msg));
+                pin(1);
+                let t0 = Instant::now();
+                let (mut done, mut at) = (0u64, 0usize);
+                while done < total {
+                    if at + msg > SPAN {
+                        at = 0;
+                    }
+                    // SAFETY: [at, at + msg) lies inside src; dst holds msg bytes.
+                    unsafe {
+                        super::copy(dst.slice().as_mut_ptr(), src.slice().as_ptr().add(at), msg)
+                    };
+                    std::hint::black_box(dst.slice());
+                    (done, at) = (done + msg as u64, at + msg);
+                }
+                total as f64 / t0.elapsed().as_secs_f64() / 1e9
+            })
+            .join()
+            .unwrap()
+        })
+    }
+
     /// One-way futex wake-up latency in microseconds: two unpinned threads
     /// at normal priority hand a token back and forth, sleeping each time.
     pub fn futex_wakeup_us() -> f64 {
@@ -1134,6 +1166,10 @@ mod ceiling {
             (
                 "memcpy, both cores at once (per core)",
                 best(5, || memcpy_both_cores(msg, total)),
+            ),
+            (
+                "copy out of memory (256 MiB source), one core",
+                best(3, || copy_from_memory(msg, total)),
             ),
         ]
     }
