@@ -261,6 +261,16 @@ impl RingRef {
         // (checked at construction); RingCtl is all atomics, valid for any bits.
         unsafe { &*self.ctl }
     }
+
+    /// The producer closed (Acquire: every `tail` it stored before is visible).
+    fn producer_closed(&self) -> bool {
+        self.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0
+    }
+
+    /// The consumer closed: writes fail.
+    fn consumer_closed(&self) -> bool {
+        self.ctl().flags.0.consumer_closed.load(Ordering::Acquire) != 0
+    }
 }
 
 /// Splits a region into the producer and consumer ends for `side`.
@@ -373,20 +383,18 @@ impl Probe {
     /// What a read would find now.
     pub fn rx_state(&self) -> ReadState {
         let ctl = self.rx.ctl();
-        let n = ctl
-            .tail
-            .0
-            .load(Ordering::Acquire)
-            .wrapping_sub(ctl.head.0.load(Ordering::Acquire));
+        let fill = || {
+            ctl.tail
+                .0
+                .load(Ordering::Acquire)
+                .wrapping_sub(ctl.head.0.load(Ordering::Acquire))
+        };
+        let n = fill();
         if n > 0 {
             return ReadState::Data(n as usize);
         }
-        if ctl.flags.0.producer_closed.load(Ordering::Acquire) != 0 {
-            let n = ctl
-                .tail
-                .0
-                .load(Ordering::Acquire)
-                .wrapping_sub(ctl.head.0.load(Ordering::Acquire));
+        if self.rx.producer_closed() {
+            let n = fill();
             return if n > 0 {
                 ReadState::Data(n as usize)
             } else {
@@ -419,13 +427,7 @@ impl Probe {
 
     /// The peer stopped reading (closed): writes fail.
     pub fn tx_peer_gone(&self) -> bool {
-        self.tx
-            .ctl()
-            .flags
-            .0
-            .consumer_closed
-            .load(Ordering::Acquire)
-            != 0
+        self.tx.consumer_closed()
     }
 
     /// Announce a sleeping reader (see [`Consumer::prepare_wait`]).
@@ -622,24 +624,12 @@ impl Producer {
 
     /// The producer already closed (shutdown(SHUT_WR)).
     pub fn is_closed(&self) -> bool {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .producer_closed
-            .load(Ordering::Acquire)
-            != 0
+        self.ring.producer_closed()
     }
 
     /// The consumer will read no more: writes should fail with EPIPE.
     pub fn peer_gone(&self) -> bool {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .consumer_closed
-            .load(Ordering::Acquire)
-            != 0
+        self.ring.consumer_closed()
     }
 }
 
@@ -674,15 +664,7 @@ impl Consumer {
         if n > 0 {
             return ReadState::Data(n);
         }
-        if self
-            .ring
-            .ctl()
-            .flags
-            .0
-            .producer_closed
-            .load(Ordering::Acquire)
-            != 0
-        {
+        if self.ring.producer_closed() {
             // Every tail stored before the flag is visible now.
             return match self.available() {
                 0 => ReadState::Eof,
@@ -795,13 +777,7 @@ impl Consumer {
     /// The producer closed its side (used when the TCP connection reset, to
     /// tell an orderly close from a crash).
     pub fn producer_closed(&self) -> bool {
-        self.ring
-            .ctl()
-            .flags
-            .0
-            .producer_closed
-            .load(Ordering::Acquire)
-            != 0
+        self.ring.producer_closed()
     }
 }
 
