@@ -45,6 +45,16 @@ pub(super) const SLICE_MS: u32 = 100;
 /// claim was answered (it does so at once; longer means it fell back).
 const ATTACH_GRACE: Duration = Duration::from_secs(3);
 
+/// What a sending pump does after [`Carried::gone_or_idle`].
+pub(super) enum SendTurn {
+    /// Forward the pod's bytes.
+    Forward,
+    /// Start the turn again.
+    Again,
+    /// The connection failed: the pump ends.
+    Stop,
+}
+
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -290,6 +300,60 @@ impl Carried {
         }
     }
 
+    /// Sends one frame; on a lane error fails the connection and answers
+    /// false (the pump ends).
+    pub(super) fn send_or_fail(&self, bytes: &[u8]) -> bool {
+        match self.send_frame(bytes) {
+            Ok(()) => true,
+            Err(e) => {
+                self.fail(&format!("lane send: {e}"));
+                false
+            }
+        }
+    }
+
+    /// The pod closed its sending side and all its bytes went out: tells
+    /// the peer (EOF). False when the lane failed (the pump ends).
+    pub(super) fn send_eof(&self) -> bool {
+        if !self.send_or_fail(&[frames::EOF]) {
+            return false;
+        }
+        self.sent_eof.store(true, Ordering::Release);
+        self.maybe_finish();
+        true
+    }
+
+    /// The pod process is gone without closing its sending side: killed.
+    /// Fails the connection so the remote pod sees a reset, not a clean EOF.
+    pub(super) fn pod_killed(&self) {
+        self.pod_died.store(true, Ordering::Release);
+        self.fail("the pod process exited without closing the connection");
+    }
+
+    /// The part of a sending pump's turn that copies and placements share,
+    /// before it looks at the pod's ring: a pod that closed (or, after its
+    /// last byte, exited) reads no more, so the peer is told (GONE); with
+    /// nothing more to forward, the pump waits a slice for the other
+    /// direction.
+    pub(super) fn gone_or_idle(&self) -> SendTurn {
+        if !self.sent_gone.load(Ordering::Acquire)
+            && (self.probe.tx_peer_gone()
+                || (self.sent_eof.load(Ordering::Acquire) && self.pod_exited()))
+        {
+            if !self.send_or_fail(&[frames::GONE]) {
+                return SendTurn::Stop;
+            }
+            self.sent_gone.store(true, Ordering::Release);
+            self.maybe_finish();
+            return SendTurn::Again;
+        }
+        if self.sent_eof.load(Ordering::Acquire) || self.got_gone.load(Ordering::Acquire) {
+            self.idle_slice();
+            return SendTurn::Again;
+        }
+        SendTurn::Forward
+    }
+
     /// The server daemon: the pod attaches right after its claim's answer;
     /// a pod that never does stayed on TCP, which the client pod (already on
     /// the ring) must not silently miss.
@@ -322,24 +386,10 @@ impl Carried {
                 return;
             }
             self.flush_wake();
-            if !self.sent_gone.load(Ordering::Acquire)
-                && (self.probe.tx_peer_gone()
-                    || (self.sent_eof.load(Ordering::Acquire) && self.pod_exited()))
-            {
-                // The pod closed (or, after its last byte, exited): it reads
-                // no more.
-                if let Err(e) = self.send_frame(&[frames::GONE]) {
-                    self.fail(&format!("lane send: {e}"));
-                    return;
-                }
-                self.sent_gone.store(true, Ordering::Release);
-                self.maybe_finish();
-                continue;
-            }
-            if self.sent_eof.load(Ordering::Acquire) || self.got_gone.load(Ordering::Acquire) {
-                // Nothing more to forward: wait for the other direction.
-                self.idle_slice();
-                continue;
+            match self.gone_or_idle() {
+                SendTurn::Stop => return,
+                SendTurn::Again => continue,
+                SendTurn::Forward => {}
             }
             let mut rx = lock(&self.from_pod);
             match rx.state() {
@@ -348,8 +398,7 @@ impl Carried {
                     let wake = rx.take_writer_wakeup();
                     drop(rx);
                     frames::data_header(&mut buf, n);
-                    if let Err(e) = self.send_frame(&buf[..DATA_HEADER + n]) {
-                        self.fail(&format!("lane send: {e}"));
+                    if !self.send_or_fail(&buf[..DATA_HEADER + n]) {
                         return;
                     }
                     self.bytes_out.fetch_add(n as u64, Ordering::Relaxed);
@@ -359,21 +408,16 @@ impl Carried {
                 }
                 ReadState::Eof => {
                     drop(rx);
-                    if let Err(e) = self.send_frame(&[frames::EOF]) {
-                        self.fail(&format!("lane send: {e}"));
+                    if !self.send_eof() {
                         return;
                     }
-                    self.sent_eof.store(true, Ordering::Release);
-                    self.maybe_finish();
                 }
                 ReadState::Empty => {
                     rx.wait_data(SLICE_MS);
                     let empty = rx.state() == ReadState::Empty;
                     drop(rx);
                     if empty && self.pod_exited() {
-                        // Gone without closing its sending side: killed.
-                        self.pod_died.store(true, Ordering::Release);
-                        self.fail("the pod process exited without closing the connection");
+                        self.pod_killed();
                         return;
                     }
                 }

@@ -33,7 +33,7 @@ use flowlane_lane::ring::{Consumer, Probe, Producer};
 use flowlane_rdma::transport::wire::crc32_parts;
 use flowlane_rdma::{DirectLane, Piece, RingArea};
 
-use super::carried::{lock, Carried, SLICE_MS};
+use super::carried::{lock, Carried, SendTurn, SLICE_MS};
 use super::frames;
 use super::wait_trace::{ReceiverTrace, SenderTrace, Want};
 
@@ -354,21 +354,10 @@ impl Carried {
                     self.request_wake();
                 }
             }
-            if !self.sent_gone.load(Ordering::Acquire)
-                && (self.probe.tx_peer_gone()
-                    || (self.sent_eof.load(Ordering::Acquire) && self.pod_exited()))
-            {
-                if let Err(e) = self.send_frame(&[frames::GONE]) {
-                    self.fail(&format!("lane send: {e}"));
-                    return;
-                }
-                self.sent_gone.store(true, Ordering::Release);
-                self.maybe_finish();
-                continue;
-            }
-            if self.sent_eof.load(Ordering::Acquire) || self.got_gone.load(Ordering::Acquire) {
-                self.idle_slice();
-                continue;
+            match self.gone_or_idle() {
+                SendTurn::Stop => return,
+                SendTurn::Again => continue,
+                SendTurn::Forward => {}
             }
             let tail = rx.tail();
             let closed = rx.producer_closed();
@@ -403,12 +392,9 @@ impl Carried {
             } else if closed && consumed == posted {
                 // Every byte placed and completed, and the pod closed.
                 drop(rx);
-                if let Err(e) = self.send_frame(&[frames::EOF]) {
-                    self.fail(&format!("lane send: {e}"));
+                if !self.send_eof() {
                     return;
                 }
-                self.sent_eof.store(true, Ordering::Release);
-                self.maybe_finish();
                 rx = lock(&self.from_pod);
                 continue;
             }
@@ -424,9 +410,7 @@ impl Carried {
             trace.waited(want, since);
             let drained = rx.tail().wrapping_sub(base) == consumed && posted == consumed;
             if drained && !rx.producer_closed() && self.pod_exited() {
-                // Gone without closing its sending side: killed.
-                self.pod_died.store(true, Ordering::Release);
-                self.fail("the pod process exited without closing the connection");
+                self.pod_killed();
                 return;
             }
         }
