@@ -74,16 +74,44 @@ pub struct Node {
     pub wiring: &'static str,
 }
 
+/// `n` in base 36, at least `width` digits.
+fn base36(mut n: u32, width: usize) -> String {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut out = Vec::new();
+    while n > 0 || out.len() < width {
+        out.push(DIGITS[(n % 36) as usize]);
+        n /= 36;
+    }
+    out.reverse();
+    String::from_utf8(out).unwrap()
+}
+
+/// Three characters that differ between test processes running at the
+/// same time (their pids modulo 36^3).
+fn process_tag() -> String {
+    base36(std::process::id() % (36 * 36 * 36), 3)
+}
+
 impl Node {
     /// A node tagged `tag` (≤ 5 chars) with `pods` pods and a running daemon.
     pub fn new(tag: &str, pods: usize) -> Node {
         assert!(tag.len() <= 5);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        // Different test binaries never run at the same time; within one,
-        // the counter separates nodes. Mix in the pid so a crashed earlier
-        // run's leftovers are less likely to collide.
+        // Within one test binary the counter separates nodes; the process
+        // tag separates two runs of the same binary at once (a full suite
+        // run next to someone's single-suite run on a shared machine): with
+        // the counter alone both made the same bridge and netns names, and
+        // each one's set-up deleted and re-created the other's pods. A pod
+        // re-created by the other run is unknown to this run's daemon, so
+        // its connections stayed on TCP (fewer lane connections than
+        // expected), or its peer was unreachable. Mix in the pid so a
+        // crashed earlier run's leftovers are less likely to collide.
         let subnet = ((n + std::process::id()) % 120) as u8 + 128;
-        let bridge = format!("fls{tag}{n:x}b");
+        let run = process_tag();
+        let bridge = format!("fls{tag}{}{run}b", base36(n, 2));
+        // Interface names have at most 15 bytes (the manual wiring's host
+        // veth end is as long as the bridge's name).
+        assert!(bridge.len() <= 15, "{bridge}");
         let dir = std::env::temp_dir().join(format!("fls-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -97,7 +125,7 @@ impl Node {
         };
         let _ = sh(&["ip", "link", "del", &node.bridge]);
         for i in 0..pods {
-            let pod = node.add_pod(&format!("fls{tag}{n:x}p{i}"));
+            let pod = node.add_pod(&format!("{}p{i}", &node.bridge[..node.bridge.len() - 1]));
             node.pods.push(pod);
         }
         node.start_daemon();

@@ -179,10 +179,27 @@ fn redis_benchmark_over_shared_memory() {
     );
     eprintln!("{out}");
     assert!(out.matches("requests per second").count() >= 4, "{out}");
-    assert!(
-        node.shm_opened() >= 20,
-        "redis-benchmark's clients did not use the shm lane"
+    let st = node.stats();
+    let opened = st.lanes.get("shm").map_or(0, |l| l.connections_opened);
+    eprintln!(
+        "shm connections opened {opened}; fallbacks {:?}; requests {:?}; channel setup {:?}",
+        st.fallbacks, st.requests, st.channel_setup
     );
+    assert!(
+        opened >= 20,
+        "redis-benchmark's clients did not use the shm lane: {opened} opened, fallbacks {:?}, \
+         requests {:?}; daemon log (end):\n{}",
+        st.fallbacks,
+        st.requests,
+        log_tail(&node, 60)
+    );
+}
+
+/// The last `n` lines of the node's daemon log (for failure messages).
+fn log_tail(node: &Node, n: usize) -> String {
+    let log = node.daemon_log();
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Stops nginx the way its master expects (SIGTERM: it stops its workers
