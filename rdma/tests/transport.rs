@@ -85,34 +85,93 @@ fn errors(t: &dyn LaneTransport, kind: &str) -> u64 {
         .1
 }
 
-#[test]
-fn many_streams_random_sizes_both_directions_arrive_intact() {
-    let opts = small_opts();
-    let (a, b) = (start(&opts), start(&opts));
-    let n = 12u16;
-    let b2 = Arc::clone(&b);
+/// Opens stream `key(i)` from `a` to `b` and accepts it there: the opened
+/// end, and the accepted key and end.
+fn open_and_accept(
+    a: &MemTransport,
+    b: &MemTransport,
+    i: u16,
+) -> (Box<dyn LaneStream>, (StreamKey, Box<dyn LaneStream>)) {
+    let opened = a.open(b.local_addr(), key(i)).unwrap();
+    (opened, b.accept().unwrap())
+}
+
+/// Opens `n` streams from `a` to `b` (`key(first)` on) and runs `side` for
+/// both ends of each on its own thread, all at once; `side` gets the key's
+/// index, whether its end opened the stream, and the end. Returns the
+/// opening ends' results.
+fn on_many_streams<R, F>(
+    a: &MemTransport,
+    b: &Arc<MemTransport>,
+    first: u16,
+    n: u16,
+    side: F,
+) -> Vec<R>
+where
+    R: Send + 'static,
+    F: Fn(u64, bool, Arc<dyn LaneStream>) -> R + Send + Copy + 'static,
+{
+    let b2 = Arc::clone(b);
     let acceptor = thread::spawn(move || {
         let workers: Vec<_> = (0..n)
             .map(|_| {
                 let (k, s) = b2.accept().unwrap();
                 let i = (k.client.port() - 40000) as u64;
-                thread::spawn(move || exchange(Arc::from(s), spec(i, false)).unwrap())
+                thread::spawn(move || side(i, false, Arc::from(s)))
             })
             .collect();
         workers.into_iter().for_each(|w| {
             w.join().unwrap();
         });
     });
-    let workers: Vec<_> = (0..n)
+    let workers: Vec<_> = (first..first + n)
         .map(|i| {
             let s = a.open(b.local_addr(), key(i)).unwrap();
-            thread::spawn(move || exchange(Arc::from(s), spec(i as u64, true)).unwrap())
+            thread::spawn(move || side(i as u64, true, Arc::from(s)))
         })
         .collect();
-    for w in workers {
-        w.join().unwrap();
-    }
+    let opened = workers.into_iter().map(|w| w.join().unwrap()).collect();
     acceptor.join().unwrap();
+    opened
+}
+
+/// `len` bytes of `Pattern(seed)`.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut data = vec![0u8; len];
+    Pattern::new(seed).fill(&mut data);
+    data
+}
+
+/// Sends all of `data` on `s` (the sends block for window).
+fn send_all(s: &dyn LaneStream, data: &[u8]) {
+    let mut off = 0;
+    while off < data.len() {
+        off += s.send(&data[off..]).unwrap();
+    }
+}
+
+/// `msg` sent on `s` arrives on `t` in one receive of its length.
+#[track_caller]
+fn assert_carries(s: &dyn LaneStream, t: &dyn LaneStream, msg: &[u8]) {
+    s.send(msg).unwrap();
+    let mut buf = vec![0u8; msg.len()];
+    assert_eq!(t.recv(&mut buf).unwrap(), msg.len());
+}
+
+/// A send or receive that failed because the stream was reset.
+#[track_caller]
+fn assert_reset(r: std::io::Result<usize>) {
+    assert_eq!(r.unwrap_err().kind(), ErrorKind::ConnectionReset);
+}
+
+#[test]
+fn many_streams_random_sizes_both_directions_arrive_intact() {
+    let opts = small_opts();
+    let (a, b) = (start(&opts), start(&opts));
+    let n = 12u16;
+    on_many_streams(&a, &b, 0, n, |i, opener, s| {
+        exchange(s, spec(i, opener)).unwrap()
+    });
     let (sa, sb) = (a.stats(), b.stats());
     assert_eq!(sa.bytes_sent, sb.bytes_received);
     assert_eq!(sb.bytes_sent, sa.bytes_received);
@@ -133,20 +192,15 @@ fn many_streams_random_sizes_both_directions_arrive_intact() {
 fn half_close_delivers_eof_after_the_data_and_the_other_direction_keeps_working() {
     let opts = small_opts();
     let (a, b) = (start(&opts), start(&opts));
-    let sa = a.open(b.local_addr(), key(1)).unwrap();
-    let (k, sb) = b.accept().unwrap();
+    let (sa, (k, sb)) = open_and_accept(&a, &b, 1);
     assert_eq!(k, key(1));
-    let mut data = vec![0u8; 100_000];
-    Pattern::new(7).fill(&mut data);
+    let data = pattern(7, 100_000);
     let sa: Arc<dyn LaneStream> = Arc::from(sa);
     // The data is several windows long: the reader must run meanwhile.
     let writer = {
         let (sa, data) = (Arc::clone(&sa), data.clone());
         thread::spawn(move || {
-            let mut off = 0;
-            while off < data.len() {
-                off += sa.send(&data[off..]).unwrap();
-            }
+            send_all(&*sa, &data);
             sa.shutdown_send().unwrap();
             assert_eq!(sa.send(b"x").unwrap_err().kind(), ErrorKind::BrokenPipe);
         })
@@ -176,8 +230,7 @@ fn half_close_delivers_eof_after_the_data_and_the_other_direction_keeps_working(
 fn reset_reaches_the_peer_as_connection_reset() {
     let opts = small_opts();
     let (a, b) = (start(&opts), start(&opts));
-    let sa = a.open(b.local_addr(), key(2)).unwrap();
-    let (_, sb) = b.accept().unwrap();
+    let (sa, (_, sb)) = open_and_accept(&a, &b, 2);
     let sb: Arc<dyn LaneStream> = Arc::from(sb);
     let reader = {
         let sb = Arc::clone(&sb);
@@ -195,42 +248,28 @@ fn reset_reaches_the_peer_as_connection_reset() {
     sa.send(b"some bytes").unwrap();
     sa.reset();
     assert_eq!(reader.join().unwrap(), Ok(ErrorKind::ConnectionReset));
-    assert_eq!(
-        sb.send(b"x").unwrap_err().kind(),
-        ErrorKind::ConnectionReset
-    );
-    assert_eq!(
-        sa.send(b"x").unwrap_err().kind(),
-        ErrorKind::ConnectionReset
-    );
+    assert_reset(sb.send(b"x"));
+    assert_reset(sa.send(b"x"));
     // Other streams on the link are unaffected.
-    let s2 = a.open(b.local_addr(), key(3)).unwrap();
-    let (_, t2) = b.accept().unwrap();
-    s2.send(b"ok").unwrap();
-    let mut buf = [0u8; 2];
-    assert_eq!(t2.recv(&mut buf).unwrap(), 2);
+    let (s2, (_, t2)) = open_and_accept(&a, &b, 3);
+    assert_carries(&*s2, &*t2, b"ok");
 }
 
 #[test]
 fn dropping_an_open_stream_resets_it_for_the_peer() {
     let opts = small_opts();
     let (a, b) = (start(&opts), start(&opts));
-    let sa = a.open(b.local_addr(), key(4)).unwrap();
-    let (_, sb) = b.accept().unwrap();
+    let (sa, (_, sb)) = open_and_accept(&a, &b, 4);
     drop(sa);
     let mut buf = [0u8; 8];
-    assert_eq!(
-        sb.recv(&mut buf).unwrap_err().kind(),
-        ErrorKind::ConnectionReset
-    );
+    assert_reset(sb.recv(&mut buf));
 }
 
 #[test]
 fn a_slow_reader_stalls_only_its_own_stream() {
     let opts = small_opts();
     let (a, b) = (start(&opts), start(&opts));
-    let stalled = a.open(b.local_addr(), key(5)).unwrap();
-    let (_, _never_read) = b.accept().unwrap();
+    let (stalled, (_, _never_read)) = open_and_accept(&a, &b, 5);
     // Fill the stalled stream's window: its next send must block, so do it
     // on a thread and check it is still blocked afterwards.
     let stalled: Arc<dyn LaneStream> = Arc::from(stalled);
@@ -249,8 +288,7 @@ fn a_slow_reader_stalls_only_its_own_stream() {
         })
     };
     // Meanwhile another stream moves 20 windows' worth.
-    let s2 = a.open(b.local_addr(), key(6)).unwrap();
-    let (_, t2) = b.accept().unwrap();
+    let (s2, (_, t2)) = open_and_accept(&a, &b, 6);
     let total = 20 * opts.stream_window as u64;
     let sender = thread::spawn(move || {
         exchange(
@@ -287,8 +325,7 @@ fn peer_death_resets_streams_and_new_opens_fail_until_it_is_back() {
     let a = start(&opts);
     let b = start(&opts);
     let b_addr = b.local_addr();
-    let sa = a.open(b_addr, key(7)).unwrap();
-    let (_, _sb) = b.accept().unwrap();
+    let (sa, (_, _sb)) = open_and_accept(&a, &b, 7);
     let sa: Arc<dyn LaneStream> = Arc::from(sa);
     let reader = {
         let sa = Arc::clone(&sa);
@@ -300,10 +337,7 @@ fn peer_death_resets_streams_and_new_opens_fail_until_it_is_back() {
     drop(b);
     let r = reader.join().unwrap();
     assert_eq!(r, Err(ErrorKind::ConnectionReset), "got {r:?}");
-    assert_eq!(
-        sa.send(b"x").unwrap_err().kind(),
-        ErrorKind::ConnectionReset
-    );
+    assert_reset(sa.send(b"x"));
     eventually("link counted as down", || a.stats().links_up == 0);
     assert_eq!(
         errors(&*a, "link_failed"),
@@ -325,12 +359,9 @@ fn peer_death_resets_streams_and_new_opens_fail_until_it_is_back() {
     );
     // The peer comes back on the same port: opens work again.
     let b2 = Arc::new(MemTransport::start(MemProvider, b_addr, opts.clone()).unwrap());
-    let s = a.open(b_addr, key(9)).unwrap();
-    let (k, t) = b2.accept().unwrap();
+    let (s, (k, t)) = open_and_accept(&a, &b2, 9);
     assert_eq!(k, key(9));
-    s.send(b"back").unwrap();
-    let mut buf = [0u8; 4];
-    assert_eq!(t.recv(&mut buf).unwrap(), 4);
+    assert_carries(&*s, &*t, b"back");
 }
 
 #[test]
@@ -346,20 +377,15 @@ fn a_fabric_failure_resets_every_stream_of_that_peer() {
     // One per link to that peer (`links_per_peer`).
     assert!(errors(&*a, "link_failed") >= 1);
     for s in &streams {
-        assert_eq!(s.send(b"x").unwrap_err().kind(), ErrorKind::ConnectionReset);
+        assert_reset(s.send(b"x"));
     }
     let mut buf = [0u8; 4];
     for t in &accepted {
-        assert_eq!(
-            t.recv(&mut buf).unwrap_err().kind(),
-            ErrorKind::ConnectionReset
-        );
+        assert_reset(t.recv(&mut buf));
     }
     // A new link is made for the next open.
-    let s = a.open(b.local_addr(), key(20)).unwrap();
-    let (_, t) = b.accept().unwrap();
-    s.send(b"new!").unwrap();
-    assert_eq!(t.recv(&mut buf).unwrap(), 4);
+    let (s, (_, t)) = open_and_accept(&a, &b, 20);
+    assert_carries(&*s, &*t, b"new!");
 }
 
 #[test]
@@ -378,11 +404,8 @@ fn garbage_on_the_lane_port_is_refused_and_the_listener_keeps_working() {
     eventually("the three bad handshakes are counted", || {
         errors(&*b, "link_setup_failed") == 3
     });
-    let s = a.open(b.local_addr(), key(30)).unwrap();
-    let (_, t) = b.accept().unwrap();
-    s.send(b"fine").unwrap();
-    let mut buf = [0u8; 4];
-    assert_eq!(t.recv(&mut buf).unwrap(), 4);
+    let (s, (_, t)) = open_and_accept(&a, &b, 30);
+    assert_carries(&*s, &*t, b"fine");
     // (the accepting side files the link right after its first stream may
     // already have arrived)
     eventually("one link up on the accepting side", || {
@@ -399,12 +422,9 @@ fn idle_links_stay_up_on_keepalives() {
         ..small_opts()
     };
     let (a, b) = (start(&opts), start(&opts));
-    let s = a.open(b.local_addr(), key(40)).unwrap();
-    let (_, t) = b.accept().unwrap();
+    let (s, (_, t)) = open_and_accept(&a, &b, 40);
     thread::sleep(Duration::from_millis(2000));
-    s.send(b"still here").unwrap();
-    let mut buf = [0u8; 10];
-    assert_eq!(t.recv(&mut buf).unwrap(), 10);
+    assert_carries(&*s, &*t, b"still here");
     assert!(
         a.stats().messages_sent > 10,
         "pings were sent: {:?}",
@@ -451,12 +471,7 @@ fn a_transport_shut_down_right_after_its_last_send_still_delivers_it() {
     });
     let a = start(&opts);
     let s = a.open(b.local_addr(), key(50)).unwrap();
-    let mut data = vec![0u8; total as usize];
-    Pattern::new(77).fill(&mut data);
-    let mut off = 0;
-    while off < data.len() {
-        off += s.send(&data[off..]).unwrap();
-    }
+    send_all(&*s, &pattern(77, total as usize));
     s.shutdown_send().unwrap();
     // The daemon exits right away: the tail and the FIN must still arrive.
     a.shutdown();
@@ -488,35 +503,18 @@ fn placements_move_bytes_ring_to_ring_across_wraps_both_ways() {
     let opts = small_opts();
     let (a, b) = (start(&opts), start(&opts));
     let n = 4u16;
-    let b2 = Arc::clone(&b);
-    let acceptor = thread::spawn(move || {
-        let workers: Vec<_> = (0..n)
-            .map(|_| {
-                let (k, s) = b2.accept().unwrap();
-                let i = (k.client.port() - 40000) as u64;
-                thread::spawn(move || {
-                    direct_exchange(Arc::from(s), direct_spec(i, false, 16 << 10, 4 << 10)).unwrap()
-                })
-            })
-            .collect();
-        workers.into_iter().for_each(|w| {
-            w.join().unwrap();
-        });
+    let opened = on_many_streams(&a, &b, 100, n, |i, opener, s| {
+        // The opener's rings: 4 KiB sending, 16 KiB receiving.
+        let (tx_ring, rx_ring) = if opener {
+            (4 << 10, 16 << 10)
+        } else {
+            (16 << 10, 4 << 10)
+        };
+        direct_exchange(s, direct_spec(i, opener, tx_ring, rx_ring)).unwrap()
     });
-    let workers: Vec<_> = (0..n)
-        .map(|i| {
-            let s = a.open(b.local_addr(), key(100 + i)).unwrap();
-            let i = 100 + i as u64;
-            thread::spawn(move || {
-                direct_exchange(Arc::from(s), direct_spec(i, true, 4 << 10, 16 << 10)).unwrap()
-            })
-        })
-        .collect();
-    for w in workers {
-        let r = w.join().unwrap();
+    for r in opened {
         assert!(r.sent > 0 && r.received > 0);
     }
-    acceptor.join().unwrap();
     assert_eq!(errors(&*a, "link_failed"), 0);
 }
 
@@ -527,8 +525,7 @@ fn placements_move_bytes_ring_to_ring_across_wraps_both_ways() {
 fn a_slow_reader_limits_placements_to_its_ring_space() {
     let opts = small_opts();
     let (a, b) = (start(&opts), start(&opts));
-    let sa = a.open(b.local_addr(), key(120)).unwrap();
-    let (_, sb) = b.accept().unwrap();
+    let (sa, (_, sb)) = open_and_accept(&a, &b, 120);
     let mut slow = direct_spec(7, false, 4 << 10, 4 << 10);
     slow.reader_delay = Duration::from_millis(2);
     slow.exchange.send_bytes = 0;
@@ -549,8 +546,7 @@ fn a_slow_reader_limits_placements_to_its_ring_space() {
 fn a_link_failure_mid_placement_ends_both_sides_with_an_error() {
     let opts = small_opts();
     let (a, b) = (start(&opts), start(&opts));
-    let sa = a.open(b.local_addr(), key(130)).unwrap();
-    let (_, sb) = b.accept().unwrap();
+    let (sa, (_, sb)) = open_and_accept(&a, &b, 130);
     let big = |opener: bool| {
         let mut s = direct_spec(9, opener, 4 << 10, 4 << 10);
         s.exchange.send_bytes = 50_000_000;
@@ -577,8 +573,7 @@ fn a_link_failure_mid_placement_ends_both_sides_with_an_error() {
 fn a_placement_outside_the_peer_ring_fails_the_link() {
     let opts = small_opts();
     let (a, b) = (start(&opts), start(&opts));
-    let sa = a.open(b.local_addr(), key(140)).unwrap();
-    let (_, sb) = b.accept().unwrap();
+    let (sa, (_, sb)) = open_and_accept(&a, &b, 140);
     let mut a_tx = vec![7u8; 8192];
     let mut a_rx = vec![0u8; 4096];
     let mut b_tx = vec![0u8; 4096];
@@ -649,10 +644,7 @@ fn a_placement_outside_the_peer_ring_fails_the_link() {
         b"xx",
     );
     eventually("the link failed", || errors(&*a, "link_failed") >= 1);
-    assert_eq!(
-        sb.recv(&mut buf).unwrap_err().kind(),
-        ErrorKind::ConnectionReset
-    );
+    assert_reset(sb.recv(&mut buf));
     assert_eq!(
         &b_rx[4096..],
         &[0u8; 4096][..],
