@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use flowlane_e2e::shm::{build_dir, preload_lib, run_ok, sh, sh_ok, Bg};
+use flowlane_e2e::shm::{build_dir, preload_lib, run_ok, sh, sh_ok, wait_listening, Bg, Pod};
 use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PEER_KILL, PYTHON, SEMANTICS};
 use flowlane_lane::client::DaemonClient;
 use flowlane_lane::proto::Stats;
@@ -31,13 +31,6 @@ const T: Duration = Duration::from_secs(120);
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-#[derive(Debug, Clone)]
-struct Pod {
-    netns: String,
-    ip: Ipv4Addr,
-    id: String,
 }
 
 struct Node {
@@ -124,7 +117,11 @@ impl Node {
             .as_str()
             .and_then(|a| a.split('/').next()?.parse().ok())
             .expect("pod IP in the CNI result");
-        self.pods.push(Pod { netns: ns, ip, id });
+        self.pods.push(Pod {
+            netns: ns,
+            ip,
+            container_id: id,
+        });
     }
 
     fn start_daemon(&mut self, nodes_file: &std::path::Path) {
@@ -199,6 +196,14 @@ impl Node {
         }
         c.args(argv);
         c
+    }
+
+    /// Starts the server `argv` in `pod` (see `cmd`) and waits until it
+    /// listens on `port`.
+    fn serve(&self, pod: &Pod, preload: bool, port: u16, argv: &[&str]) -> Bg {
+        let srv = Bg::spawn(self.cmd(pod, preload, argv));
+        wait_listening(pod, port);
+        srv
     }
 }
 
@@ -311,6 +316,12 @@ impl Cluster {
         c
     }
 
+    /// Node n0, node n1, and the first pod of each.
+    fn first_pods(&self) -> (&Node, &Node, &Pod, &Pod) {
+        let (n0, n1) = (&self.nodes[0], &self.nodes[1]);
+        (n0, n1, &n0.pods[0], &n1.pods[0])
+    }
+
     fn nodes_file(&self) -> PathBuf {
         self.dir.join("nodes.json")
     }
@@ -360,7 +371,7 @@ impl Drop for Cluster {
                 let _ = d.wait();
             }
             for p in std::mem::take(&mut node.pods) {
-                let _ = node.cni("DEL", &p.netns, &p.id);
+                let _ = node.cni("DEL", &p.netns, &p.container_id);
                 let _ = sh(&["ip", "netns", "del", &p.netns]);
             }
             let _ = sh(&["ip", "netns", "del", &node.netns]);
@@ -372,30 +383,6 @@ impl Drop for Cluster {
     }
 }
 
-/// Waits until something listens on `port` inside `pod`.
-fn wait_listening(pod: &Pod, port: u16) {
-    let t0 = Instant::now();
-    loop {
-        let o = sh(&[
-            "ip",
-            "netns",
-            "exec",
-            &pod.netns,
-            "ss",
-            "-Htln",
-            &format!("sport = :{port}"),
-        ]);
-        if !String::from_utf8_lossy(&o.stdout).trim().is_empty() {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "nothing listens on {port}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Runs echo clients from `cn`'s pod 0 to an echo server in `sn`'s pod 0:
 /// random write and read sizes, both directions at once, half-close, sha256
 /// of both directions checked by the client.
@@ -403,9 +390,10 @@ fn echo_across(c: &Cluster, cn: usize, sn: usize, port: u16, conns: usize, bytes
     let (client_node, server_node) = (&c.nodes[cn], &c.nodes[sn]);
     let server = &server_node.pods[0];
     let client = &client_node.pods[0];
-    let _srv = Bg::spawn(server_node.cmd(
+    let _srv = server_node.serve(
         server,
         true,
+        port,
         &[
             PYTHON,
             "-c",
@@ -413,8 +401,7 @@ fn echo_across(c: &Cluster, cn: usize, sn: usize, port: u16, conns: usize, bytes
             &port.to_string(),
             &conns.to_string(),
         ],
-    ));
-    wait_listening(server, port);
+    );
     let ip = server.ip.to_string();
     for seed in 0..conns {
         let out = run_ok(
@@ -538,15 +525,14 @@ fn a_forked_child_keeps_a_relayed_connection_after_its_parent_exits() {
     for zero_copy in [false, true] {
         let _g = serial();
         let c = Cluster::build(1, zero_copy);
-        let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
-        let (a, b) = (&n0.pods[0], &n1.pods[0]);
+        let (n0, n1, a, b) = c.first_pods();
         let port = 7591u16;
-        let _srv = Bg::spawn(n1.cmd(
+        let _srv = n1.serve(
             b,
             true,
+            port,
             &[PYTHON, "-c", ECHO_SERVER, &port.to_string(), "1"],
-        ));
-        wait_listening(b, port);
+        );
         let ip = b.ip.to_string();
         // The parent exits at once; wait for the child's output through a
         // file (the parent's exit closes nothing the child needs).
@@ -600,8 +586,7 @@ fn socket_semantics_hold_across_the_zero_copy_relay() {
 fn socket_semantics(zero_copy: bool) {
     let _g = serial();
     let c = Cluster::build(1, zero_copy);
-    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
-    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let (n0, n1, a, b) = c.first_pods();
     let ip = b.ip.to_string();
     let mut expected = 0;
     for (i, (case, conns)) in [
@@ -617,8 +602,12 @@ fn socket_semantics(zero_copy: bool) {
     {
         let port = 7581 + i as u16;
         let p = port.to_string();
-        let srv = Bg::spawn(n1.cmd(b, true, &[PYTHON, "-c", SEMANTICS, "server", &p, case]));
-        wait_listening(b, port);
+        let srv = n1.serve(
+            b,
+            true,
+            port,
+            &[PYTHON, "-c", SEMANTICS, "server", &p, case],
+        );
         let out = run_ok(
             n0.cmd(a, true, &[PYTHON, "-c", SEMANTICS, "client", &ip, &p, case]),
             T,
@@ -670,13 +659,17 @@ fn no_lane_on_the_peer_node_stays_on_tcp() {
 fn mixed_pairs_across_nodes_stay_on_tcp() {
     let _g = serial();
     let c = Cluster::new(1);
-    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
-    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let (n0, n1, a, b) = c.first_pods();
     let ip = b.ip.to_string();
     for (i, (client_lib, server_lib)) in [(false, true), (true, false)].into_iter().enumerate() {
-        let port = (7561 + i as u16).to_string();
-        let _srv = Bg::spawn(n1.cmd(b, server_lib, &[PYTHON, "-c", ECHO_SERVER, &port, "1"]));
-        wait_listening(b, 7561 + i as u16);
+        let port_n = 7561 + i as u16;
+        let port = port_n.to_string();
+        let _srv = n1.serve(
+            b,
+            server_lib,
+            port_n,
+            &[PYTHON, "-c", ECHO_SERVER, &port, "1"],
+        );
         let t0 = Instant::now();
         let out = run_ok(
             n0.cmd(
@@ -712,6 +705,34 @@ fn first_line(b: &mut Bg) -> String {
     line
 }
 
+/// PEER_KILL's server in n1's pod 0 and its client in n0's pod 0 on `port`,
+/// connected (each said so) and given time to be carried by the relay.
+fn peer_kill_pair(c: &Cluster, port: u16) -> (Bg, Bg) {
+    let (n0, n1, a, b) = c.first_pods();
+    let mut srv = n1.serve(
+        b,
+        true,
+        port,
+        &[PYTHON, "-c", PEER_KILL, "server", &port.to_string()],
+    );
+    let mut cli = Bg::spawn(n0.cmd(
+        a,
+        true,
+        &[
+            PYTHON,
+            "-c",
+            PEER_KILL,
+            "client",
+            &b.ip.to_string(),
+            &port.to_string(),
+        ],
+    ));
+    assert!(first_line(&mut cli).starts_with("connected"));
+    assert!(first_line(&mut srv).starts_with("accepted"));
+    std::thread::sleep(Duration::from_millis(500));
+    (srv, cli)
+}
+
 /// SIGKILL of either pod mid-stream: the other one sees an error or EOF
 /// within seconds, never a hang, and both daemons end the relayed
 /// connection.
@@ -728,31 +749,10 @@ fn peer_killed_mid_stream_over_the_zero_copy_relay_ends_the_other_side() {
 fn peer_killed(zero_copy: bool) {
     let _g = serial();
     let c = Cluster::build(1, zero_copy);
-    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
-    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let (n0, n1, a, b) = c.first_pods();
     for (round, kill_server) in [(0u16, true), (1, false)] {
         let port = 7521 + round;
-        let mut srv = Bg::spawn(n1.cmd(
-            b,
-            true,
-            &[PYTHON, "-c", PEER_KILL, "server", &port.to_string()],
-        ));
-        wait_listening(b, port);
-        let mut cli = Bg::spawn(n0.cmd(
-            a,
-            true,
-            &[
-                PYTHON,
-                "-c",
-                PEER_KILL,
-                "client",
-                &b.ip.to_string(),
-                &port.to_string(),
-            ],
-        ));
-        assert!(first_line(&mut cli).starts_with("connected"));
-        assert!(first_line(&mut srv).starts_with("accepted"));
-        std::thread::sleep(Duration::from_millis(500));
+        let (srv, cli) = peer_kill_pair(&c, port);
         // Both daemons list the carried connection (`flowlane status`), with
         // their own pod named and the other one remote.
         for (node, local_is_client) in [(n0, true), (n1, false)] {
@@ -809,34 +809,7 @@ fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
     let _g = serial();
     let mut c = Cluster::new(1);
     let port = 7571u16;
-    let mut srv = {
-        let (n1, b) = (&c.nodes[1], &c.nodes[1].pods[0]);
-        let srv = Bg::spawn(n1.cmd(
-            b,
-            true,
-            &[PYTHON, "-c", PEER_KILL, "server", &port.to_string()],
-        ));
-        wait_listening(b, port);
-        srv
-    };
-    let mut cli = {
-        let (n0, a, b) = (&c.nodes[0], &c.nodes[0].pods[0], &c.nodes[1].pods[0]);
-        Bg::spawn(n0.cmd(
-            a,
-            true,
-            &[
-                PYTHON,
-                "-c",
-                PEER_KILL,
-                "client",
-                &b.ip.to_string(),
-                &port.to_string(),
-            ],
-        ))
-    };
-    assert!(first_line(&mut cli).starts_with("connected"));
-    assert!(first_line(&mut srv).starts_with("accepted"));
-    std::thread::sleep(Duration::from_millis(500));
+    let (srv, cli) = peer_kill_pair(&c, port);
     assert_eq!(c.nodes[0].relay().0, 1, "{}", c.logs());
     let mut d = c.nodes[1].daemon.take().expect("daemon of n1");
     d.kill().unwrap();
@@ -875,8 +848,7 @@ fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
 fn iperf3_through_the_relay() {
     let _g = serial();
     let c = Cluster::new(1);
-    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
-    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let (n0, n1, a, b) = c.first_pods();
     let ip = b.ip.to_string();
     let mut figures = Vec::new();
     for (label, preload, extra) in [
@@ -885,8 +857,7 @@ fn iperf3_through_the_relay() {
         ("relay -R", true, Some("-R")),
         ("relay --bidir", true, Some("--bidir")),
     ] {
-        let _srv = Bg::spawn(n1.cmd(b, preload, &["iperf3", "-s", "-1", "-p", "7531"]));
-        wait_listening(b, 7531);
+        let _srv = n1.serve(b, preload, 7531, &["iperf3", "-s", "-1", "-p", "7531"]);
         let mut argv = vec!["iperf3", "-c", &ip, "-p", "7531", "-t", "3", "-J"];
         argv.extend(extra);
         let out = run_ok(n0.cmd(a, preload, &argv), T, "iperf3 client");
@@ -925,8 +896,7 @@ fn sockperf_p50(out: &str) -> Option<f64> {
 fn sockperf_epoll_ping_pong_through_the_relay() {
     let _g = serial();
     let c = Cluster::new(1);
-    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
-    let (a, b) = (&n0.pods[0], &n1.pods[0]);
+    let (n0, n1, a, b) = c.first_pods();
     let mut p50s = Vec::new();
     for (i, (label, preload)) in [("tcp", false), ("relay", true)].into_iter().enumerate() {
         let port = 7541 + i as u16;
@@ -934,8 +904,12 @@ fn sockperf_epoll_ping_pong_through_the_relay() {
         let feed = c.dir.join(format!("feed-{i}"));
         std::fs::write(&feed, format!("T:{}:{port}\n", b.ip)).unwrap();
         let feed = feed.to_str().unwrap();
-        let _srv = Bg::spawn(n1.cmd(b, preload, &["sockperf", "server", "-f", feed, "-F", "e"]));
-        wait_listening(b, port);
+        let _srv = n1.serve(
+            b,
+            preload,
+            port,
+            &["sockperf", "server", "-f", feed, "-F", "e"],
+        );
         let before = n0.relay().0;
         let out = run_ok(
             n0.cmd(
@@ -1012,15 +986,14 @@ fn an_idle_relayed_connection_costs_the_daemons_no_cpu() {
     for zero_copy in [false, true] {
         let _g = serial();
         let c = Cluster::build(1, zero_copy);
-        let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
-        let (a, b) = (&n0.pods[0], &n1.pods[0]);
+        let (n0, n1, a, b) = c.first_pods();
         let port = 7592u16;
-        let _srv = Bg::spawn(n1.cmd(
+        let _srv = n1.serve(
             b,
             true,
+            port,
             &[PYTHON, "-c", ECHO_SERVER, &port.to_string(), "1"],
-        ));
-        wait_listening(b, port);
+        );
         let ready = c.dir.join(format!("idle-{zero_copy}.ready"));
         let _cli = Bg::spawn(n0.cmd(
             a,
