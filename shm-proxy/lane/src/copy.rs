@@ -17,9 +17,10 @@
 //! detection). The reader then reads those lines from memory.
 //!
 //! When the two vCPUs sit close, half and half does better: every other
-//! line streamed, the others stored normally, 22-24 GB/s against 14-15 for
-//! all streamed (the cached half reaches the reader through the shared L3,
-//! and the two kinds of store use different buffers). Far apart, any
+//! 512-byte group of lines streamed, the others stored normally, 24-25 GB/s
+//! against 14-15 for all streamed (the cached half reaches the reader
+//! through the shared L3, and the two kinds of store use different
+//! buffers; see `MIXED_GROUP` for the group size). Far apart, any
 //! normal store stalls the copy on its take-over again: 2.5-3.6 GB/s for
 //! 1:1, 1:2 or 1:3 mixes. Where the host puts the vCPUs changes while a
 //! stream runs, so each ring's [`CopyTuner`] measures what the writer sees
@@ -44,6 +45,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// not co-aligned (see `copy_bytes`). Below glibc's `rep movsb` threshold
 /// (2112 bytes on CPUs with FSRM, more elsewhere).
 const PIECE: usize = 2048;
+
+/// `Mixed` alternates groups of this many lines (512 bytes): streamed,
+/// stored normally, streamed, ... Close together, 512-byte groups moved
+/// 24-25 GB/s against 21-23 for single lines, 23-24 for 1 KiB groups and
+/// 13-18 for 2 KiB groups (same runs, 2 GiB of 64 KiB messages each).
+const MIXED_GROUP: usize = 8;
 
 /// Copies into a ring of at least this many bytes use streaming stores.
 pub const STREAMING_MIN: usize = 4096;
@@ -91,7 +98,8 @@ pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, n: usize) {
 pub enum BulkStores {
     /// Every line streamed (non-temporal).
     Streaming,
-    /// Every other line streamed, the others stored normally.
+    /// Every other group of `MIXED_GROUP` lines streamed, the others
+    /// stored normally.
     Mixed,
 }
 
@@ -256,7 +264,8 @@ fn store_fence() {
 
 /// Head and tail with ordinary stores, the 64-byte-aligned middle of the
 /// destination line by line: streamed (16-byte streaming stores, unaligned
-/// loads), or for `Mixed` every odd line stored normally.
+/// loads), or for `Mixed` every other group of `MIXED_GROUP` lines stored
+/// normally.
 ///
 /// # Safety
 /// As `ptr::copy_nonoverlapping(src, dst, n)`.
@@ -280,7 +289,7 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, n: usize, way: BulkStores) {
         let (d, s) = (dst.add(lead), src.add(lead));
         for i in 0..lines {
             let o = i * 64;
-            if mixed && i % 2 == 1 {
+            if mixed && (i / MIXED_GROUP) % 2 == 1 {
                 ptr::copy_nonoverlapping(s.add(o), d.add(o), 64);
                 continue;
             }
