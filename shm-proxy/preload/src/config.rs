@@ -65,6 +65,16 @@ pub fn parse_size(s: &str) -> Option<usize> {
     num.trim().parse::<usize>().ok()?.checked_mul(mult)
 }
 
+/// An on/off setting: `Some(false)` for "", 0, false, no, off; `Some(true)`
+/// for 1, true, yes, on; `None` for anything else (the caller's choice).
+fn switch(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "false" | "no" | "off" => Some(false),
+        "1" | "true" | "yes" | "on" => Some(true),
+        _ => None,
+    }
+}
+
 fn parse_level(s: &str) -> u8 {
     match s.trim().to_ascii_lowercase().as_str() {
         "" | "0" | "off" | "none" => 0,
@@ -76,8 +86,7 @@ fn parse_level(s: &str) -> u8 {
 }
 
 fn read_env() -> Config {
-    let disabled =
-        env(c"FLOWLANE_DISABLE").is_some_and(|v| !matches!(v.trim(), "" | "0" | "false" | "no"));
+    let disabled = env(c"FLOWLANE_DISABLE").is_some_and(|v| switch(&v).unwrap_or(true));
     let ring_size = env(c"FLOWLANE_RING_SIZE")
         .and_then(|v| parse_size(&v))
         .unwrap_or(ring::DEFAULT_RING_SIZE)
@@ -95,8 +104,7 @@ fn read_env() -> Config {
         .and_then(|v| v.trim().parse::<i32>().ok())
         .unwrap_or(DEFAULT_WAIT_SLICE_MS)
         .clamp(1, 3_600_000);
-    let nt_stores = env(c"FLOWLANE_NT_STORES")
-        .is_none_or(|v| !matches!(v.trim(), "0" | "false" | "no" | "off"));
+    let nt_stores = env(c"FLOWLANE_NT_STORES").is_none_or(|v| switch(&v).unwrap_or(true));
     Config {
         disabled,
         ring_size,
@@ -119,6 +127,16 @@ mod tests {
         assert_eq!(parse_size("1m"), Some(1 << 20));
         assert_eq!(parse_size("x"), None);
         assert_eq!(parse_size(""), None);
+    }
+
+    #[test]
+    fn switches_parse() {
+        assert_eq!(switch("0"), Some(false));
+        assert_eq!(switch(" Off "), Some(false));
+        assert_eq!(switch(""), Some(false));
+        assert_eq!(switch("yes"), Some(true));
+        assert_eq!(switch("1"), Some(true));
+        assert_eq!(switch("maybe"), None);
     }
 
     #[test]
