@@ -57,20 +57,28 @@ unsafe fn buf_ref<'a>(buf: *const c_void, n: size_t) -> Option<&'a [u8]> {
     (!buf.is_null()).then(|| unsafe { std::slice::from_raw_parts(buf.cast(), n) })
 }
 
+/// The entries of an iovec array, or `None` for a count the kernel would
+/// refuse (or a null array with entries).
+///
 /// # Safety
-/// `iov` valid for `n` entries, each valid for its length.
-unsafe fn iov_mut<'a>(iov: *const iovec, n: c_int) -> Option<Vec<&'a mut [u8]>> {
+/// `iov` valid for `n` entries.
+unsafe fn iov_list<'a>(iov: *const iovec, n: c_int) -> Option<&'a [iovec]> {
     if !(0..=libc::UIO_MAXIOV).contains(&n) || (n > 0 && iov.is_null()) {
         return None;
     }
-    let list = if n == 0 {
-        &[][..]
-    } else {
-        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        unsafe { std::slice::from_raw_parts(iov, n as usize) }
-    };
-    // SAFETY: caller contract for each entry.
-    list.iter()
+    if n == 0 {
+        return Some(&[]);
+    }
+    // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+    Some(unsafe { std::slice::from_raw_parts(iov, n as usize) })
+}
+
+/// # Safety
+/// `iov` valid for `n` entries, each valid for its length.
+unsafe fn iov_mut<'a>(iov: *const iovec, n: c_int) -> Option<Vec<&'a mut [u8]>> {
+    // SAFETY: caller contract for the array and for each entry.
+    unsafe { iov_list(iov, n)? }
+        .iter()
         .map(|v| unsafe { buf_mut(v.iov_base, v.iov_len) })
         .collect()
 }
@@ -78,17 +86,9 @@ unsafe fn iov_mut<'a>(iov: *const iovec, n: c_int) -> Option<Vec<&'a mut [u8]>> 
 /// # Safety
 /// As `iov_mut`.
 unsafe fn iov_ref<'a>(iov: *const iovec, n: c_int) -> Option<Vec<IoSlice<'a>>> {
-    if !(0..=libc::UIO_MAXIOV).contains(&n) || (n > 0 && iov.is_null()) {
-        return None;
-    }
-    let list = if n == 0 {
-        &[][..]
-    } else {
-        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        unsafe { std::slice::from_raw_parts(iov, n as usize) }
-    };
-    // SAFETY: caller contract for each entry.
-    list.iter()
+    // SAFETY: caller contract for the array and for each entry.
+    unsafe { iov_list(iov, n)? }
+        .iter()
         .map(|v| unsafe { buf_ref(v.iov_base, v.iov_len) }.map(IoSlice::new))
         .collect()
 }
@@ -144,19 +144,39 @@ fn active(fd: c_int, flags: c_int) -> Option<Arc<Conn>> {
     }
 }
 
+/// The shape of the calls on a connection's fd: an fd the library never
+/// managed goes to the real function (`pass`) after one bit test; the rest
+/// runs under `guard`: the ring connection serves it (`ring`), or `pass`
+/// when the fd is (now) plain TCP. `flags` are the call's MSG_* flags (for
+/// `active`).
+#[inline(always)]
+fn dispatch<R: From<i8>>(
+    fd: c_int,
+    flags: c_int,
+    pass: impl Fn() -> R,
+    ring: impl FnOnce(&Conn) -> R,
+) -> R {
+    if !CONN_FDS.get(fd) {
+        return pass();
+    }
+    guard(|| match active(fd, flags) {
+        Some(c) => ring(&c),
+        None => pass(),
+    })
+}
+
 // ------------------------------------------------------------ data path
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        0,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::read(fd, buf, n) };
-    }
-    guard(|| match active(fd, 0) {
+        || unsafe { real::read(fd, buf, n) },
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        Some(c) => conn_recv1(&c, fd, unsafe { buf_mut(buf, n) }, 0),
-        None => unsafe { real::read(fd, buf, n) },
-    })
+        |c| conn_recv1(c, fd, unsafe { buf_mut(buf, n) }, 0),
+    )
 }
 
 #[no_mangle]
@@ -175,15 +195,14 @@ pub unsafe extern "C" fn __read_chk(
 
 #[no_mangle]
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        flags,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::recv(fd, buf, n, flags) };
-    }
-    guard(|| match active(fd, flags) {
+        || unsafe { real::recv(fd, buf, n, flags) },
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        Some(c) => conn_recv1(&c, fd, unsafe { buf_mut(buf, n) }, flags),
-        None => unsafe { real::recv(fd, buf, n, flags) },
-    })
+        |c| conn_recv1(c, fd, unsafe { buf_mut(buf, n) }, flags),
+    )
 }
 
 #[no_mangle]
@@ -210,24 +229,22 @@ pub unsafe extern "C" fn recvfrom(
     addr: *mut sockaddr,
     len: *mut socklen_t,
 ) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        flags,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::recvfrom(fd, buf, n, flags, addr, len) };
-    }
-    guard(|| match active(fd, flags) {
-        Some(c) => {
+        || unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
+        |c| {
             // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            let r = conn_recv1(&c, fd, unsafe { buf_mut(buf, n) }, flags);
+            let r = conn_recv1(c, fd, unsafe { buf_mut(buf, n) }, flags);
             if r >= 0 && !len.is_null() {
                 // TCP does not report a source address.
                 // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
                 unsafe { *len = 0 };
             }
             r
-        }
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        None => unsafe { real::recvfrom(fd, buf, n, flags, addr, len) },
-    })
+        },
+    )
 }
 
 #[no_mangle]
@@ -249,32 +266,30 @@ pub unsafe extern "C" fn __recvfrom_chk(
 
 #[no_mangle]
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        0,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::readv(fd, iov, n) };
-    }
-    guard(|| match active(fd, 0) {
+        || unsafe { real::readv(fd, iov, n) },
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        Some(c) => conn_recv(&c, fd, unsafe { iov_mut(iov, n) }, 0),
-        None => unsafe { real::readv(fd, iov, n) },
-    })
+        |c| conn_recv(c, fd, unsafe { iov_mut(iov, n) }, 0),
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        flags,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::recvmsg(fd, msg, flags) };
-    }
-    guard(|| match active(fd, flags) {
-        Some(c) => {
-            if msg.is_null() {
-                return efault();
-            }
+        || unsafe { real::recvmsg(fd, msg, flags) },
+        |c| {
             // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            let m = unsafe { &mut *msg };
+            let Some(m) = (unsafe { msg.as_mut() }) else {
+                return efault();
+            };
             let r = conn_recv(
-                &c,
+                c,
                 fd,
                 // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
                 unsafe { iov_mut(m.msg_iov, m.msg_iovlen as c_int) },
@@ -286,48 +301,32 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
                 m.msg_flags = 0;
             }
             r
-        }
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        None => unsafe { real::recvmsg(fd, msg, flags) },
-    })
+        },
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        0,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::write(fd, buf, n) };
-    }
-    guard(|| match active(fd, 0) {
-        Some(c) => conn_send1(
-            &c,
-            fd,
-            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            unsafe { buf_ref(buf, n) },
-            0,
-        ),
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        None => unsafe { real::write(fd, buf, n) },
-    })
+        || unsafe { real::write(fd, buf, n) },
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        |c| conn_send1(c, fd, unsafe { buf_ref(buf, n) }, 0),
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        flags,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::send(fd, buf, n, flags) };
-    }
-    guard(|| match active(fd, flags) {
-        Some(c) => conn_send1(
-            &c,
-            fd,
-            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            unsafe { buf_ref(buf, n) },
-            flags,
-        ),
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        None => unsafe { real::send(fd, buf, n, flags) },
-    })
+        || unsafe { real::send(fd, buf, n, flags) },
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        |c| conn_send1(c, fd, unsafe { buf_ref(buf, n) }, flags),
+    )
 }
 
 #[no_mangle]
@@ -339,61 +338,50 @@ pub unsafe extern "C" fn sendto(
     addr: *const sockaddr,
     len: socklen_t,
 ) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        flags,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::sendto(fd, buf, n, flags, addr, len) };
-    }
-    guard(|| match active(fd, flags) {
+        || unsafe { real::sendto(fd, buf, n, flags, addr, len) },
         // A connected TCP socket ignores the address.
-        Some(c) => conn_send1(
-            &c,
-            fd,
-            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            unsafe { buf_ref(buf, n) },
-            flags,
-        ),
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        None => unsafe { real::sendto(fd, buf, n, flags, addr, len) },
-    })
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        |c| conn_send1(c, fd, unsafe { buf_ref(buf, n) }, flags),
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        0,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::writev(fd, iov, n) };
-    }
-    guard(|| match active(fd, 0) {
+        || unsafe { real::writev(fd, iov, n) },
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        Some(c) => conn_send(&c, fd, unsafe { iov_ref(iov, n) }, 0),
-        None => unsafe { real::writev(fd, iov, n) },
-    })
+        |c| conn_send(c, fd, unsafe { iov_ref(iov, n) }, 0),
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        flags,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::sendmsg(fd, msg, flags) };
-    }
-    guard(|| match active(fd, flags) {
-        Some(c) => {
-            if msg.is_null() {
-                return efault();
-            }
+        || unsafe { real::sendmsg(fd, msg, flags) },
+        |c| {
             // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-            let m = unsafe { &*msg };
+            let Some(m) = (unsafe { msg.as_ref() }) else {
+                return efault();
+            };
             conn_send(
-                &c,
+                c,
                 fd,
                 // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
                 unsafe { iov_ref(m.msg_iov, m.msg_iovlen as c_int) },
                 flags,
             )
-        }
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        None => unsafe { real::sendmsg(fd, msg, flags) },
-    })
+        },
+    )
 }
 
 fn sendfile_any(out: c_int, inp: c_int, off: *mut off_t, n: size_t, large: bool) -> ssize_t {
@@ -405,20 +393,14 @@ fn sendfile_any(out: c_int, inp: c_int, off: *mut off_t, n: size_t, large: bool)
             real::sendfile(out, inp, off, n)
         }
     };
-    if !CONN_FDS.get(out) {
-        return pass();
-    }
-    guard(|| match active(out, 0) {
-        Some(c) => {
-            let off = if off.is_null() {
-                None
-            } else {
-                // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-                Some(unsafe { &mut *off })
-            };
-            ret(c.sendfile(out, inp, off, n), 0, true)
-        }
-        None => pass(),
+    dispatch(out, 0, pass, |c| {
+        let off = if off.is_null() {
+            None
+        } else {
+            // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+            Some(unsafe { &mut *off })
+        };
+        ret(c.sendfile(out, inp, off, n), 0, true)
     })
 }
 
@@ -659,22 +641,20 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
 
 #[no_mangle]
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
-    if !CONN_FDS.get(fd) {
+    dispatch(
+        fd,
+        0,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        return unsafe { real::shutdown(fd, how) };
-    }
-    guard(|| match active(fd, 0) {
-        Some(c) => {
+        || unsafe { real::shutdown(fd, how) },
+        |c| {
             if !matches!(how, libc::SHUT_RD | libc::SHUT_WR | libc::SHUT_RDWR) {
                 set_errno(libc::EINVAL);
                 return -1;
             }
             c.shutdown(fd, how);
             0
-        }
-        // SAFETY: forwards the caller's arguments unchanged (same C contract).
-        None => unsafe { real::shutdown(fd, how) },
-    })
+        },
+    )
 }
 
 /// `new` now refers to the same open file description as `old`.
