@@ -537,7 +537,11 @@ impl Producer {
         if pos != published {
             ctl.tail.0.store(pos, Ordering::Release);
         }
-        (pos - start) as usize
+        let wrote = (pos - start) as usize;
+        if wrote < want {
+            self.tuner.ring_full();
+        }
+        wrote
     }
 
     /// Copies `len` bytes produced by `fill` (which writes into the given
