@@ -55,6 +55,39 @@ pub fn sh_ok(args: &[&str]) {
     );
 }
 
+/// A fresh network namespace `ns` (one left by an earlier run is deleted
+/// first) with its loopback up.
+pub fn fresh_netns(ns: &str) {
+    let _ = sh(&["ip", "netns", "del", ns]);
+    sh_ok(&["ip", "netns", "add", ns]);
+    sh_ok(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+}
+
+/// Runs the CNI plugin as a runtime does: `plugin` (the `flowlane` binary,
+/// or a command that runs it, e.g. inside a node's namespace) gets
+/// `command` for container `id` in the pod namespace `pod_ns` (interface
+/// eth0) and the network configuration `conf` on its stdin.
+pub fn run_cni(
+    mut plugin: Command,
+    conf: &str,
+    command: &str,
+    pod_ns: &str,
+    id: &str,
+) -> std::io::Result<std::process::Output> {
+    let mut child = plugin
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", id)
+        .env("CNI_NETNS", format!("/var/run/netns/{pod_ns}"))
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/usr/lib/cni")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    child.stdin.take().unwrap().write_all(conf.as_bytes())?;
+    child.wait_with_output()
+}
+
 /// A pod: a named network namespace with one address on the node's bridge.
 #[derive(Debug, Clone)]
 pub struct Pod {
@@ -159,29 +192,12 @@ impl Node {
     }
 
     fn cni(&self, command: &str, pod_ns: &str, id: &str) -> std::io::Result<std::process::Output> {
-        let plugin = build_dir().join("flowlane");
-        let mut child = Command::new(&plugin)
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", id)
-            .env("CNI_NETNS", format!("/var/run/netns/{pod_ns}"))
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", "/usr/lib/cni")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(self.cni_conf().as_bytes())?;
-        child.wait_with_output()
+        let plugin = Command::new(build_dir().join("flowlane"));
+        run_cni(plugin, &self.cni_conf(), command, pod_ns, id)
     }
 
     fn add_pod(&mut self, ns: &str) -> Pod {
-        let _ = sh(&["ip", "netns", "del", ns]);
-        sh_ok(&["ip", "netns", "add", ns]);
-        sh_ok(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        fresh_netns(ns);
         let id = format!("{ns}-{}", std::process::id());
         // The real plugin, exactly as a runtime runs it.
         if let Ok(out) = self.cni("ADD", ns, &id) {

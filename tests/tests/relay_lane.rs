@@ -13,12 +13,14 @@
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use flowlane_e2e::shm::{build_dir, preload_lib, run_ok, sh, sh_ok, wait_listening, Bg, Pod};
+use flowlane_e2e::shm::{
+    build_dir, fresh_netns, preload_lib, run_cni, run_ok, sh, sh_ok, wait_listening, Bg, Pod,
+};
 use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PEER_KILL, PYTHON, SEMANTICS};
 use flowlane_lane::client::DaemonClient;
 use flowlane_lane::proto::Stats;
@@ -76,34 +78,16 @@ impl Node {
 
     /// The real plugin, run inside the node's namespace as a runtime would.
     fn cni(&self, command: &str, pod_ns: &str, id: &str) -> std::process::Output {
-        use std::io::Write;
-        let mut child = Command::new("ip")
+        let mut plugin = Command::new("ip");
+        plugin
             .args(["netns", "exec", &self.netns])
-            .arg(build_dir().join("flowlane"))
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", id)
-            .env("CNI_NETNS", format!("/var/run/netns/{pod_ns}"))
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", "/usr/lib/cni")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run flowlane");
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(self.cni_conf().as_bytes())
-            .unwrap();
-        child.wait_with_output().unwrap()
+            .arg(build_dir().join("flowlane"));
+        run_cni(plugin, &self.cni_conf(), command, pod_ns, id).expect("run flowlane")
     }
 
     fn add_pod(&mut self) {
         let ns = format!("{}p{}", self.netns, self.pods.len());
-        let _ = sh(&["ip", "netns", "del", &ns]);
-        sh_ok(&["ip", "netns", "add", &ns]);
-        sh_ok(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+        fresh_netns(&ns);
         let id = format!("{ns}-{}", std::process::id());
         let out = self.cni("ADD", &ns, &id);
         assert!(
@@ -236,9 +220,7 @@ impl Cluster {
         };
         for i in 0..2u8 {
             let netns = format!("rr{tag}n{i}");
-            let _ = sh(&["ip", "netns", "del", &netns]);
-            sh_ok(&["ip", "netns", "add", &netns]);
-            sh_ok(&["ip", "-n", &netns, "link", "set", "lo", "up"]);
+            fresh_netns(&netns);
             sh_ok(&[
                 "ip",
                 "netns",
