@@ -21,14 +21,24 @@ fn iperf3_over_shared_memory() {
     let _g = heavy();
     let node = Node::new("ipf", 2);
     let (client, server) = (&node.pods[0], &node.pods[1]);
-    let _srv = Bg::spawn(node.cmd(server, true, &["iperf3", "-s", "-p", "5201"]));
-    wait_listening(server, 5201);
     let ip = server.ip.to_string();
     let mut opened = node.shm_opened();
     for extra in [&[][..], &["-R"][..], &["-P", "4"][..]] {
+        // A server per run (--one-off): a long-running `iperf3 -s` closes
+        // its listening socket after each test and opens a new one, so a
+        // client started right after the previous run ended could be
+        // refused (seen once under load: the -P 4 run got "Connection
+        // refused").
+        let srv = Bg::spawn(node.cmd(server, true, &["iperf3", "-s", "-1", "-p", "5201"]));
+        wait_listening(server, 5201);
         let mut argv = vec!["iperf3", "-c", &ip, "-p", "5201", "-t", "3", "--json"];
         argv.extend_from_slice(extra);
         let out = run_ok(node.cmd(client, true, &argv), T, "iperf3 client");
+        let (st, sout, serr) = srv.finish(T);
+        assert!(
+            st.is_some_and(|s| s.success()),
+            "iperf3 server {extra:?}: {sout} {serr}"
+        );
         let gbps = iperf3_json_gbps(&out);
         eprintln!("iperf3 {extra:?} over shm: {gbps:.1} Gbit/s");
         assert!(gbps > 0.0, "iperf3 moved nothing: {out}");
