@@ -774,6 +774,18 @@ impl Broker {
         Response::Ok.into()
     }
 
+    /// The answer to intent `channel_id` could not be sent: its client
+    /// gave up waiting (the library's 500 ms budget) and closed the
+    /// connection, so it runs that TCP connection without the ring. A
+    /// server claiming the channel would attach to a ring nobody writes
+    /// and read the client's bytes as doorbells: drop it, and the claim
+    /// keeps both ends on TCP.
+    pub fn intent_undelivered(&mut self, channel_id: u64) {
+        if let Some(&key) = self.pending_ids.get(&channel_id) {
+            self.drop_pending(key, reason::INTENT_UNDELIVERED);
+        }
+    }
+
     fn claim_accepted(&mut self, caller: &Caller, local: SocketAddr, peer: SocketAddr) -> Answer {
         let pod = match self.caller_pod(caller) {
             Ok(p) => p,

@@ -72,6 +72,9 @@ pub mod reason {
     pub const INTENT_EXPIRED: &str = "intent-expired";
     /// The client's connect failed after the intent.
     pub const INTENT_CANCELLED: &str = "intent-cancelled";
+    /// The answer to an intent could not be sent: the client had stopped
+    /// waiting for it (see `Broker::intent_undelivered`).
+    pub const INTENT_UNDELIVERED: &str = "intent-undelivered";
     /// The caller was not allowed (unknown pod, foreign address).
     pub const AUTH_FAILED: &str = "auth-failed";
     /// The requested region exceeded the daemon's bound.

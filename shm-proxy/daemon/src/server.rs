@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use flowlane_lane::proto::{self, ErrorCode, Response};
+use flowlane_lane::proto::{self, ErrorCode, Request, Response};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
@@ -237,6 +237,7 @@ async fn serve_client(
                 return;
             }
         };
+        let mut intent = false;
         let answer = match proto::decode_request(&body) {
             Ok(_) if !still_the_caller(&caller) => {
                 // The identity was read when the client connected; clients
@@ -259,6 +260,10 @@ async fn serve_client(
             }
             Ok(req) => {
                 tracing::trace!(op = req.op_name(), "request");
+                intent = matches!(
+                    req,
+                    Request::ConnectIntent { .. } | Request::RelayableIntent { .. }
+                );
                 match relay.as_ref().filter(|r| r.takes(&req)) {
                     // Cross-node set-ups block (lane open, handshake with
                     // the peer daemon): off the runtime's thread.
@@ -278,8 +283,15 @@ async fn serve_client(
                 Response::error(ErrorCode::BadRequest, e.to_string()).into()
             }
         };
+        let announced = match answer.response {
+            Response::Channel { id, .. } if intent => Some(id),
+            _ => None,
+        };
         if let Err(e) = send_answer(&mut stream, answer).await {
             tracing::debug!(error = %e, "cannot answer a client");
+            if let Some(id) = announced {
+                shared.lock().intent_undelivered(id);
+            }
             return;
         }
     }
@@ -384,5 +396,92 @@ mod tests {
         assert!(!still_the_caller(&caller(netns, Some(gone))));
         // Unidentified callers stay unidentified (the broker refuses them).
         assert!(still_the_caller(&caller(None, None)));
+    }
+
+    /// A client that stopped waiting for its intent's answer (the library
+    /// gives a request 500 ms, then keeps the connection on TCP) must not
+    /// leave a channel behind that the server would claim and attach to.
+    #[test]
+    fn an_intent_whose_answer_cannot_be_sent_is_dropped() {
+        use crate::broker::{DaemonFacts, Limits};
+        use flowlane_lane::client::DaemonClient;
+        use flowlane_registry::{Attachment, Registry};
+        use std::io::Write;
+        use std::net::SocketAddr;
+        use std::time::Instant;
+
+        let dir = std::env::temp_dir().join(format!("fld-server-{}-late", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // One pod: the test's own namespace, with a client and a server IP.
+        Registry::new(&dir)
+            .put(&Attachment {
+                network: "n".into(),
+                container_id: "c1".into(),
+                ifname: "eth0".into(),
+                netns: String::new(),
+                netns_inode: crate::identity::own_netns_inode().unwrap(),
+                ips: vec!["10.202.9.1/24".into(), "10.202.9.2/24".into()],
+                mac: String::new(),
+                pod_namespace: Some("default".into()),
+                pod_name: Some("pod1".into()),
+                pod_uid: None,
+                created_unix: 0,
+            })
+            .unwrap();
+        let socket = dir.join("d.sock");
+        let facts = DaemonFacts {
+            state_dir: dir.clone(),
+            socket: socket.clone(),
+        };
+        let shared = Shared::new(Broker::new(facts, Limits::default()));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = {
+            let _in_rt = rt.enter();
+            bind(&socket).unwrap()
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let view = shared.clone();
+        let daemon = rt.spawn(serve(listener, socket.clone(), shared, None, async {
+            let _ = stopped.await;
+        }));
+
+        let server: SocketAddr = "10.202.9.2:80".parse().unwrap();
+        let client: SocketAddr = "10.202.9.1:5000".parse().unwrap();
+        let mut d = DaemonClient::connect(&socket, Duration::from_secs(10)).unwrap();
+        d.register_listener(server).unwrap();
+        // The client's connection reads nothing more (what a client that
+        // gave up and closed it looks like to the daemon's send).
+        let late = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        late.shutdown(std::net::Shutdown::Read).unwrap();
+        let intent = Request::ConnectIntent {
+            src: client,
+            dst: server,
+            region_len: 8192,
+        };
+        (&late)
+            .write_all(&proto::encode_frame(&intent, proto::MAX_REQUEST_FRAME).unwrap())
+            .unwrap();
+        let t0 = Instant::now();
+        loop {
+            // (Stats are a node request: read from the broker itself.)
+            let st = view.lock().stats();
+            if st.fallbacks.get("intent-undelivered") == Some(&1) {
+                assert_eq!(st.lanes["shm"].channels_pending, 0, "{st:?}");
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "{st:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The server's claim finds no channel: both ends stay on TCP.
+        assert!(d.claim_accepted(server, client).unwrap().is_none());
+        drop(late);
+        drop(d);
+        let _ = stop.send(());
+        rt.block_on(daemon).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
