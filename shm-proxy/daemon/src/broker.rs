@@ -1269,23 +1269,9 @@ mod tests {
         s.parse().unwrap()
     }
 
-    /// A TCP socket of the test's namespace bound to 0.0.0.0:`port` (0: any)
-    /// with SO_REUSEPORT only, not listening.
+    /// A TCP socket bound to 0.0.0.0:`port` (0: any), SO_REUSEPORT, not listening.
     fn bound_socket(port: u16) -> (std::os::fd::OwnedFd, u16) {
-        use nix::sys::socket::{bind, getsockname, setsockopt, socket, sockopt};
-        use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn};
-        use std::os::fd::AsRawFd;
-        let fd = socket(
-            AddressFamily::Inet,
-            SockType::Stream,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .unwrap();
-        setsockopt(&fd, sockopt::ReusePort, &true).unwrap();
-        bind(fd.as_raw_fd(), &SockaddrIn::new(0, 0, 0, 0, port)).unwrap();
-        let port = getsockname::<SockaddrIn>(fd.as_raw_fd()).unwrap().port();
-        (fd, port)
+        crate::sockets::tests::bound_socket([0, 0, 0, 0], port)
     }
 
     /// A port that no socket without SO_REUSEPORT can bind, so no other

@@ -47,7 +47,7 @@ fn table_listens_on(table: &str, port: u16) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -62,8 +62,11 @@ mod tests {
         assert!(!table_listens_on("garbage\nmore garbage", 80));
     }
 
-    /// A TCP socket bound to 127.0.0.1:`port` (0: any) with SO_REUSEPORT.
-    fn bound_socket(port: u16) -> (std::os::fd::OwnedFd, u16) {
+    /// A TCP socket of the test's namespace bound to `ip`:`port` (0: any)
+    /// with SO_REUSEPORT only, not listening: while it lives, no socket
+    /// without SO_REUSEPORT (another test's bind(0) listener) can take the
+    /// port. Also used by the broker's tests.
+    pub(crate) fn bound_socket(ip: [u8; 4], port: u16) -> (std::os::fd::OwnedFd, u16) {
         use nix::sys::socket::{bind, getsockname, setsockopt, socket, sockopt};
         use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn};
         use std::os::fd::AsRawFd;
@@ -75,7 +78,8 @@ mod tests {
         )
         .unwrap();
         setsockopt(&fd, sockopt::ReusePort, &true).unwrap();
-        bind(fd.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port)).unwrap();
+        let [a, b, c, d] = ip;
+        bind(fd.as_raw_fd(), &SockaddrIn::new(a, b, c, d, port)).unwrap();
         let port = getsockname::<SockaddrIn>(fd.as_raw_fd()).unwrap().port();
         (fd, port)
     }
@@ -86,8 +90,8 @@ mod tests {
         // The port stays bound (not listening) by `_reserved` after the
         // listener closes: a port freed by closing could go to another
         // test's bind(0) listener before the second look.
-        let (_reserved, port) = bound_socket(0);
-        let (l, _) = bound_socket(port);
+        let (_reserved, port) = bound_socket([127, 0, 0, 1], 0);
+        let (l, _) = bound_socket([127, 0, 0, 1], port);
         listen(&l, Backlog::new(16).unwrap()).unwrap();
         assert!(netns_listens_on(std::process::id(), port).unwrap());
         drop(l);
