@@ -234,30 +234,8 @@ pub unsafe fn poll(
     timeout_ms: c_int,
     mask: Option<*const sigset_t>,
 ) -> c_int {
-    let pass = || {
-        // SAFETY: forwarded caller contract.
-        unsafe {
-            match mask {
-                Some(m) => {
-                    let ts = libc::timespec {
-                        tv_sec: (timeout_ms / 1000) as _,
-                        tv_nsec: ((timeout_ms % 1000) as i64 * 1_000_000) as _,
-                    };
-                    real::ppoll(
-                        fds,
-                        n,
-                        if timeout_ms < 0 {
-                            std::ptr::null()
-                        } else {
-                            &ts
-                        },
-                        m,
-                    )
-                }
-                None => real::poll(fds, n, timeout_ms),
-            }
-        }
-    };
+    // SAFETY: forwarded caller contract.
+    let pass = || unsafe { real_poll(fds, n, timeout_ms, mask) };
     if state::LIVE.load(Ordering::Relaxed) == 0 || fds.is_null() || n == 0 {
         return pass();
     }
@@ -922,8 +900,22 @@ pub unsafe fn epoll_wait(
 /// The real `poll` (or `ppoll` with `mask`, as the application asked) on
 /// `fds` for `ms` milliseconds (negative: no timeout).
 fn kernel_poll(fds: &mut [pollfd], ms: c_int, mask: Option<*const sigset_t>) -> c_int {
-    // SAFETY: `fds` is a valid pollfd array of its length; `mask` is the
-    // application's signal set, passed through as it gave it.
+    // SAFETY: `fds` is a valid pollfd array of its length.
+    unsafe { real_poll(fds.as_mut_ptr(), fds.len() as _, ms, mask) }
+}
+
+/// `kernel_poll` on a raw array (the application's, passed through).
+///
+/// # Safety
+/// `fds` must point to `n` valid pollfds; `mask` is the application's
+/// signal set, passed on as it gave it.
+unsafe fn real_poll(
+    fds: *mut pollfd,
+    n: libc::nfds_t,
+    ms: c_int,
+    mask: Option<*const sigset_t>,
+) -> c_int {
+    // SAFETY: caller contract.
     unsafe {
         match mask {
             Some(m) => {
@@ -931,14 +923,9 @@ fn kernel_poll(fds: &mut [pollfd], ms: c_int, mask: Option<*const sigset_t>) -> 
                     tv_sec: (ms / 1000) as _,
                     tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _,
                 };
-                real::ppoll(
-                    fds.as_mut_ptr(),
-                    fds.len() as _,
-                    if ms < 0 { std::ptr::null() } else { &ts },
-                    m,
-                )
+                real::ppoll(fds, n, if ms < 0 { std::ptr::null() } else { &ts }, m)
             }
-            None => real::poll(fds.as_mut_ptr(), fds.len() as _, ms),
+            None => real::poll(fds, n, ms),
         }
     }
 }
