@@ -571,10 +571,10 @@ impl Producer {
     unsafe fn copy_in(&mut self, pos: u64, src: &[u8]) {
         let off = (pos as usize) & (self.ring.size - 1);
         let first = src.len().min(self.ring.size - off);
-        // SAFETY: both ranges lie inside the data area; the caller guarantees
-        // the consumer does not access them until `tail` is published.
-        // Each copy that streams ends with its own fence (see `copy`).
         let (data, tuner) = (self.ring.data, &mut self.tuner);
+        // SAFETY: both ranges lie inside the data area; the caller guarantees
+        // the consumer does not access them until `tail` is published (each
+        // copy that streams ends with its own fence, see `copy`).
         unsafe {
             copy_to_ring(data.add(off), src.as_ptr(), first, tuner);
             copy_to_ring(data, src.as_ptr().add(first), src.len() - first, tuner);

@@ -79,6 +79,7 @@ unsafe fn iov_mut<'a>(iov: *const iovec, n: c_int) -> Option<Vec<&'a mut [u8]>> 
     // SAFETY: caller contract for the array and for each entry.
     unsafe { iov_list(iov, n)? }
         .iter()
+        // SAFETY: each entry of the caller's array describes its buffer (caller contract).
         .map(|v| unsafe { buf_mut(v.iov_base, v.iov_len) })
         .collect()
 }
@@ -89,6 +90,7 @@ unsafe fn iov_ref<'a>(iov: *const iovec, n: c_int) -> Option<Vec<IoSlice<'a>>> {
     // SAFETY: caller contract for the array and for each entry.
     unsafe { iov_list(iov, n)? }
         .iter()
+        // SAFETY: each entry of the caller's array describes its buffer (caller contract).
         .map(|v| unsafe { buf_ref(v.iov_base, v.iov_len) }.map(IoSlice::new))
         .collect()
 }
@@ -190,6 +192,7 @@ pub unsafe extern "C" fn __read_chk(
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::__read_chk(fd, buf, n, buflen) };
     }
+    // SAFETY: the caller's arguments, checked against buflen above.
     unsafe { read(fd, buf, n) }
 }
 
@@ -217,6 +220,7 @@ pub unsafe extern "C" fn __recv_chk(
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::__recv_chk(fd, buf, n, buflen, flags) };
     }
+    // SAFETY: the caller's arguments, checked against buflen above.
     unsafe { recv(fd, buf, n, flags) }
 }
 
@@ -261,6 +265,7 @@ pub unsafe extern "C" fn __recvfrom_chk(
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::__recvfrom_chk(fd, buf, n, buflen, flags, addr, len) };
     }
+    // SAFETY: the caller's arguments, checked against buflen above.
     unsafe { recvfrom(fd, buf, n, flags, addr, len) }
 }
 
@@ -436,6 +441,7 @@ pub unsafe extern "C" fn splice(
             let off = if off_in.is_null() {
                 None
             } else {
+                // SAFETY: non-null: the caller's offset (see above).
                 Some(unsafe { &mut *off_in })
             };
             return ret(c.sendfile(fd_out, fd_in, off, len), 0, true);
@@ -500,6 +506,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
         let intent =
             // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
             unsafe { setup::decode(addr, len) }.and_then(|dst| setup::client_intent(fd, dst));
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         let r = unsafe { real::connect(fd, addr, len) };
         let e = errno();
         if let Some(i) = intent {
@@ -921,6 +928,7 @@ pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: 
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::poll(fds, n, timeout) };
     }
+    // SAFETY: the caller's pollfd array of n entries (same C contract).
     guard(|| unsafe { wait::poll(fds, n, timeout, None) })
 }
 
@@ -935,6 +943,7 @@ pub unsafe extern "C" fn __poll_chk(
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::__poll_chk(fds, n, timeout, fdslen) };
     }
+    // SAFETY: the caller's arguments, checked against fdslen above.
     unsafe { poll(fds, n, timeout) }
 }
 
@@ -949,6 +958,7 @@ pub unsafe extern "C" fn ppoll(
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         return unsafe { real::ppoll(fds, n, ts, mask) };
     }
+    // SAFETY: the caller's pollfd array of n entries (same C contract).
     guard(|| unsafe { wait::poll(fds, n, ts_ms(ts), Some(mask)) })
 }
 
@@ -975,6 +985,7 @@ pub unsafe extern "C" fn select(
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         match unsafe { wait::select(n, r, w, e, ms, None) } {
             Some(rc) => rc,
+            // SAFETY: forwards the caller's arguments unchanged (same C contract).
             None => unsafe { real::select(n, r, w, e, tv) },
         }
     })
@@ -997,6 +1008,7 @@ pub unsafe extern "C" fn pselect(
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         || match unsafe { wait::select(n, r, w, e, ts_ms(ts), Some(mask)) } {
             Some(rc) => rc,
+            // SAFETY: forwards the caller's arguments unchanged (same C contract).
             None => unsafe { real::pselect(n, r, w, e, ts, mask) },
         },
     )
@@ -1020,6 +1032,7 @@ pub unsafe extern "C" fn epoll_ctl(
     guard(|| match state::conn(fd) {
         // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
         Some(c) => unsafe { wait::epoll_ctl_conn(epfd, op, fd, ev, c) },
+        // SAFETY: forwards the caller's arguments unchanged (same C contract).
         None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },
     })
 }
