@@ -53,7 +53,7 @@ const PIECE: usize = 2048;
 const MIXED_GROUP: usize = 8;
 
 /// Copies into a ring of at least this many bytes use streaming stores.
-pub const STREAMING_MIN: usize = 4096;
+const STREAMING_MIN: usize = 4096;
 
 static STREAMING: AtomicBool = AtomicBool::new(true);
 
@@ -63,7 +63,7 @@ pub fn set_streaming_stores(on: bool) {
 }
 
 /// Whether bulk copies into rings use streaming stores.
-pub fn streaming_stores() -> bool {
+fn streaming_stores() -> bool {
     cfg!(target_arch = "x86_64") && STREAMING.load(Ordering::Relaxed)
 }
 
@@ -95,7 +95,7 @@ pub unsafe fn copy_bytes(dst: *mut u8, src: *const u8, n: usize) {
 
 /// How a bulk copy into a ring stores its lines (see the module comment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BulkStores {
+enum BulkStores {
     /// Every line streamed (non-temporal).
     Streaming,
     /// Every other group of `MIXED_GROUP` lines streamed, the others
@@ -146,7 +146,7 @@ enum Phase {
 /// does not count, so a bursty writer is judged on its bursts. Now and
 /// then it runs two windows the other way; a clear gain (> 13%) switches.
 #[derive(Debug)]
-pub struct CopyTuner {
+pub(crate) struct CopyTuner {
     current: BulkStores,
     phase: Phase,
     /// Windows between explorations now.
@@ -162,15 +162,9 @@ pub struct CopyTuner {
     blocked: bool,
 }
 
-impl Default for CopyTuner {
-    fn default() -> Self {
-        CopyTuner::new()
-    }
-}
-
 impl CopyTuner {
     /// Starts streaming: the way that is never slow on this VM.
-    pub const fn new() -> CopyTuner {
+    pub(crate) const fn new() -> CopyTuner {
         CopyTuner {
             current: BulkStores::Streaming,
             phase: Phase::Settled(FIRST_GAP),
@@ -183,14 +177,9 @@ impl CopyTuner {
         }
     }
 
-    /// The way bulk copies store now.
-    pub fn current(&self) -> BulkStores {
-        self.current
-    }
-
     /// The producer's write stopped because the ring was full: until the
     /// next copy, the writer waits for the reader.
-    pub fn ring_full(&mut self) {
+    pub(crate) fn ring_full(&mut self) {
         self.blocked = true;
     }
 
@@ -244,7 +233,7 @@ impl CopyTuner {
 ///
 /// # Safety
 /// As `ptr::copy_nonoverlapping(src, dst, n)`.
-pub unsafe fn copy_to_ring(dst: *mut u8, src: *const u8, n: usize, tuner: &mut CopyTuner) {
+pub(crate) unsafe fn copy_to_ring(dst: *mut u8, src: *const u8, n: usize, tuner: &mut CopyTuner) {
     #[cfg(target_arch = "x86_64")]
     if n >= STREAMING_MIN && streaming_stores() {
         let start = tsc();
@@ -408,7 +397,7 @@ mod tests {
         ) -> Vec<BulkStores> {
             let mut ways = Vec::new();
             for _ in 0..windows * (WINDOW / (64 << 10)) {
-                let way = self.tuner.current();
+                let way = self.tuner.current;
                 ways.push(way);
                 let (copy, wait) = cost(way);
                 let start = self.clock;
@@ -451,21 +440,21 @@ mod tests {
     #[test]
     fn the_tuner_finds_the_cheaper_way_and_follows_a_change() {
         let mut sim = Sim::new();
-        assert_eq!(sim.tuner.current(), BulkStores::Streaming);
+        assert_eq!(sim.tuner.current, BulkStores::Streaming);
         // Close: mixed is tried after the first windows and kept (its
         // copies cost more; the waits for room it saves count).
         sim.run(u64::from(FIRST_GAP) + 3, close);
-        assert_eq!(sim.tuner.current(), BulkStores::Mixed);
+        assert_eq!(sim.tuner.current, BulkStores::Mixed);
         // Explorations of streaming fail and back off (gap doubles).
         let ways = sim.run(u64::from(MIN_GAP) * 8, close);
         let tries = ways.windows(2).filter(|w| w[0] != w[1]).count() / 2;
         assert!((2..=4).contains(&tries), "explored {tries} times");
-        assert_eq!(sim.tuner.current(), BulkStores::Mixed);
+        assert_eq!(sim.tuner.current, BulkStores::Mixed);
         assert!(sim.tuner.gap > MIN_GAP);
         // The vCPUs move apart: mixed is 8x dearer; the next exploration
         // finds streaming cheaper and keeps it.
         sim.run(u64::from(sim.tuner.gap) + 3, far);
-        assert_eq!(sim.tuner.current(), BulkStores::Streaming);
+        assert_eq!(sim.tuner.current, BulkStores::Streaming);
         assert_eq!(sim.tuner.gap, MIN_GAP);
         let ways = sim.run(u64::from(MIN_GAP) * 4, far);
         let mixed = ways.iter().filter(|w| **w == BulkStores::Mixed).count();
@@ -491,7 +480,7 @@ mod tests {
             sim.clock += 10_000_000_000;
         }
         sim.run(2, far);
-        assert_eq!(sim.tuner.current(), BulkStores::Streaming);
+        assert_eq!(sim.tuner.current, BulkStores::Streaming);
         assert_eq!(sim.tuner.gap, MIN_GAP * 2, "the exploration did not pay");
     }
 
