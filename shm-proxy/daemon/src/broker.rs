@@ -1276,10 +1276,9 @@ mod tests {
 
     /// A port that no socket without SO_REUSEPORT can bind, so no other
     /// test's listener takes it, while the returned socket (bound, never
-    /// listening) lives. A
-    /// port taken from a listener that was closed again can be handed to a
-    /// concurrent test's bind(0) and be listening at the next sweep (1 in
-    /// ~5700 pairs of binds here).
+    /// listening) lives. A port taken from a listener that was closed again
+    /// can be handed to a concurrent test's bind(0) and be listening at the
+    /// next sweep (1 in ~5700 pairs of binds here).
     fn reserved_port() -> (std::os::fd::OwnedFd, u16) {
         bound_socket(0)
     }
