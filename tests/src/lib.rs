@@ -5,6 +5,7 @@
 //! object a test creates is owned by a guard whose `Drop` removes it, so a
 //! failing (panicking) test still leaves the machine clean.
 
+pub mod attack_scripts;
 pub mod binaries;
 pub mod cni;
 pub mod cri;

@@ -1537,7 +1537,7 @@ mod tests {
     #[test]
     fn live_bytes_come_from_the_rings_and_closed_rings_close_the_connection() {
         use flowlane_lane::ring::{self, Side};
-        use std::os::fd::AsRawFd;
+        use std::os::fd::AsFd;
         let mut n = node("live", Limits::default());
         let b = &mut n.broker;
         b.handle(
@@ -1566,21 +1566,9 @@ mod tests {
             },
         );
         let fd = s.fd.unwrap();
-        // SAFETY: shared mapping of the whole region, unmapped below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
-        // SAFETY: `base` maps `len` bytes while these are used.
-        let (mut ctx, _) = unsafe { ring::endpoints(base.cast(), len, Side::Client) }.unwrap();
-        let (mut stx, _) = unsafe { ring::endpoints(base.cast(), len, Side::Server) }.unwrap();
+        let region = flowlane_lane::region::Region::map_memfd(fd.as_fd(), len).unwrap();
+        let (mut ctx, _) = region.endpoints(Side::Client);
+        let (mut stx, _) = region.endpoints(Side::Server);
         ctx.write(&[1u8; 5000]);
         stx.write(&[2u8; 70]);
         let st = b.stats();
@@ -1603,8 +1591,6 @@ mod tests {
             },
         );
         assert_eq!(b.stats().lanes[SHM_LANE].bytes, 5070);
-        // SAFETY: unmapping the mapping made above.
-        unsafe { libc::munmap(base, len) };
     }
 
     #[test]

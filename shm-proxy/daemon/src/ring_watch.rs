@@ -70,33 +70,19 @@ impl RingWatch {
 mod tests {
     use super::*;
     use flowlane_lane::ring::{self, Side};
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
 
     /// Cross-checks the offsets above against the ring implementation.
     #[test]
     fn progress_follows_the_ring_layout() {
         let len = ring::region_len_for(8192);
         let fd = crate::memfd::create_sealed("ring-watch-test", len as u64).unwrap();
-        // SAFETY: a fresh shared mapping of the whole memfd, unmapped below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
+        let region = flowlane_lane::region::Region::map_memfd(fd.as_fd(), len).unwrap();
         let watch = RingWatch::new(fd.try_clone().unwrap());
         assert_eq!(watch.progress().unwrap(), Progress::default());
         {
-            // SAFETY: `base` maps `len` bytes for the whole block.
-            let (mut ctx, mut crx) =
-                unsafe { ring::endpoints(base.cast(), len, Side::Client) }.unwrap();
-            let (mut stx, _srx) =
-                unsafe { ring::endpoints(base.cast(), len, Side::Server) }.unwrap();
+            let (mut ctx, mut crx) = region.endpoints(Side::Client);
+            let (mut stx, _srx) = region.endpoints(Side::Server);
             assert_eq!(ctx.write(&[7u8; 1000]), 1000);
             assert_eq!(stx.write(&[9u8; 300]), 300);
             let mut buf = [0u8; 100];
@@ -111,7 +97,5 @@ mod tests {
             stx.close();
             assert!(watch.progress().unwrap().both_closed);
         }
-        // SAFETY: unmapping the mapping made above; no references remain.
-        unsafe { libc::munmap(base, len) };
     }
 }

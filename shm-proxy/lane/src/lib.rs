@@ -5,4 +5,5 @@ pub mod client;
 pub mod copy;
 pub mod notify;
 pub mod proto;
+pub mod region;
 pub mod ring;

@@ -43,6 +43,9 @@ pub enum FallbackReason {
     NoPeerLibrary,
     Unsupported,
     InternalError,
+    /// Not a fallback at set-up: the peer wrote a shared-memory word the
+    /// ring protocol does not allow, and the connection was reset.
+    RingViolation,
 }
 
 impl FallbackReason {
@@ -54,6 +57,7 @@ impl FallbackReason {
             FallbackReason::NoPeerLibrary => "no-peer-library",
             FallbackReason::Unsupported => "unsupported",
             FallbackReason::InternalError => "internal-error",
+            FallbackReason::RingViolation => "ring-violation",
         }
     }
 }

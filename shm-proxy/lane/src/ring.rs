@@ -37,11 +37,32 @@
 //!   (Release). A consumer that finds the ring empty and the flag set
 //!   re-reads `tail` once more (the Acquire on the flag makes every earlier
 //!   `tail` visible) before reporting end-of-stream.
+//!
+//! Hostile peer (every word of the region is written by another process,
+//! which may be an attacker's pod):
+//! - Each position is loaded once per operation into a local, checked, and
+//!   only the local is used: `head <= tail <= head + size` (the fill never
+//!   exceeds the ring), no position beyond `POSITION_LIMIT`, and neither
+//!   position ever moves backwards from what this end saw last. So every copy is at most `size` bytes at a masked
+//!   offset: inside the data area whatever the peer writes. The cost is two
+//!   comparisons per call, never per byte.
+//! - Flag words may hold only their defined bits (`WAIT_BELL | WAIT_FUTEX`,
+//!   closed flags 0 or 1, attach word 0, 1 or 2); `writer_need` is clamped
+//!   to the ring size; futex words may hold anything (a futex compares,
+//!   nothing is indexed by them).
+//! - A violation marks the [`Region`] broken (a flag in this process's
+//!   memory): every end of the region then reports a reset connection
+//!   ([`ReadState::Broken`], no room, `peer_gone`), and the callers end it
+//!   (`ECONNRESET` in the library, a counted failure in the daemon).
+//! - What a peer can still do is only what it could do over TCP: send
+//!   wrong bytes, stop reading, or stall.
 
 use std::io::IoSlice;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::copy::{copy_bytes, copy_to_ring, CopyTuner};
+pub use crate::region::Region;
 
 /// Size of the control page at the start of the region.
 pub const HEADER_LEN: usize = 4096;
@@ -119,6 +140,14 @@ struct Flags {
 pub const WAIT_BELL: u32 = 1;
 pub const WAIT_FUTEX: u32 = 2;
 
+/// No real stream comes near `u64` overflow (2^62 bytes is over a century
+/// at 1 TB/s), so a larger position is a peer's invention; below it,
+/// `position + length` cannot overflow.
+pub const POSITION_LIMIT: u64 = 1 << 62;
+
+/// The bits a waiting word may hold.
+const WAIT_BITS: u32 = WAIT_BELL | WAIT_FUTEX;
+
 fn announce(word: &AtomicU32, bit: u32) {
     word.fetch_or(bit, Ordering::Relaxed);
     fence(Ordering::SeqCst);
@@ -126,57 +155,6 @@ fn announce(word: &AtomicU32, bit: u32) {
 
 fn withdraw(word: &AtomicU32, bit: u32) {
     word.fetch_and(!bit, Ordering::Relaxed);
-}
-
-/// The waker's side: after publishing, consume the sleepers' requests;
-/// wakes futex sleepers here, returns true if a doorbell is needed.
-fn take(word: &AtomicU32, seq: &AtomicU32) -> bool {
-    fence(Ordering::SeqCst);
-    if word.load(Ordering::Relaxed) == 0 {
-        return false;
-    }
-    let v = word.swap(0, Ordering::AcqRel);
-    if v & WAIT_FUTEX != 0 {
-        seq.fetch_add(1, Ordering::Release);
-        futex_wake(seq);
-    }
-    v & WAIT_BELL != 0
-}
-
-/// The consumer's side of `writer_waiting` after it freed room: a
-/// doorbell sleeper (poll/epoll) is woken for any room, a futex sleeper (a
-/// blocking write) only once the room reaches its `writer_need`, so that a
-/// streaming writer wakes once per half ring instead of once per chunk the
-/// reader frees. Returns true if a doorbell is needed.
-fn take_room(ring: &RingRef) -> bool {
-    let ctl = ring.ctl();
-    let f = &ctl.flags.0;
-    fence(Ordering::SeqCst);
-    let v = f.writer_waiting.load(Ordering::Relaxed);
-    if v == 0 {
-        return false;
-    }
-    let mut bits = v & WAIT_BELL;
-    if v & WAIT_FUTEX != 0 {
-        let used = ctl
-            .tail
-            .0
-            .load(Ordering::Acquire)
-            .wrapping_sub(ctl.head.0.load(Ordering::Relaxed));
-        let free = (ring.size as u64).saturating_sub(used);
-        if free >= f.writer_need.load(Ordering::Relaxed) {
-            bits |= WAIT_FUTEX;
-        }
-    }
-    if bits == 0 {
-        return false;
-    }
-    let old = f.writer_waiting.fetch_and(!bits, Ordering::AcqRel) & bits;
-    if old & WAIT_FUTEX != 0 {
-        f.room_seq.fetch_add(1, Ordering::Release);
-        futex_wake(&f.room_seq);
-    }
-    old & WAIT_BELL != 0
 }
 
 fn futex_wake(word: &AtomicU32) {
@@ -239,120 +217,228 @@ pub fn region_len_for(ring_size: usize) -> usize {
     HEADER_LEN + 2 * r
 }
 
-/// One direction of a region, as raw pointers into the mapping.
+/// One direction of a region, as raw pointers into the mapping. Every
+/// holder of a `RingRef` also holds the `Arc<Region>` it points into.
 #[derive(Clone, Copy)]
 struct RingRef {
     ctl: *const RingCtl,
     data: *mut u8,
     size: usize,
+    broken: *const AtomicBool,
 }
 
-// SAFETY: RingRef only points into a shared mapping that outlives it (the
-// owner of the mapping keeps it alive); all shared mutable state is atomics or
-// byte ranges handed over by the SPSC protocol above.
+// SAFETY: RingRef only points into a region that outlives it (its holder
+// keeps the `Arc<Region>`); all shared mutable state is atomics or byte
+// ranges handed over by the SPSC protocol above.
 unsafe impl Send for RingRef {}
 // SAFETY: as above; `&RingRef` only allows atomic access and copies guarded
 // by the protocol.
 unsafe impl Sync for RingRef {}
 
 impl RingRef {
+    /// Direction `i` (0: client→server, 1: server→client) of `region`.
+    fn of(region: &Region, i: usize) -> RingRef {
+        let size = region.ring_size();
+        let base = region.base();
+        RingRef {
+            // SAFETY: the offset is below HEADER_LEN <= region.len().
+            ctl: unsafe { base.add(CTL_OFFSET[i]) } as *const RingCtl,
+            // SAFETY: the offset is below HEADER_LEN + 2 * size <=
+            // region.len() (`ring_size_for`).
+            data: unsafe { base.add(HEADER_LEN + i * size) },
+            size,
+            broken: region.broken_flag(),
+        }
+    }
+
     fn ctl(&self) -> &RingCtl {
         // SAFETY: `ctl` points at an aligned RingCtl inside a live mapping
-        // (checked at construction); RingCtl is all atomics, valid for any bits.
+        // (see `of`); RingCtl is all atomics, valid for any bits.
         unsafe { &*self.ctl }
+    }
+
+    /// A word of the region broke the protocol earlier.
+    fn is_broken(&self) -> bool {
+        // SAFETY: points into the live Region (see the struct).
+        unsafe { &*self.broken }.load(Ordering::Relaxed)
+    }
+
+    /// The peer wrote a value the protocol does not allow: the connection
+    /// is dead for every end of the region.
+    #[cold]
+    fn violation(&self) {
+        // SAFETY: as in `is_broken`.
+        unsafe { &*self.broken }.store(true, Ordering::Relaxed);
+    }
+
+    /// The fill `tail - head`, or `None` (a violation) for a pair the
+    /// protocol cannot produce: a head beyond the tail, more than a ring
+    /// between them, or a position past [`POSITION_LIMIT`].
+    fn bounded(&self, tail: u64, head: u64) -> Option<usize> {
+        if tail > POSITION_LIMIT || head > tail || tail - head > self.size as u64 {
+            self.violation();
+            return None;
+        }
+        Some((tail - head) as usize)
+    }
+
+    /// A closed flag: 0 open, 1 closed; anything else is a violation
+    /// (reported as closed, so the caller stops).
+    fn closed_flag(&self, word: &AtomicU32) -> bool {
+        let v = word.load(Ordering::Acquire);
+        if v > 1 {
+            self.violation();
+        }
+        v != 0
     }
 
     /// The producer closed (Acquire: every `tail` it stored before is visible).
     fn producer_closed(&self) -> bool {
-        self.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0
+        self.closed_flag(&self.ctl().flags.0.producer_closed)
     }
 
-    /// The consumer closed: writes fail.
+    /// The consumer closed (or the region is broken): writes fail.
     fn consumer_closed(&self) -> bool {
-        self.ctl().flags.0.consumer_closed.load(Ordering::Acquire) != 0
+        self.closed_flag(&self.ctl().flags.0.consumer_closed) || self.is_broken()
+    }
+
+    /// Takes a waiting word's sleep requests after publishing; wakes futex
+    /// sleepers here, returns true if a doorbell is needed.
+    fn take(&self, word: &AtomicU32, seq: &AtomicU32) -> bool {
+        fence(Ordering::SeqCst);
+        if word.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let v = word.swap(0, Ordering::AcqRel);
+        if v & !WAIT_BITS != 0 {
+            self.violation();
+        }
+        if v & WAIT_FUTEX != 0 {
+            seq.fetch_add(1, Ordering::Release);
+            futex_wake(seq);
+        }
+        v & WAIT_BELL != 0
+    }
+
+    /// The producer's side after publishing data: wake the reader.
+    fn take_reader(&self) -> bool {
+        let f = &self.ctl().flags.0;
+        self.take(&f.reader_waiting, &f.data_seq)
+    }
+
+    /// The consumer's side on close: wake the writer, whatever it waits for.
+    fn take_writer(&self) -> bool {
+        let f = &self.ctl().flags.0;
+        self.take(&f.writer_waiting, &f.room_seq)
+    }
+
+    /// The consumer's side of `writer_waiting` after it freed room up to
+    /// its checked `head`: a doorbell sleeper (poll/epoll) is woken for any
+    /// room, a futex sleeper (a blocking write) only once the room reaches
+    /// its `writer_need` (clamped to the ring), so that a streaming writer
+    /// wakes once per half ring instead of once per chunk the reader frees.
+    /// Only a wake-up depends on `tail` and `writer_need` here, never an
+    /// access. Returns true if a doorbell is needed.
+    fn take_room(&self, head: u64) -> bool {
+        let f = &self.ctl().flags.0;
+        fence(Ordering::SeqCst);
+        let v = f.writer_waiting.load(Ordering::Relaxed);
+        if v == 0 {
+            return false;
+        }
+        if v & !WAIT_BITS != 0 {
+            self.violation();
+        }
+        let mut bits = v & WAIT_BELL;
+        if v & WAIT_FUTEX != 0 {
+            let used = self.ctl().tail.0.load(Ordering::Acquire).wrapping_sub(head);
+            let free = (self.size as u64).saturating_sub(used);
+            let need = f.writer_need.load(Ordering::Relaxed).min(self.size as u64);
+            if free >= need {
+                bits |= WAIT_FUTEX;
+            }
+        }
+        if bits == 0 {
+            return false;
+        }
+        let old = f.writer_waiting.fetch_and(!bits, Ordering::AcqRel) & bits;
+        if old & WAIT_FUTEX != 0 {
+            f.room_seq.fetch_add(1, Ordering::Release);
+            futex_wake(&f.room_seq);
+        }
+        old & WAIT_BELL != 0
     }
 }
 
-/// Splits a region into the producer and consumer ends for `side`.
-///
-/// # Safety
-/// `base` must point to a mapping of at least `region_len` bytes, aligned to a
-/// page, that stays mapped (and is shared with at most one peer end) for as
-/// long as the returned values are used.
-pub unsafe fn endpoints(
-    base: *mut u8,
-    region_len: usize,
-    side: Side,
-) -> Option<(Producer, Consumer)> {
-    let size = ring_size_for(region_len)?;
-    let ring = |i: usize| RingRef {
-        // SAFETY (for both `add`s): offsets are below HEADER_LEN + 2*size <= region_len.
-        ctl: unsafe { base.add(CTL_OFFSET[i]) } as *const RingCtl,
-        data: unsafe { base.add(HEADER_LEN + i * size) },
-        size,
-    };
-    let (tx, rx) = match side {
-        Side::Client => (ring(0), ring(1)),
-        Side::Server => (ring(1), ring(0)),
-    };
-    Some((
-        Producer {
-            ring: tx,
-            head_cache: 0,
-            bell: false,
-            tuner: CopyTuner::new(),
-        },
-        Consumer {
-            ring: rx,
-            tail_cache: 0,
-            bell: false,
-        },
-    ))
+impl Region {
+    /// The producer and consumer ends of `side`.
+    pub fn endpoints(self: &Arc<Self>, side: Side) -> (Producer, Consumer) {
+        let (tx, rx) = self.rings(side);
+        (
+            Producer {
+                ring: tx,
+                tail_seen: 0,
+                head_cache: 0,
+                bell: false,
+                tuner: CopyTuner::new(),
+                _region: self.clone(),
+            },
+            Consumer {
+                ring: rx,
+                head_seen: 0,
+                tail_cache: 0,
+                bell: false,
+                _region: self.clone(),
+            },
+        )
+    }
+
+    /// The lock-free view of `side`'s end.
+    pub fn probe(self: &Arc<Self>, side: Side) -> Probe {
+        let (tx, rx) = self.rings(side);
+        Probe {
+            tx,
+            rx,
+            region: self.clone(),
+        }
+    }
+
+    /// (sending ring, receiving ring) of `side`.
+    fn rings(&self, side: Side) -> (RingRef, RingRef) {
+        match side {
+            Side::Client => (RingRef::of(self, 0), RingRef::of(self, 1)),
+            Side::Server => (RingRef::of(self, 1), RingRef::of(self, 0)),
+        }
+    }
+
+    fn attach_word(&self) -> &AtomicU32 {
+        // SAFETY: offset 0 of the page-aligned mapping, which lives as long
+        // as `self`; an atomic is valid for any bits.
+        unsafe { &*(self.base().add(ATTACH_OFFSET) as *const AtomicU32) }
+    }
 }
 
 /// Lock-free, read-only view of both directions of one end, for readiness
 /// checks (poll/epoll) that must not contend with a blocked reader or writer.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Probe {
     tx: RingRef,
     rx: RingRef,
-    attach: *const AtomicU32,
+    region: Arc<Region>,
 }
 
-// SAFETY: like RingRef: pointers into a mapping kept alive by the owner;
-// only atomics are accessed through them.
-unsafe impl Send for Probe {}
-// SAFETY: as above.
-unsafe impl Sync for Probe {}
-
 impl Probe {
-    /// The view of `side`'s end. Same safety contract as [`endpoints`].
-    ///
-    /// # Safety
-    /// See [`endpoints`].
-    pub unsafe fn new(base: *mut u8, region_len: usize, side: Side) -> Option<Probe> {
-        // SAFETY: forwarded contract.
-        let (p, c) = unsafe { endpoints(base, region_len, side) }?;
-        // SAFETY: offset 0 of a page-aligned mapping is aligned for a u32.
-        let attach = unsafe { base.add(ATTACH_OFFSET) } as *const AtomicU32;
-        Some(Probe {
-            tx: p.ring,
-            rx: c.ring,
-            attach,
-        })
-    }
-
-    fn attach_word(&self) -> &AtomicU32 {
-        // SAFETY: points into the live mapping (constructor contract).
-        unsafe { &*self.attach }
-    }
-
-    /// The lane decision so far.
+    /// The lane decision so far. A value outside the three is a violation
+    /// (reported as `ClientGaveUp`: nobody uses the rings).
     pub fn attach_state(&self) -> Attach {
-        match self.attach_word().load(Ordering::Acquire) {
+        match self.region.attach_word().load(Ordering::Acquire) {
             0 => Attach::Undecided,
             1 => Attach::ServerAttached,
-            _ => Attach::ClientGaveUp,
+            2 => Attach::ClientGaveUp,
+            _ => {
+                self.region.mark_broken();
+                Attach::ClientGaveUp
+            }
         }
     }
 
@@ -360,6 +446,7 @@ impl Probe {
     /// the connection is plain TCP on both ends).
     pub fn server_attach(&self) -> bool {
         match self
+            .region
             .attach_word()
             .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
         {
@@ -372,6 +459,7 @@ impl Probe {
     /// the ring must be used).
     pub fn client_give_up(&self) -> bool {
         match self
+            .region
             .attach_word()
             .compare_exchange(0, 2, Ordering::AcqRel, Ordering::Acquire)
         {
@@ -380,39 +468,47 @@ impl Probe {
         }
     }
 
+    /// The region is broken (the peer violated the protocol): the
+    /// connection must be ended as reset.
+    pub fn is_broken(&self) -> bool {
+        self.region.is_broken()
+    }
+
     /// What a read would find now.
     pub fn rx_state(&self) -> ReadState {
-        let ctl = self.rx.ctl();
+        let ring = &self.rx;
+        let ctl = ring.ctl();
         let fill = || {
-            ctl.tail
-                .0
-                .load(Ordering::Acquire)
-                .wrapping_sub(ctl.head.0.load(Ordering::Acquire))
+            let tail = ctl.tail.0.load(Ordering::Acquire);
+            ring.bounded(tail, ctl.head.0.load(Ordering::Acquire))
         };
-        let n = fill();
-        if n > 0 {
-            return ReadState::Data(n as usize);
+        if ring.is_broken() {
+            return ReadState::Broken;
         }
-        if self.rx.producer_closed() {
-            let n = fill();
-            return if n > 0 {
-                ReadState::Data(n as usize)
-            } else {
-                ReadState::Eof
+        match fill() {
+            None => return ReadState::Broken,
+            Some(n) if n > 0 => return ReadState::Data(n),
+            Some(_) => {}
+        }
+        if ring.producer_closed() {
+            return match fill() {
+                None => ReadState::Broken,
+                Some(0) => ReadState::Eof,
+                Some(n) => ReadState::Data(n),
             };
         }
         ReadState::Empty
     }
 
-    /// Free room in the sending ring now.
+    /// Free room in the sending ring now (0 when broken).
     pub fn tx_free(&self) -> usize {
-        let ctl = self.tx.ctl();
-        let used = ctl
-            .tail
-            .0
-            .load(Ordering::Acquire)
-            .wrapping_sub(ctl.head.0.load(Ordering::Acquire));
-        self.tx.size.saturating_sub(used as usize)
+        let ring = &self.tx;
+        let ctl = ring.ctl();
+        let tail = ctl.tail.0.load(Ordering::Acquire);
+        match ring.bounded(tail, ctl.head.0.load(Ordering::Acquire)) {
+            Some(used) if !ring.is_broken() => ring.size - used,
+            _ => 0,
+        }
     }
 
     /// Receive-ring producer position (changes whenever data arrives).
@@ -425,7 +521,7 @@ impl Probe {
         self.tx.ctl().head.0.load(Ordering::Acquire)
     }
 
-    /// The peer stopped reading (closed): writes fail.
+    /// The peer stopped reading (closed), or the region is broken: writes fail.
     pub fn tx_peer_gone(&self) -> bool {
         self.tx.consumer_closed()
     }
@@ -443,16 +539,24 @@ impl Probe {
     /// Closes the sending direction (shutdown/close) without the producer
     /// lock; true if the peer needs a doorbell.
     pub fn close_tx(&self) -> bool {
-        let f = &self.tx.ctl().flags.0;
-        f.producer_closed.store(1, Ordering::Release);
-        take(&f.reader_waiting, &f.data_seq)
+        self.tx
+            .ctl()
+            .flags
+            .0
+            .producer_closed
+            .store(1, Ordering::Release);
+        self.tx.take_reader()
     }
 
     /// Closes the receiving direction (close); true if the peer needs a doorbell.
     pub fn close_rx(&self) -> bool {
-        let f = &self.rx.ctl().flags.0;
-        f.consumer_closed.store(1, Ordering::Release);
-        take(&f.writer_waiting, &f.room_seq)
+        self.rx
+            .ctl()
+            .flags
+            .0
+            .consumer_closed
+            .store(1, Ordering::Release);
+        self.rx.take_writer()
     }
 
     /// Withdraw both announcements.
@@ -465,21 +569,29 @@ impl Probe {
 /// The writing end of one ring.
 pub struct Producer {
     ring: RingRef,
-    /// Last `head` seen; stale values only under-estimate free room.
+    /// Last `tail` this end stored or loaded: the shared `tail` may only
+    /// move forward from it (another process of ours may have written more
+    /// after a fork; the peer may not move it back).
+    tail_seen: u64,
+    /// Last checked `head`; stale values only under-estimate free room.
     head_cache: u64,
     /// A chunk publish inside a call found a consumer that wants a doorbell.
     bell: bool,
     /// How bulk copies into this ring store (see `copy`).
     tuner: CopyTuner,
+    _region: Arc<Region>,
 }
 
 /// The reading end of one ring.
 pub struct Consumer {
     ring: RingRef,
-    /// Last `tail` seen; stale values only under-estimate available bytes.
+    /// Last `head` this end stored or loaded (see `Producer::tail_seen`).
+    head_seen: u64,
+    /// Last checked `tail`; stale values only under-estimate available bytes.
     tail_cache: u64,
     /// A chunk consume inside a call found a producer that wants a doorbell.
     bell: bool,
+    _region: Arc<Region>,
 }
 
 impl Producer {
@@ -488,12 +600,39 @@ impl Producer {
         self.ring.size
     }
 
-    /// Bytes that can be written now without blocking.
-    pub fn free(&mut self) -> usize {
+    /// Our `tail` and the free room, checked. `fresh` reloads `head`
+    /// (else the cached one is used, reloaded only if it cannot be right).
+    /// `None` once the region is broken.
+    fn room(&mut self, fresh: bool) -> Option<(u64, usize)> {
         let ctl = self.ring.ctl();
         let tail = ctl.tail.0.load(Ordering::Relaxed);
-        self.head_cache = ctl.head.0.load(Ordering::Acquire);
-        self.ring.size - (tail - self.head_cache) as usize
+        if tail < self.tail_seen {
+            self.ring.violation();
+        }
+        self.tail_seen = tail;
+        if fresh || tail.wrapping_sub(self.head_cache) > self.ring.size as u64 {
+            let head = ctl.head.0.load(Ordering::Acquire);
+            if head < self.head_cache {
+                self.ring.violation();
+            }
+            self.head_cache = head;
+        }
+        let used = self.ring.bounded(tail, self.head_cache)?;
+        if self.ring.is_broken() {
+            return None;
+        }
+        Some((tail, self.ring.size - used))
+    }
+
+    /// Publishes `tail` (bytes up to it are in the ring).
+    fn publish(&mut self, tail: u64) {
+        self.ring.ctl().tail.0.store(tail, Ordering::Release);
+        self.tail_seen = tail;
+    }
+
+    /// Bytes that can be written now without blocking (0 when broken).
+    pub fn free(&mut self) -> usize {
+        self.room(true).map_or(0, |(_, free)| free)
     }
 
     /// Copies as much of `src` as fits; returns the count (0 when full).
@@ -503,14 +642,15 @@ impl Producer {
 
     /// Copies as much of the slices (in order) as fits, publishing once.
     pub fn write_vectored(&mut self, srcs: &[IoSlice<'_>]) -> usize {
-        let ring = self.ring; // a copy, so `ctl` does not borrow `self`
-        let ctl = ring.ctl();
-        let start = ctl.tail.0.load(Ordering::Relaxed); // we are the only writer of tail
         let want: usize = srcs.iter().map(|s| s.len()).sum();
-        let mut free = self.ring.size - (start - self.head_cache) as usize;
+        let Some((start, mut free)) = self.room(false) else {
+            return 0;
+        };
         if free < want {
-            self.head_cache = ctl.head.0.load(Ordering::Acquire);
-            free = self.ring.size - (start - self.head_cache) as usize;
+            match self.room(true) {
+                Some((_, f)) => free = f,
+                None => return 0,
+            }
         }
         let mut pos = start;
         let mut published = start;
@@ -522,20 +662,20 @@ impl Producer {
                     break;
                 }
                 let n = s.len().min(room).min(CHUNK);
-                // SAFETY: [pos, pos+n) is free room owned by the producer (n <= room).
+                // SAFETY: [pos, pos+n) is free room owned by the producer
+                // (n <= room <= free <= size, from checked positions).
                 unsafe { self.copy_in(pos, &s[..n]) };
                 pos += n as u64;
                 s = &s[n..];
                 if (pos - published) as usize >= CHUNK && want - ((pos - start) as usize) > 0 {
-                    ctl.tail.0.store(pos, Ordering::Release);
+                    self.publish(pos);
                     published = pos;
-                    let f = &ctl.flags.0;
-                    self.bell |= take(&f.reader_waiting, &f.data_seq);
+                    self.bell |= self.ring.take_reader();
                 }
             }
         }
         if pos != published {
-            ctl.tail.0.store(pos, Ordering::Release);
+            self.publish(pos);
         }
         let wrote = (pos - start) as usize;
         if wrote < want {
@@ -548,33 +688,36 @@ impl Producer {
     /// slice and returns how many it wrote) straight into the ring; used for
     /// sendfile (pread into the ring). Returns the bytes published.
     pub fn write_with(&mut self, max: usize, mut fill: impl FnMut(&mut [u8]) -> usize) -> usize {
-        let ctl = self.ring.ctl();
-        let tail = ctl.tail.0.load(Ordering::Relaxed);
-        self.head_cache = ctl.head.0.load(Ordering::Acquire);
-        let free = self.ring.size - (tail - self.head_cache) as usize;
+        let Some((tail, free)) = self.room(true) else {
+            return 0;
+        };
         let off = (tail as usize) & (self.ring.size - 1);
         let n = max.min(free).min(self.ring.size - off); // contiguous part only
         if n == 0 {
             return 0;
         }
-        // SAFETY: [off, off+n) is inside the data area and owned by the producer.
+        // SAFETY: [off, off+n) is inside the data area (off + n <= size) and
+        // owned by the producer (n <= free, from checked positions).
         let dst = unsafe { std::slice::from_raw_parts_mut(self.ring.data.add(off), n) };
         let got = fill(dst).min(n);
         if got > 0 {
-            ctl.tail.0.store(tail + got as u64, Ordering::Release);
+            self.publish(tail + got as u64);
         }
         got
     }
 
     /// # Safety
-    /// `[pos, pos + src.len())` must be free room (not readable by the consumer).
+    /// `[pos, pos + src.len())` must be free room (not readable by the
+    /// consumer), and `src.len()` at most the ring size.
     unsafe fn copy_in(&mut self, pos: u64, src: &[u8]) {
         let off = (pos as usize) & (self.ring.size - 1);
         let first = src.len().min(self.ring.size - off);
         let (data, tuner) = (self.ring.data, &mut self.tuner);
-        // SAFETY: both ranges lie inside the data area; the caller guarantees
-        // the consumer does not access them until `tail` is published (each
-        // copy that streams ends with its own fence, see `copy`).
+        // SAFETY: both ranges lie inside the data area (off + first <= size,
+        // and the rest, src.len() - first <= off, starts at 0); the caller
+        // guarantees the consumer does not access them until `tail` is
+        // published (each copy that streams ends with its own fence, see
+        // `copy`).
         unsafe {
             copy_to_ring(data.add(off), src.as_ptr(), first, tuner);
             copy_to_ring(data, src.as_ptr().add(first), src.len() - first, tuner);
@@ -584,8 +727,7 @@ impl Producer {
     /// After publishing data: true if the consumer may be asleep and must get
     /// a doorbell (consumes the request).
     pub fn take_reader_wakeup(&mut self) -> bool {
-        let f = &self.ring.ctl().flags.0;
-        take(&f.reader_waiting, &f.data_seq) | std::mem::take(&mut self.bell)
+        self.ring.take_reader() | std::mem::take(&mut self.bell)
     }
 
     /// Before sleeping for room: announce it. The caller must re-check
@@ -623,7 +765,7 @@ impl Producer {
     pub fn close(&self) -> bool {
         let f = &self.ring.ctl().flags.0;
         f.producer_closed.store(1, Ordering::Release);
-        take(&f.reader_waiting, &f.data_seq)
+        self.ring.take_reader()
     }
 
     /// The producer already closed (shutdown(SHUT_WR)).
@@ -631,9 +773,15 @@ impl Producer {
         self.ring.producer_closed()
     }
 
-    /// The consumer will read no more: writes should fail with EPIPE.
+    /// The consumer will read no more (or the region is broken): writes
+    /// should fail.
     pub fn peer_gone(&self) -> bool {
         self.ring.consumer_closed()
+    }
+
+    /// The region is broken: the connection must end as reset.
+    pub fn is_broken(&self) -> bool {
+        self.ring.is_broken()
     }
 }
 
@@ -646,6 +794,8 @@ pub enum ReadState {
     Eof,
     /// Empty, producer still open.
     Empty,
+    /// The peer broke the protocol: the connection is reset.
+    Broken,
 }
 
 impl Consumer {
@@ -654,25 +804,71 @@ impl Consumer {
         self.ring.size
     }
 
-    /// Bytes readable now.
-    pub fn available(&mut self) -> usize {
+    /// Our `head` and the bytes readable from it, checked. The cached
+    /// `tail` is used when it already shows `want` bytes, else reloaded.
+    /// `None` once the region is broken.
+    fn fill(&mut self, want: usize) -> Option<(u64, usize)> {
         let ctl = self.ring.ctl();
-        let head = ctl.head.0.load(Ordering::Relaxed); // we are the only writer of head
-        self.tail_cache = ctl.tail.0.load(Ordering::Acquire);
-        (self.tail_cache - head) as usize
+        let head = ctl.head.0.load(Ordering::Relaxed);
+        if head < self.head_seen {
+            self.ring.violation();
+        }
+        self.head_seen = head;
+        let cached = self.tail_cache.wrapping_sub(head);
+        if cached < want as u64 || cached > self.ring.size as u64 {
+            let tail = ctl.tail.0.load(Ordering::Acquire);
+            if tail < self.tail_cache {
+                self.ring.violation();
+            }
+            self.tail_cache = tail;
+        }
+        let fill = self.ring.bounded(self.tail_cache, head)?;
+        if self.ring.is_broken() {
+            return None;
+        }
+        Some((head, fill))
     }
 
-    /// Data, end-of-stream or empty, without consuming anything.
+    /// Copies `dst.len()` bytes from position `head` out of the ring.
+    fn copy_out(&self, head: u64, dst: &mut [u8]) {
+        let n = dst.len();
+        debug_assert!(n <= self.ring.size);
+        let off = (head as usize) & (self.ring.size - 1);
+        let first = n.min(self.ring.size - off);
+        // SAFETY: n <= the checked fill <= size, so both ranges lie inside
+        // the data area; [head, head+n) was published by the producer
+        // (Acquire on tail) and is not overwritten before we publish a
+        // larger head.
+        unsafe {
+            copy_bytes(dst.as_mut_ptr(), self.ring.data.add(off), first);
+            copy_bytes(dst.as_mut_ptr().add(first), self.ring.data, n - first);
+        }
+    }
+
+    /// Publishes `head` (bytes before it may be overwritten).
+    fn release(&mut self, head: u64) {
+        self.ring.ctl().head.0.store(head, Ordering::Release);
+        self.head_seen = head;
+    }
+
+    /// Bytes readable now (0 when broken).
+    pub fn available(&mut self) -> usize {
+        self.fill(usize::MAX).map_or(0, |(_, n)| n)
+    }
+
+    /// Data, end-of-stream, empty or broken, without consuming anything.
     pub fn state(&mut self) -> ReadState {
-        let n = self.available();
-        if n > 0 {
-            return ReadState::Data(n);
+        match self.fill(usize::MAX) {
+            None => return ReadState::Broken,
+            Some((_, n)) if n > 0 => return ReadState::Data(n),
+            Some(_) => {}
         }
         if self.ring.producer_closed() {
             // Every tail stored before the flag is visible now.
-            return match self.available() {
-                0 => ReadState::Eof,
-                n => ReadState::Data(n),
+            return match self.fill(usize::MAX) {
+                None => ReadState::Broken,
+                Some((_, 0)) => ReadState::Eof,
+                Some((_, n)) => ReadState::Data(n),
             };
         }
         ReadState::Empty
@@ -684,14 +880,20 @@ impl Consumer {
         let len = dst.len();
         // Large reads hand room back chunk by chunk (see CHUNK).
         for part in dst.chunks_mut(CHUNK) {
-            let n = self.peek(part);
-            self.consume(n);
+            let Some((head, avail)) = self.fill(part.len()) else {
+                break;
+            };
+            let n = part.len().min(avail);
+            self.copy_out(head, &mut part[..n]);
+            if n > 0 {
+                self.release(head + n as u64);
+            }
             total += n;
             if n < part.len() {
                 break;
             }
             if total < len {
-                self.bell |= take_room(&self.ring);
+                self.bell |= self.ring.take_room(self.head_seen);
             }
         }
         total
@@ -699,20 +901,11 @@ impl Consumer {
 
     /// Copies up to `dst.len()` bytes out without consuming them.
     pub fn peek(&mut self, dst: &mut [u8]) -> usize {
-        let head = self.ring.ctl().head.0.load(Ordering::Relaxed);
-        let mut avail = self.tail_cache.saturating_sub(head) as usize;
-        if avail < dst.len() {
-            avail = self.available();
-        }
+        let Some((head, avail)) = self.fill(dst.len()) else {
+            return 0;
+        };
         let n = dst.len().min(avail);
-        let off = (head as usize) & (self.ring.size - 1);
-        let first = n.min(self.ring.size - off);
-        // SAFETY: [head, head+n) was published by the producer (Acquire on
-        // tail) and is not overwritten before we publish a larger head.
-        unsafe {
-            copy_bytes(dst.as_mut_ptr(), self.ring.data.add(off), first);
-            copy_bytes(dst.as_mut_ptr().add(first), self.ring.data, n - first);
-        }
+        self.copy_out(head, &mut dst[..n]);
         n
     }
 
@@ -734,16 +927,15 @@ impl Consumer {
         if n == 0 {
             return;
         }
-        let ctl = self.ring.ctl();
-        let head = ctl.head.0.load(Ordering::Relaxed);
-        debug_assert!(head + n as u64 <= self.tail_cache);
-        ctl.head.0.store(head + n as u64, Ordering::Release);
+        if let Some((head, avail)) = self.fill(n) {
+            self.release(head + n.min(avail) as u64);
+        }
     }
 
     /// After consuming: true if the producer may be asleep waiting for room
     /// and must get a doorbell (consumes the request).
     pub fn take_writer_wakeup(&mut self) -> bool {
-        take_room(&self.ring) | std::mem::take(&mut self.bell)
+        self.ring.take_room(self.head_seen) | std::mem::take(&mut self.bell)
     }
 
     /// Before sleeping for data: announce it. The caller must re-check
@@ -775,7 +967,7 @@ impl Consumer {
     pub fn close(&self) -> bool {
         let f = &self.ring.ctl().flags.0;
         f.consumer_closed.store(1, Ordering::Release);
-        take(&f.writer_waiting, &f.room_seq)
+        self.ring.take_writer()
     }
 
     /// The producer closed its side (used when the TCP connection reset, to
@@ -783,13 +975,19 @@ impl Consumer {
     pub fn producer_closed(&self) -> bool {
         self.ring.producer_closed()
     }
+
+    /// The region is broken: the connection must end as reset.
+    pub fn is_broken(&self) -> bool {
+        self.ring.is_broken()
+    }
 }
 
 /// Zero-copy access for the cross-node relay (flowlaned): the daemon is a
 /// ring peer whose bytes are moved by the NIC (RDMA WRITE) straight out of
 /// the pod's sending ring and into the remote pod's receiving ring, so it
 /// needs the rings' memory and positions rather than copies. Nothing here
-/// changes the layout or the protocol above; it only exposes it.
+/// changes the layout or the protocol above; it only exposes it, with the
+/// same checks.
 impl Consumer {
     /// Start of the ring's data area (`capacity()` bytes; the byte at
     /// position `p` is at offset `p & (capacity - 1)`).
@@ -797,14 +995,16 @@ impl Consumer {
         self.ring.data
     }
 
-    /// The consumer position (bytes consumed so far).
-    pub fn head(&self) -> u64 {
-        self.ring.ctl().head.0.load(Ordering::Relaxed)
+    /// The consumer position (bytes consumed so far), checked.
+    pub fn head(&mut self) -> u64 {
+        self.fill(0).map_or(self.head_seen, |(head, _)| head)
     }
 
-    /// The producer position (Acquire: the bytes before it are readable).
+    /// The producer position (Acquire: the bytes before it are readable),
+    /// checked: at most a ring beyond `head()`. Once broken, the last
+    /// checked value.
     pub fn tail(&mut self) -> u64 {
-        self.tail_cache = self.ring.ctl().tail.0.load(Ordering::Acquire);
+        let _ = self.fill(usize::MAX);
         self.tail_cache
     }
 
@@ -824,7 +1024,7 @@ impl Consumer {
         announce(&f.reader_waiting, WAIT_FUTEX);
         let tail = self.ring.ctl().tail.0.load(Ordering::Acquire);
         let closed = f.producer_closed.load(Ordering::Acquire) != 0;
-        if tail == tail_seen && closed == closed_seen {
+        if tail == tail_seen && closed == closed_seen && !self.ring.is_broken() {
             futex_wait(&f.data_seq, seq, timeout_ms);
         }
         withdraw(&f.reader_waiting, WAIT_FUTEX);
@@ -837,22 +1037,24 @@ impl Producer {
         self.ring.data
     }
 
-    /// The producer position (bytes published so far).
-    pub fn tail(&self) -> u64 {
-        self.ring.ctl().tail.0.load(Ordering::Relaxed)
+    /// The producer position (bytes published so far), checked (see
+    /// `room`). Once broken, the last checked value.
+    pub fn tail(&mut self) -> u64 {
+        let _ = self.room(false);
+        self.tail_seen
     }
 
     /// Publishes `n` bytes that something else (the NIC) already wrote into
     /// the free room at the tail. Returns false (and publishes nothing) if
     /// `n` exceeds the free room: the writer overran the ring.
     pub fn commit(&mut self, n: usize) -> bool {
-        if n > self.free() {
-            return false;
+        match self.room(true) {
+            Some((tail, free)) if n <= free => {
+                self.publish(tail + n as u64);
+                true
+            }
+            _ => false,
         }
-        let ctl = self.ring.ctl();
-        let tail = ctl.tail.0.load(Ordering::Relaxed);
-        ctl.tail.0.store(tail + n as u64, Ordering::Release);
-        true
     }
 }
 
@@ -902,3 +1104,7 @@ impl Probe {
 #[cfg(test)]
 #[path = "ring_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "ring_hostile_tests.rs"]
+mod hostile_tests;

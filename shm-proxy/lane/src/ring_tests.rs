@@ -5,6 +5,7 @@
 use super::*;
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
 
 /// Small deterministic PRNG (xorshift64*), so failures reproduce.
 struct Rng(u64);
@@ -20,21 +21,14 @@ impl Rng {
     }
 }
 
-/// A page-aligned anonymous shared mapping standing in for the memfd.
-struct Region {
-    map: memmap2::MmapMut,
-}
-impl Region {
+/// A region of the tests' own (a sealed memfd, mapped as a channel is).
+struct Mem(Arc<Region>);
+impl Mem {
     fn new(len: usize) -> Self {
-        Region {
-            map: memmap2::MmapMut::map_anon(len).unwrap(),
-        }
+        Mem(Region::anonymous(len).unwrap())
     }
     fn ends(&mut self, side: Side) -> (Producer, Consumer) {
-        let len = self.map.len();
-        // SAFETY: the mapping is `len` bytes, page aligned, and outlives the
-        // ends within each test.
-        unsafe { endpoints(self.map.as_mut_ptr(), len, side) }.unwrap()
+        self.0.endpoints(side)
     }
 }
 
@@ -60,7 +54,7 @@ fn sizes_are_powers_of_two_that_fit() {
 
 #[test]
 fn empty_region_is_empty_and_open() {
-    let mut r = Region::new(region_len_for(4096));
+    let mut r = Mem::new(region_len_for(4096));
     let (mut p, mut c) = r.ends(Side::Client);
     assert_eq!(p.free(), 4096);
     assert_eq!(c.state(), ReadState::Empty);
@@ -69,7 +63,7 @@ fn empty_region_is_empty_and_open() {
 
 #[test]
 fn wrap_around_matches_a_model() {
-    let mut r = Region::new(region_len_for(4096));
+    let mut r = Mem::new(region_len_for(4096));
     let (mut p, _) = r.ends(Side::Client);
     let (_, mut c) = r.ends(Side::Server);
     let mut model = VecDeque::new();
@@ -120,7 +114,7 @@ fn wrap_around_matches_a_model() {
 
 #[test]
 fn close_reports_eof_only_after_the_data() {
-    let mut r = Region::new(region_len_for(4096));
+    let mut r = Mem::new(region_len_for(4096));
     let (p, _) = r.ends(Side::Server);
     let (_, mut c) = r.ends(Side::Client);
     let mut p = p;
@@ -139,7 +133,7 @@ fn close_reports_eof_only_after_the_data() {
 /// write and read sizes, spinning (yielding) when full/empty, and checks
 /// every byte.
 fn stream_two_threads(ring: usize, total: u64, max_msg: usize, seed: u64) {
-    let mut r = Region::new(region_len_for(ring));
+    let mut r = Mem::new(region_len_for(ring));
     let (mut p, _) = r.ends(Side::Client);
     let (_, mut c) = r.ends(Side::Server);
     std::thread::scope(|s| {
@@ -171,6 +165,7 @@ fn stream_two_threads(ring: usize, total: u64, max_msg: usize, seed: u64) {
             match c.state() {
                 ReadState::Eof => break,
                 ReadState::Empty => std::thread::yield_now(),
+                ReadState::Broken => panic!("an honest peer broke the ring"),
                 ReadState::Data(_) => {
                     let want = 1 + rng.below(max_msg);
                     let n = c.read(&mut buf[..want]);
@@ -230,7 +225,7 @@ fn ring_bell(fd: &OwnedFd) {
 /// all), so any lost wake-up shows up as a 20 s timeout.
 #[test]
 fn sleep_and_wake_never_loses_a_wakeup() {
-    let mut r = Region::new(region_len_for(4096));
+    let mut r = Mem::new(region_len_for(4096));
     let (mut p, _) = r.ends(Side::Client);
     let (_, mut c) = r.ends(Side::Server);
     let (to_reader_r, to_reader_w) = pipe();
@@ -285,6 +280,7 @@ fn sleep_and_wake_never_loses_a_wakeup() {
                         ring_bell(&to_writer_w);
                     }
                 }
+                ReadState::Broken => panic!("an honest peer broke the ring"),
                 ReadState::Empty => {
                     c.prepare_wait();
                     if c.state() == ReadState::Empty {
@@ -303,23 +299,13 @@ fn sleep_and_wake_never_loses_a_wakeup() {
 #[test]
 fn two_processes_share_a_memfd_region() {
     let len = region_len_for(64 << 10);
-    // SAFETY: the name is a valid C string.
-    let fd = unsafe { libc::memfd_create(c"ring-test".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: memfd_create returned a fresh fd we own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: plain ftruncate on our fd.
-    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len as i64) }, 0);
-    // SAFETY: the memfd is `len` bytes and is not truncated while mapped.
-    let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&fd) }.unwrap();
-    let base = map.as_mut_ptr();
+    let region = Region::anonymous(len).unwrap();
     let total: u64 = 128 << 20;
     // SAFETY: fork in a test; the child only uses the mapping, computes and _exits.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
     if pid == 0 {
-        // SAFETY: the mapping is inherited and stays mapped until _exit.
-        let (mut p, _) = unsafe { endpoints(base, len, Side::Server) }.unwrap();
+        let (mut p, _) = region.endpoints(Side::Server);
         let mut buf = vec![0u8; 100_000];
         let mut sent = 0u64;
         let mut rng = Rng(9);
@@ -339,8 +325,7 @@ fn two_processes_share_a_memfd_region() {
         // SAFETY: leave the forked test process without running destructors.
         unsafe { libc::_exit(0) };
     }
-    // SAFETY: the mapping outlives the consumer below.
-    let (_, mut c) = unsafe { endpoints(base, len, Side::Client) }.unwrap();
+    let (_, mut c) = region.endpoints(Side::Client);
     let mut buf = vec![0u8; 65536];
     let mut got = 0u64;
     let mut ok = true;
@@ -348,6 +333,7 @@ fn two_processes_share_a_memfd_region() {
         match c.state() {
             ReadState::Eof => break,
             ReadState::Empty => std::hint::spin_loop(),
+            ReadState::Broken => panic!("an honest peer broke the ring"),
             ReadState::Data(_) => {
                 let n = c.read(&mut buf);
                 ok &= buf[..n]
@@ -368,16 +354,8 @@ fn two_processes_share_a_memfd_region() {
 
 #[test]
 fn attach_word_decides_once() {
-    let mut r = Region::new(region_len_for(4096));
-    let len = r.map.len();
-    let base = r.map.as_mut_ptr();
-    // SAFETY: the mapping outlives both probes.
-    let (c, s) = unsafe {
-        (
-            Probe::new(base, len, Side::Client).unwrap(),
-            Probe::new(base, len, Side::Server).unwrap(),
-        )
-    };
+    let r = Region::anonymous(region_len_for(4096)).unwrap();
+    let (c, s) = (r.probe(Side::Client), r.probe(Side::Server));
     assert_eq!(c.attach_state(), Attach::Undecided);
     assert!(s.server_attach());
     assert!(
@@ -386,15 +364,8 @@ fn attach_word_decides_once() {
     );
     assert_eq!(c.attach_state(), Attach::ServerAttached);
 
-    let mut r = Region::new(region_len_for(4096));
-    let base = r.map.as_mut_ptr();
-    // SAFETY: as above.
-    let (c, s) = unsafe {
-        (
-            Probe::new(base, len, Side::Client).unwrap(),
-            Probe::new(base, len, Side::Server).unwrap(),
-        )
-    };
+    let r = Region::anonymous(region_len_for(4096)).unwrap();
+    let (c, s) = (r.probe(Side::Client), r.probe(Side::Server));
     assert!(c.client_give_up());
     assert!(!s.server_attach(), "the client gave up first: TCP");
     assert_eq!(s.attach_state(), Attach::ClientGaveUp);
@@ -406,7 +377,7 @@ fn attach_word_decides_once() {
 #[test]
 fn a_waiting_writer_is_woken_at_half_a_ring() {
     const RING: usize = 64 << 10;
-    let mut r = Region::new(HEADER_LEN + 2 * RING);
+    let mut r = Mem::new(HEADER_LEN + 2 * RING);
     let (mut tx, _) = r.ends(Side::Client);
     let (_, mut rx) = r.ends(Side::Server);
     assert_eq!(tx.write(&vec![1u8; RING]), RING);
@@ -443,7 +414,7 @@ fn a_waiting_writer_is_woken_at_half_a_ring() {
 fn blocked_writer_streams_with_few_wakeups() {
     const RING: usize = 64 << 10;
     const TOTAL: usize = 64 * RING;
-    let mut r = Region::new(HEADER_LEN + 2 * RING);
+    let mut r = Mem::new(HEADER_LEN + 2 * RING);
     let (mut tx, _) = r.ends(Side::Client);
     let (_, mut rx) = r.ends(Side::Server);
     let writer = std::thread::spawn(move || {
@@ -482,7 +453,7 @@ fn blocked_writer_streams_with_few_wakeups() {
 #[test]
 fn misaligned_copies_move_the_right_bytes() {
     const RING: usize = 64 << 10;
-    let mut r = Region::new(HEADER_LEN + 2 * RING);
+    let mut r = Mem::new(HEADER_LEN + 2 * RING);
     let (mut tx, _) = r.ends(Side::Client);
     let (_, mut rx) = r.ends(Side::Server);
     let src: Vec<u8> = (0..3 * RING).map(|i| pattern(5, i as u64)).collect();

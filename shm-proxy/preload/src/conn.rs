@@ -11,10 +11,12 @@
 
 use crate::endlock::EndLock;
 use crate::real;
-use flowlane_lane::ring::{self, Attach, Consumer, Probe, Producer, ReadState, Side};
+use flowlane_lane::proto::FallbackReason;
+use flowlane_lane::region::Region;
+use flowlane_lane::ring::{Attach, Consumer, Probe, Producer, ReadState, Side};
 use libc::c_int;
 use std::io::IoSlice;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -51,7 +53,6 @@ pub fn set_errno(e: c_int) {
 /// A shared-memory connection (shared by all fds that alias its socket).
 pub struct Conn {
     pub id: u64,
-    _map: memmap2::MmapRaw,
     tx: EndLock<Producer>,
     rx: EndLock<Consumer>,
     pub probe: Probe,
@@ -90,6 +91,8 @@ pub struct Conn {
     /// Threads of this process asleep in poll/select/epoll on the
     /// connection (see `sleepers`: every one of them must wake).
     pub sleepers: crate::sleepers::Sleepers,
+    /// A ring violation was reported (see `reset_for_violation`).
+    violation_seen: AtomicBool,
 }
 
 /// How often the two ends handed off through the kernel: the cost the
@@ -144,33 +147,13 @@ impl Conn {
         nonblock: bool,
         connecting: bool,
     ) -> std::io::Result<Conn> {
-        if ring::ring_size_for(len).is_none() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "region too small",
-            ));
-        }
-        let mut st: libc::stat = unsafe_zeroed_stat();
-        // SAFETY: fstat on an fd we own, into a local struct.
-        if unsafe { libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&memfd), &mut st) } != 0
-            || (st.st_size as usize) < len
-        {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "memfd shorter than announced",
-            ));
-        }
-        let map = memmap2::MmapOptions::new().len(len).map_raw(&memfd)?;
+        // Checks the seals and the size before mapping (see `Region`).
+        let region = Region::map_memfd(memfd.as_fd(), len)?;
         drop(memfd); // the mapping keeps the memory alive
-        let base = map.as_mut_ptr();
-        // SAFETY: `map` is `len` bytes, page aligned, owned by the Conn (which
-        // outlives every use of these ends), shared with exactly one peer.
-        let (tx, rx) = unsafe { ring::endpoints(base, len, side) }.expect("size checked above");
-        // SAFETY: as above.
-        let probe = unsafe { Probe::new(base, len, side) }.expect("size checked above");
+        let (tx, rx) = region.endpoints(side);
+        let probe = region.probe(side);
         Ok(Conn {
             id,
-            _map: map,
             tx: EndLock::new(tx),
             rx: EndLock::new(rx),
             probe,
@@ -193,7 +176,26 @@ impl Conn {
             rcv_timeout_us: AtomicU64::new(0),
             snd_timeout_us: AtomicU64::new(0),
             sleepers: crate::sleepers::Sleepers::new(),
+            violation_seen: AtomicBool::new(false),
         })
+    }
+
+    /// The peer wrote a ring word out of protocol: the connection is reset
+    /// for the application (ECONNRESET from now on, the TCP socket shut
+    /// down so the peer sees the end too), reported to the daemon once.
+    fn reset_for_violation(&self, fd: c_int) -> c_int {
+        if !self.violation_seen.swap(true, Ordering::AcqRel) {
+            crate::log::log_at!(
+                2,
+                "channel {}: the peer broke the ring protocol; connection reset",
+                self.id
+            );
+            self.tcp_reset.store(true, Ordering::Release);
+            // SAFETY: shutdown of the connection's own socket; no memory.
+            unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+            crate::setup::report_fallback(FallbackReason::RingViolation);
+        }
+        libc::ECONNRESET
     }
 
     /// Takes over the socket's Nagle settings (see `app_nodelay`), keeping
@@ -502,6 +504,7 @@ impl Conn {
         let mut deadline: Option<Option<Instant>> = None;
         loop {
             match rx.state() {
+                ReadState::Broken => return Err(self.reset_for_violation(fd)),
                 ReadState::Data(_) => {
                     if peek {
                         return Ok(rx.peek(first_nonempty(bufs)));
@@ -545,7 +548,7 @@ impl Conn {
                         // SO_RCVTIMEO expired: as TCP, a short count or EAGAIN.
                         return if got > 0 { Ok(got) } else { Err(libc::EAGAIN) };
                     };
-                    let probe = self.probe;
+                    let probe = &self.probe;
                     if self.spin(|| probe.rx_state() != ReadState::Empty) {
                         continue;
                     }
@@ -584,6 +587,9 @@ impl Conn {
         let mut drained = false;
         let mut deadline: Option<Option<Instant>> = None;
         loop {
+            if tx.is_broken() {
+                return Err(self.reset_for_violation(fd));
+            }
             if tx.peer_gone() || self.peer_closed() {
                 if done > 0 {
                     return Ok(done);
@@ -636,7 +642,7 @@ impl Conn {
                     Err(libc::EAGAIN)
                 };
             };
-            let probe = self.probe;
+            let probe = &self.probe;
             if self.spin(|| probe.tx_free() > 0 || probe.tx_peer_gone()) {
                 continue;
             }
@@ -670,9 +676,17 @@ impl Conn {
         let mut read_err = 0;
         let mut eof = false;
         while done < count && !eof {
+            if tx.is_broken() {
+                return Err(self.reset_for_violation(fd));
+            }
             if tx.peer_gone() || self.peer_closed() {
                 if done > 0 {
                     break;
+                }
+                // As the kernel: an input at its end sends nothing and
+                // never reaches the socket, so a gone peer is no error yet.
+                if input_at_eof(in_fd, pos) {
+                    return Ok(0);
                 }
                 return Err(libc::EPIPE);
             }
@@ -715,7 +729,7 @@ impl Conn {
             if dontwait {
                 break;
             }
-            let probe = self.probe;
+            let probe = &self.probe;
             if self.spin(|| probe.tx_free() > 0) {
                 continue;
             }
@@ -754,12 +768,17 @@ impl Conn {
             }
             self.pending.store(false, Ordering::Release);
         }
+        if self.probe.is_broken() {
+            // Readable and writable: the next call reports the reset.
+            return libc::POLLIN | libc::POLLOUT | libc::POLLERR | libc::POLLHUP;
+        }
         let mut ev = 0i16;
         let eof = self.tcp_eof.load(Ordering::Acquire);
         let reset = self.tcp_reset.load(Ordering::Acquire);
         match self.probe.rx_state() {
             ReadState::Data(_) => ev |= libc::POLLIN,
             ReadState::Eof => ev |= libc::POLLIN | libc::POLLRDHUP,
+            ReadState::Broken => ev |= libc::POLLIN | libc::POLLERR | libc::POLLHUP,
             ReadState::Empty => {}
         }
         if eof || self.shut_rd.load(Ordering::Relaxed) {
@@ -822,9 +841,21 @@ impl Conn {
     }
 }
 
-fn unsafe_zeroed_stat() -> libc::stat {
-    // SAFETY: libc::stat is plain old data; all-zero is a valid value.
-    unsafe { std::mem::zeroed() }
+/// True when `in_fd` has no byte left at `pos` (its file position when
+/// `None`), judged from its size: sendfile's input is a regular file.
+fn input_at_eof(in_fd: c_int, pos: Option<libc::off_t>) -> bool {
+    // SAFETY: lseek with SEEK_CUR moves nothing; no memory is passed.
+    let at = pos.unwrap_or_else(|| unsafe { libc::lseek(in_fd, 0, libc::SEEK_CUR) });
+    // SAFETY: libc::stat is plain data, all-zero is a valid value; fstat
+    // writes into that local.
+    let size = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(in_fd, &mut st) != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return false;
+        }
+        st.st_size
+    };
+    at >= 0 && at >= size
 }
 
 fn first_nonempty<'a>(bufs: &'a mut [&mut [u8]]) -> &'a mut [u8] {

@@ -41,8 +41,9 @@ fn with_daemon<R>(f: impl FnMut(&mut DaemonClient) -> R) -> Option<R> {
     r
 }
 
-/// Tells the daemon (if any) why a connection stays on TCP.
-fn report_fallback(reason: FallbackReason) {
+/// Tells the daemon (if any) why a connection stays on TCP (or, for
+/// `RingViolation`, why it was reset).
+pub fn report_fallback(reason: FallbackReason) {
     with_daemon(|d| d.report_fallback(reason));
 }
 

@@ -699,6 +699,7 @@ mod bench {
 ///   across), and the two-copy figures follow it.
 mod ceiling {
     use flowlane_lane::ring::{self, Side};
+    use std::os::fd::AsFd;
     use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
     use std::time::Instant;
 
@@ -848,12 +849,11 @@ mod ceiling {
     /// The lane's ring (ring.rs) in a spin-only loop.
     fn lane_ring(msg: usize, total: u64) -> f64 {
         let len = ring::region_len_for(1 << 20);
-        let sh = Shared::new(len);
-        // SAFETY: both mappings cover the region and outlive the endpoints
-        // (the threads end inside `pair`).
-        let (mut tx, _) = unsafe { ring::endpoints(sh.maps[0], len, Side::Client) }.unwrap();
-        // SAFETY: as above.
-        let (_, mut rx) = unsafe { ring::endpoints(sh.maps[1], len, Side::Server) }.unwrap();
+        // Two mappings of one memfd, as the two processes have.
+        let fd = flowlane_lane::region::sealed_memfd(len).unwrap();
+        let map = || flowlane_lane::region::Region::map_memfd(fd.as_fd(), len).unwrap();
+        let (mut tx, _) = map().endpoints(Side::Client);
+        let (_, mut rx) = map().endpoints(Side::Server);
         let mut src = Buf::new(msg);
         let mut dst = Buf::new(1 << 20);
         pair(

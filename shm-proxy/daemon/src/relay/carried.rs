@@ -30,7 +30,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use flowlane_lane::ring::{self, Attach, Consumer, Probe, Producer, ReadState, Side};
+use flowlane_lane::region::Region;
+use flowlane_lane::ring::{Attach, Consumer, Probe, Producer, ReadState, Side};
 use flowlane_rdma::{LaneStream, StreamKey};
 
 use super::frames::{self, Frame, InBuf, DATA_HEADER, MAX_DATA};
@@ -45,6 +46,9 @@ pub(super) const SLICE_MS: u32 = 100;
 /// claim was answered (it does so at once; longer means it fell back).
 const ATTACH_GRACE: Duration = Duration::from_secs(3);
 
+/// Why a connection ends when its pod wrote a ring word out of protocol.
+pub(super) const BROKEN: &str = "the pod broke the ring protocol";
+
 /// What a sending pump does after [`Carried::gone_or_idle`].
 pub(super) enum SendTurn {
     /// Forward the pod's bytes.
@@ -57,32 +61,6 @@ pub(super) enum SendTurn {
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The daemon's mapping of a channel region.
-pub struct Region {
-    map: memmap2::MmapRaw,
-    len: usize,
-}
-
-impl Region {
-    pub fn map(memfd: &OwnedFd, len: usize) -> io::Result<Region> {
-        if ring::ring_size_for(len).is_none() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "region too small",
-            ));
-        }
-        let map = memmap2::MmapOptions::new().len(len).map_raw(memfd)?;
-        Ok(Region { map, len })
-    }
-
-    /// The attach word's view for `side` (set-up only).
-    pub fn probe(&self, side: Side) -> Probe {
-        // SAFETY: the mapping is `len` bytes, page aligned, and outlives the
-        // probe's use during set-up (the caller holds the Region).
-        unsafe { Probe::new(self.map.as_mut_ptr(), self.len, side) }.expect("size checked in map")
-    }
 }
 
 pub struct Carried {
@@ -119,8 +97,8 @@ pub struct Carried {
     /// Zero copy (`placed.rs`), over a transport that can place; its
     /// registration is dropped before the region.
     pub(super) direct: Option<DirectState>,
-    // Last: the rings point into it.
-    _region: Region,
+    /// The mapping the rings live in (each end holds it too).
+    region: Arc<Region>,
 }
 
 impl Carried {
@@ -130,24 +108,19 @@ impl Carried {
     pub fn new(
         id: u64,
         key: StreamKey,
-        region: Region,
+        region: Arc<Region>,
         side: Side,
         sock: OwnedFd,
         pidfd: Option<OwnedFd>,
         stream: Arc<dyn LaneStream>,
         zero_copy: bool,
     ) -> Carried {
-        let base = region.map.as_mut_ptr();
-        // SAFETY: the mapping is `region.len` bytes, page aligned, owned by
-        // the Carried (declared last, so dropped after every ring end), and
-        // shared with exactly one pod end.
-        let (tx, rx) = unsafe { ring::endpoints(base, region.len, side) }.expect("size checked");
-        // SAFETY: as above.
-        let probe = unsafe { Probe::new(base, region.len, side) }.expect("size checked");
+        let (mut tx, mut rx) = region.endpoints(side);
+        let probe = region.probe(side);
         let direct = stream
             .direct()
             .filter(|_| zero_copy)
-            .map(|dl| DirectState::register(id, dl, &tx, &rx, probe));
+            .map(|dl| DirectState::register(id, dl, &mut tx, &mut rx, probe.clone()));
         Carried {
             id,
             key,
@@ -173,7 +146,7 @@ impl Carried {
             pumps_left: AtomicUsize::new(2),
             opened: Instant::now(),
             direct,
-            _region: region,
+            region,
         }
     }
 
@@ -184,7 +157,13 @@ impl Carried {
     }
 
     pub fn region_len(&self) -> usize {
-        self._region.len
+        self.region.len()
+    }
+
+    /// The pod wrote a ring word the protocol does not allow; the
+    /// connection was ended for both pods.
+    pub fn ring_broken(&self) -> bool {
+        self.region.is_broken()
     }
 
     pub fn failed(&self) -> bool {
@@ -336,6 +315,10 @@ impl Carried {
     /// nothing more to forward, the pump waits a slice for the other
     /// direction.
     pub(super) fn gone_or_idle(&self) -> SendTurn {
+        if self.ring_broken() {
+            self.fail(BROKEN);
+            return SendTurn::Stop;
+        }
         if !self.sent_gone.load(Ordering::Acquire)
             && (self.probe.tx_peer_gone()
                 || (self.sent_eof.load(Ordering::Acquire) && self.pod_exited()))
@@ -405,6 +388,11 @@ impl Carried {
                     if wake {
                         self.request_wake();
                     }
+                }
+                ReadState::Broken => {
+                    drop(rx);
+                    self.fail(BROKEN);
+                    return;
                 }
                 ReadState::Eof => {
                     drop(rx);
@@ -499,6 +487,9 @@ impl Carried {
             let m = piece.len();
             let mut off = 0;
             while off < m {
+                if tx.is_broken() {
+                    return Err(BROKEN.into());
+                }
                 if tx.peer_gone() {
                     break; // the pod closed: like TCP after close, bytes are dropped
                 }

@@ -37,7 +37,7 @@ mod wait_trace;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -52,7 +52,8 @@ use crate::broker::{Answer, Caller, RelayStats};
 use crate::counters::reason;
 use crate::memfd;
 use crate::server::Shared;
-use carried::{Carried, Region};
+use carried::Carried;
+use flowlane_lane::region::Region;
 
 /// How long an intent waits for the lane stream to open, and then for the
 /// server daemon's REGISTERED; together within the pod's 500 ms daemon
@@ -425,7 +426,7 @@ impl Relay {
             region_len
         };
         let made = memfd::create_sealed(&name, region_len).and_then(|fd| {
-            let region = Region::map(&fd, region_len as usize)?;
+            let region = Region::map_memfd(fd.as_fd(), region_len as usize)?;
             Ok((fd, region))
         });
         let (memfd, region) = match made {
@@ -486,7 +487,7 @@ impl Relay {
         id: u64,
         key: StreamKey,
         stream: Arc<dyn LaneStream>,
-        region: Region,
+        region: Arc<Region>,
         sock: OwnedFd,
         pidfd: Option<OwnedFd>,
         pid: u32,
@@ -576,7 +577,7 @@ impl Relay {
             ring::DEFAULT_RING_SIZE
         });
         let made = memfd::create_sealed(&format!("flowlane-relay-{id}"), len as u64)
-            .and_then(|fd| Ok((Region::map(&fd, len)?, fd)));
+            .and_then(|fd| Ok((Region::map_memfd(fd.as_fd(), len)?, fd)));
         let (region, memfd) = match made {
             Ok(m) => m,
             Err(e) => {
@@ -703,6 +704,11 @@ impl Relay {
             return;
         }
         lock(&self.active).remove(&c.id);
+        if c.ring_broken() {
+            // Counted like the library counts its own (`ring-violation`).
+            let reason = flowlane_lane::proto::FallbackReason::RingViolation.as_str();
+            self.shared.lock().count_fallback(reason);
+        }
         self.closed.fetch_add(1, Ordering::Relaxed);
         let bytes = c.bytes_in.load(Ordering::Relaxed) + c.bytes_out.load(Ordering::Relaxed);
         self.closed_bytes.fetch_add(bytes, Ordering::Relaxed);

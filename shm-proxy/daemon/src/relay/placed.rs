@@ -76,8 +76,8 @@ impl DirectState {
     pub(super) fn register(
         id: u64,
         dl: &dyn DirectLane,
-        to_pod: &Producer,
-        from_pod: &Consumer,
+        to_pod: &mut Producer,
+        from_pod: &mut Consumer,
         probe: Probe,
     ) -> DirectState {
         let placed_done = Arc::new(AtomicU64::new(0));
@@ -217,14 +217,26 @@ impl Carried {
             return Err("PLACED frame, but no ring was offered to the peer".into());
         }
         let mut tx = lock(&self.to_pod);
+        if tx.is_broken() {
+            return Err(super::carried::BROKEN.into());
+        }
+        // The length is the peer daemon's word: checked against the free
+        // room (our checked positions) before a byte is read.
+        if len > tx.free() {
+            return Err(format!(
+                "the peer placed {len} bytes beyond the ring's free room"
+            ));
+        }
         if let Some(want) = crc {
-            // SAFETY: the bytes past the tail belong to the producer (us)
-            // until published; the peer wrote them before this frame.
-            let got = unsafe { ring_crc(tx.data_ptr(), tx.capacity(), tx.tail(), len) };
+            let tail = tx.tail();
+            // SAFETY: len <= the free room <= the ring size, so the range is
+            // inside the data area; the bytes past the tail belong to the
+            // producer (us) until published; the peer wrote them before
+            // this frame.
+            let got = unsafe { ring_crc(tx.data_ptr(), tx.capacity(), tail, len) };
             if got != want {
                 return Err(format!(
-                    "placed bytes at stream position {}: CRC-32 {got:#010x}, the sender's {want:#010x}",
-                    tx.tail()
+                    "placed bytes at stream position {tail}: CRC-32 {got:#010x}, the sender's {want:#010x}"
                 ));
             }
         }
@@ -359,8 +371,16 @@ impl Carried {
                 SendTurn::Again => continue,
                 SendTurn::Forward => {}
             }
+            // Checked: at most a ring beyond the pod's head, and the pod's
+            // head is at least `base + consumed` (ours to move), so
+            // `unposted` never exceeds the ring.
             let tail = rx.tail();
             let closed = rx.producer_closed();
+            if rx.is_broken() {
+                drop(rx);
+                self.fail(super::carried::BROKEN);
+                return;
+            }
             let unposted = tail.wrapping_sub(base).saturating_sub(posted);
             if unposted > 0 {
                 let peer_head = d.peer_head.load(Ordering::Acquire);

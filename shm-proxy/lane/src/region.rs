@@ -1,0 +1,264 @@
+//! The owner of one connection's shared-memory mapping.
+//!
+//! A [`Region`] is the only place that maps a channel's memfd. It checks
+//! the memfd before mapping it (sealed against shrinking, growing and seal
+//! changes, exactly the announced size, a size whose rings fit), and it
+//! hands out ring ends ([`crate::ring::Producer`], [`crate::ring::Consumer`],
+//! [`crate::ring::Probe`]) that each hold an `Arc` of it, so the memory
+//! lives as long as any end does and no caller needs `unsafe`.
+//!
+//! The region also carries the connection's *broken* flag, in this
+//! process's memory (never in the shared mapping, where the peer could
+//! clear it): the first end that finds a shared word the protocol does not
+//! allow sets it, and from then on every end of the region reports the
+//! connection as reset (see `ring`'s "hostile peer" section).
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::ring::ring_size_for;
+
+/// The seals a channel memfd must carry: without SHRINK the peer could
+/// truncate it under this mapping (SIGBUS on the next access); without
+/// GROW or SEAL it could change what was checked here.
+pub const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// One mapped region: the header page and the two rings.
+pub struct Region {
+    map: Mapping,
+    ring_size: usize,
+    broken: AtomicBool,
+}
+
+fn invalid(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.to_string())
+}
+
+impl Region {
+    /// Maps a channel memfd of `len` bytes (the length the daemon
+    /// announced). Refused unless the memfd is sealed with
+    /// [`REQUIRED_SEALS`], is exactly `len` bytes long, and `len` holds two
+    /// rings of at least the minimum size.
+    pub fn map_memfd(memfd: BorrowedFd<'_>, len: usize) -> io::Result<Arc<Region>> {
+        let ring_size = ring_size_for(len).ok_or_else(|| invalid("region too small"))?;
+        // SAFETY: F_GET_SEALS on a descriptor we borrow; no memory is passed.
+        let seals = unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & REQUIRED_SEALS != REQUIRED_SEALS {
+            return Err(invalid("channel memfd is not sealed"));
+        }
+        let size = std::fs::File::from(memfd.try_clone_to_owned()?)
+            .metadata()?
+            .len();
+        if size != len as u64 {
+            return Err(invalid(
+                "channel memfd size differs from the announced length",
+            ));
+        }
+        Ok(Arc::new(Region {
+            map: Mapping::new(memfd, len)?,
+            ring_size,
+            broken: AtomicBool::new(false),
+        }))
+    }
+
+    /// A fresh region of `len` bytes in a sealed memfd of its own (tests,
+    /// benchmarks; a forked child shares it), mapped like a channel.
+    pub fn anonymous(len: usize) -> io::Result<Arc<Region>> {
+        let fd = sealed_memfd(len)?;
+        Region::map_memfd(fd.as_fd(), len)
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.map.len
+    }
+
+    /// Never true for a mapped region (rings need at least a page each).
+    pub fn is_empty(&self) -> bool {
+        self.map.len == 0
+    }
+
+    /// Bytes per direction.
+    pub fn ring_size(&self) -> usize {
+        self.ring_size
+    }
+
+    /// Start of the mapping (page aligned, `len()` bytes).
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.map.base
+    }
+
+    /// The peer broke the protocol (a shared word out of its allowed set):
+    /// the connection is dead for every end of this region.
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Relaxed)
+    }
+
+    /// Marks the connection dead (first violation found).
+    pub fn mark_broken(&self) {
+        self.broken.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn broken_flag(&self) -> &AtomicBool {
+        &self.broken
+    }
+}
+
+/// A memfd of exactly `len` bytes carrying [`REQUIRED_SEALS`] (what the
+/// daemon hands out for every channel).
+pub fn sealed_memfd(len: usize) -> io::Result<OwnedFd> {
+    // SAFETY: memfd_create with a static NUL-terminated name.
+    let raw = unsafe {
+        libc::memfd_create(
+            c"flowlane-region".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a fresh fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    std::fs::File::from(fd.try_clone()?).set_len(len as u64)?;
+    // SAFETY: F_ADD_SEALS on the fd we own; no memory is passed.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, REQUIRED_SEALS) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// A shared mapping of a memfd between two inaccessible guard pages: a
+/// stray access just past either end faults instead of touching whatever
+/// memory lies next to the region.
+struct Mapping {
+    /// Start of the reservation (the leading guard page).
+    reservation: *mut libc::c_void,
+    reserved: usize,
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; access to
+// its contents is governed by the ring protocol (atomics and handed-over
+// byte ranges), not by this handle.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        let page = page_size();
+        let reserved = len
+            .checked_add(2 * page)
+            .ok_or_else(|| invalid("region too large"))?;
+        // SAFETY: a fresh anonymous reservation, no address requested.
+        let reservation = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                reserved,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if reservation == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `reservation + page` lies inside the reservation (reserved
+        // = len + 2 pages), so it is page aligned and ours.
+        let want = unsafe { reservation.cast::<u8>().add(page) }.cast::<libc::c_void>();
+        // SAFETY: MAP_FIXED over the middle of our own reservation only
+        // (len bytes from one page in), which nothing else uses.
+        let got = unsafe {
+            libc::mmap(
+                want,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if got == libc::MAP_FAILED {
+            let e = io::Error::last_os_error();
+            // SAFETY: unmapping the reservation made above, never handed out.
+            unsafe { libc::munmap(reservation, reserved) };
+            return Err(e);
+        }
+        Ok(Mapping {
+            reservation,
+            reserved,
+            base: got.cast(),
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the whole reservation (guards and the shared mapping in
+        // it) is ours; every ring end holds the Region, so none outlives it.
+        unsafe { libc::munmap(self.reservation, self.reserved) };
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory arguments.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd(len: u64, seals: libc::c_int) -> OwnedFd {
+        // SAFETY: memfd_create with a static NUL-terminated name.
+        let raw = unsafe { libc::memfd_create(c"region-test".as_ptr(), libc::MFD_ALLOW_SEALING) };
+        assert!(raw >= 0);
+        // SAFETY: a fresh fd nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        std::fs::File::from(fd.try_clone().unwrap())
+            .set_len(len)
+            .unwrap();
+        if seals != 0 {
+            // SAFETY: fcntl on an fd we own.
+            assert_eq!(
+                unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) },
+                0
+            );
+        }
+        fd
+    }
+
+    #[test]
+    fn a_sealed_memfd_of_the_announced_size_maps() {
+        let len = crate::ring::region_len_for(4096);
+        let fd = memfd(len as u64, REQUIRED_SEALS);
+        let r = Region::map_memfd(fd.as_fd(), len).unwrap();
+        assert_eq!((r.len(), r.ring_size()), (len, 4096));
+        assert!(!r.is_broken());
+    }
+
+    #[test]
+    fn unsealed_short_long_and_tiny_memfds_are_refused() {
+        let len = crate::ring::region_len_for(4096);
+        let unsealed = memfd(len as u64, 0);
+        assert!(Region::map_memfd(unsealed.as_fd(), len).is_err());
+        let only_shrink = memfd(len as u64, libc::F_SEAL_SHRINK);
+        assert!(Region::map_memfd(only_shrink.as_fd(), len).is_err());
+        let short = memfd(len as u64 - 4096, REQUIRED_SEALS);
+        assert!(Region::map_memfd(short.as_fd(), len).is_err());
+        let long = memfd(len as u64 + 4096, REQUIRED_SEALS);
+        assert!(Region::map_memfd(long.as_fd(), len).is_err());
+        let tiny = memfd(4096, REQUIRED_SEALS);
+        assert!(Region::map_memfd(tiny.as_fd(), 4096).is_err());
+    }
+}

@@ -1,0 +1,270 @@
+//! Python programs for the hostile-peer tests (`tests/tests/security_rings.rs`):
+//! a hostile end that gets a real channel through the preload library and
+//! then scribbles the region's shared words in its own mapping, and honest
+//! victims that read, peek, poll, epoll, splice and sendfile through the
+//! library. Standard library only (ctypes for the raw memory and syscalls).
+
+/// `hostile.py client IP PORT | server PORT`: for every shared word of the
+/// region and every kind of hostile value (extreme, zero, one back, a MiB
+/// ahead, random), opens one lane connection (5 bytes echoed over the
+/// ring), writes the value into its own mapping of the channel, rings a raw
+/// doorbell (a raw syscall, so its own library is not involved), and waits
+/// up to 0.8 s for the victim to end the connection. It then checks that
+/// every byte the victim wrote into the ring towards it is one it was given
+/// (the attacker only ever sends `A`-`Z`; a fresh memfd is all zero), and
+/// runs one honest connection (64 KiB echoed and compared) to show that the
+/// victim still serves. Prints `attack WORD MODE reset|ignored`, `leak ...`,
+/// `tcp ...` (the lane did not engage) and `done N`.
+pub const HOSTILE: &str = r#"
+import ctypes, os, random, socket, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+SYS_SENDTO, SYS_POLL = 44, 7
+POLLRDHUP, POLLHUP, POLLERR = 0x2000, 0x10, 0x8
+ALPHA = bytes(range(65, 91))
+# The region (shm-proxy/lane/src/ring.rs): attach word at 0; control blocks
+# client->server at 512 and server->client at 1024: tail +0, head +128,
+# then reader_waiting, writer_waiting, producer_closed, consumer_closed,
+# data_seq, room_seq (u32 from +256) and writer_need (u64 at +280).
+FIELDS = [("tail", 0, 8), ("head", 128, 8), ("reader_waiting", 256, 4),
+          ("writer_waiting", 260, 4), ("producer_closed", 264, 4),
+          ("consumer_closed", 268, 4), ("data_seq", 272, 4), ("room_seq", 276, 4),
+          ("writer_need", 280, 8)]
+WORDS = [("attach", 0, 4)] + [(d + "." + n, b + o, w)
+         for d, b in (("c2s", 512), ("s2c", 1024)) for n, o, w in FIELDS]
+MODES = ["max", "zero", "back", "ahead", "random"]
+rng = random.Random(7)
+
+class PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+def maps():
+    out = {}
+    for line in open("/proc/self/maps"):
+        if "/memfd:flowlane-ch-" in line:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            out[lo] = hi - lo
+    return out
+
+def word(addr, w):
+    return (ctypes.c_uint64 if w == 8 else ctypes.c_uint32).from_address(addr)
+
+def hostile(cur, w, mode):
+    top = (1 << (8 * w)) - 1
+    return {"max": top, "zero": 0, "back": (cur - 1) & top,
+            "ahead": (cur + (1 << 20)) & top, "random": rng.getrandbits(8 * w)}[mode]
+
+def doorbell(fd):
+    libc.syscall(SYS_SENDTO, fd, b"\0", 1, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL, None, 0)
+
+def victim_ended(fd, secs):
+    # Raw poll: the library's poll would answer from the rings.
+    p = PollFd(fd, POLLRDHUP, 0)
+    end = time.time() + secs
+    while time.time() < end:
+        if libc.syscall(SYS_POLL, ctypes.byref(p), 1, 50) > 0 and p.revents & (POLLRDHUP | POLLHUP | POLLERR):
+            return True
+    return False
+
+def attack(c, before, name, off, w, mode, towards_me):
+    new = [a for a in maps() if a not in before]
+    if not new:
+        print("tcp", name, mode, flush=True)
+        return
+    base, length = new[0], maps()[new[0]]
+    ring = (length - 4096) // 2
+    wv = word(base + off, w)
+    wv.value = hostile(wv.value, w, mode)
+    doorbell(c.fileno())
+    outcome = "reset" if victim_ended(c.fileno(), 0.8) else "ignored"
+    data = ctypes.string_at(base + 4096 + towards_me * ring, ring)
+    bad = [b for b in data if b != 0 and b not in ALPHA]
+    if bad:
+        print("leak", name, mode, len(bad), flush=True)
+    print("attack", name, mode, outcome, flush=True)
+
+def echo_ok(c, payload):
+    # Piece by piece: with 4 KiB rings both ways a whole-payload write
+    # would wait for an echo nobody reads yet.
+    got = b""
+    for i in range(0, len(payload), 2048):
+        piece = payload[i:i + 2048]
+        c.sendall(piece)
+        want = len(got) + len(piece)
+        while len(got) < want:
+            d = c.recv(65536)
+            if not d:
+                return False
+            got += d
+    return got == payload
+
+role = sys.argv[1]
+payload = bytes(ALPHA[i % 26] for i in range(65536))
+n = 0
+if role == "client":
+    ip, port = sys.argv[2], int(sys.argv[3])
+    for name, off, w in WORDS:
+        for mode in MODES:
+            before = maps()
+            c = socket.create_connection((ip, port))
+            c.sendall(b"HELLO")
+            assert c.recv(5) == b"HELLO"
+            attack(c, before, name, off, w, mode, 1)
+            c.close()
+            h = socket.create_connection((ip, port))
+            print("honest", "ok" if echo_ok(h, payload) else "BROKEN", flush=True)
+            h.close()
+            n += 1
+    c = socket.create_connection((ip, port)); c.sendall(b"QUIT!"); c.close()
+else:
+    port = int(sys.argv[2])
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port)); s.listen(16)
+    for name, off, w in WORDS:
+        for mode in MODES:
+            before = maps()
+            c, _ = s.accept()
+            d = c.recv(5)
+            c.sendall(d)
+            attack(c, before, name, off, w, mode, 0)
+            c.close()
+            h, _ = s.accept()
+            while True:
+                d = h.recv(65536)
+                if not d:
+                    break
+                h.sendall(d)
+            h.close()
+            n += 1
+print("done", n, flush=True)
+"#;
+
+/// The read paths a victim takes, one per connection in turn.
+const VICTIM_COMMON: &str = r#"
+import os, select, socket, sys, tempfile
+MODES = ["recv", "peek", "recvmsg", "readv", "poll", "epoll", "select", "splice", "sendfile"]
+
+def recv_some(c, mode):
+    fd = c.fileno()
+    if mode == "peek":
+        d = c.recv(65536, socket.MSG_PEEK)
+        return c.recv(len(d)) if d else d
+    if mode == "recvmsg":
+        return c.recvmsg(65536)[0]
+    if mode == "readv":
+        a, b = bytearray(1000), bytearray(64536)
+        k = os.readv(fd, [a, b])
+        return (bytes(a) + bytes(b))[:k]
+    if mode == "poll":
+        p = select.poll(); p.register(fd, select.POLLIN); p.poll()
+    elif mode == "epoll":
+        e = select.epoll(); e.register(fd, select.EPOLLIN | select.EPOLLET); e.poll(); e.close()
+    elif mode == "select":
+        select.select([c], [], [])
+    elif mode == "splice":
+        r, w = os.pipe()
+        try:
+            k = os.splice(fd, w, 65536)
+            return os.read(r, k) if k else b""
+        finally:
+            os.close(r); os.close(w)
+    return c.recv(65536)
+
+def send_back(c, d, mode):
+    if mode == "sendfile":
+        with tempfile.TemporaryFile() as f:
+            f.write(d); f.flush(); f.seek(0)
+            c.sendfile(f)
+    else:
+        c.sendall(d)
+"#;
+
+/// `victim_server.py PORT`: an echo server under the library; each
+/// connection is served with the next read path; a connection that fails
+/// prints `conn I MODE reset ERRNO` and the server goes on. A connection
+/// that starts with `QUIT!` ends it: `served N resets R`.
+pub fn victim_server() -> String {
+    format!(
+        "{VICTIM_COMMON}{}",
+        r#"
+port = int(sys.argv[1])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", port)); s.listen(16)
+served = resets = 0
+while True:
+    c, _ = s.accept()
+    mode = MODES[served % len(MODES)]
+    served += 1
+    try:
+        first = True
+        while True:
+            d = recv_some(c, mode)
+            if not d:
+                break
+            if first and d.startswith(b"QUIT!"):
+                print("served", served, "resets", resets, flush=True)
+                sys.exit(0)
+            first = False
+            send_back(c, d, mode)
+    except OSError as e:
+        resets += 1
+        print("conn", served, mode, "reset", e.errno, flush=True)
+    finally:
+        c.close()
+"#
+    )
+}
+
+/// `victim_client.py IP PORT N`: N times: an attacked connection (5 bytes
+/// echoed, then it keeps reading with the next read path until the end,
+/// and writes into the ring meanwhile), then an honest one (64 KiB echoed
+/// and compared). Bytes it receives must be bytes the attacker could have
+/// put in the ring (`A`-`Z`, or a fresh ring's zeros). Prints `conn I
+/// MODE eof|reset ERRNO`, `honest ok|BROKEN`, `got-foreign` (any other
+/// byte), and `done N resets R`.
+pub fn victim_client() -> String {
+    format!(
+        "{VICTIM_COMMON}{}",
+        r#"
+ip, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ALPHA = bytes(range(65, 91))
+payload = bytes(ALPHA[i % 26] for i in range(65536))
+resets = 0
+for i in range(n):
+    mode = MODES[i % len(MODES)]
+    c = socket.create_connection((ip, port))
+    try:
+        c.sendall(b"HELLO")
+        got = b""
+        while True:
+            d = recv_some(c, mode)
+            if not d:
+                break
+            got += d
+            # The attacker may "send" ring bytes it never wrote (a fresh
+            # ring is zero): still its stream. Anything else came from
+            # outside the ring.
+            if any(b != 0 and b not in ALPHA for b in d):
+                print("got-foreign", i, flush=True)
+            send_back(c, b"WORLD", mode)
+        print("conn", i, mode, "eof", flush=True)
+    except OSError as e:
+        resets += 1
+        print("conn", i, mode, "reset", e.errno, flush=True)
+    finally:
+        c.close()
+    h = socket.create_connection((ip, port))
+    back = b""
+    for k in range(0, len(payload), 2048):  # 4 KiB rings: echo piece by piece
+        h.sendall(payload[k:k + 2048])
+        while len(back) < k + 2048:
+            d = h.recv(65536)
+            if not d:
+                break
+            back += d
+    print("honest", "ok" if back == payload else "BROKEN", flush=True)
+    h.close()
+print("done", n, "resets", resets, flush=True)
+"#
+    )
+}
