@@ -3,7 +3,8 @@
 //!
 //! Blocking on purpose: the daemon runs one pump thread per direction per
 //! carried connection, and tokio stays on the control plane.
-//! Agreed in `/work/coord/rdma-lane-interface.md`; change only by agreement.
+//! Both sides build on it (the transports in `transport/`, the daemon's
+//! `relay/`): a change here is a change to both.
 //! Extended additively for zero copy: [`LaneStream::direct`] (default
 //! `None`) and [`DirectLane`]; implementations without them are unchanged.
 
@@ -81,8 +82,8 @@ impl Piece {
     }
 }
 
-/// Bytes moved without copies (issue 6: "the ring memory is registered with
-/// the NIC"). Each daemon registers its pod's two ring data areas; the
+/// Bytes moved without copies (the ring memory is registered with the
+/// NIC). Each daemon registers its pod's two ring data areas; the
 /// receiving side describes its area to the sender in-band (opaque bytes:
 /// address, key, size), and the sender writes straight from its pod's
 /// sending ring into the remote pod's receiving ring, then sends a small

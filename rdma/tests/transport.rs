@@ -593,6 +593,7 @@ fn a_placement_outside_the_peer_ring_fails_the_link() {
     }
     .unwrap();
     // B registers only the first 4 KiB of its buffer as its ring.
+    // SAFETY: as for A: the vectors outlive the guards.
     let (desc_b, gb) = unsafe {
         db.register_rings(
             area(&mut b_tx, 4096),

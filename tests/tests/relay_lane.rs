@@ -1,4 +1,4 @@
-//! The cross-node relay (issue 6) on this host: two "nodes", each a network
+//! The cross-node relay (docs/relay.md) on this host: two "nodes", each a network
 //! namespace with its own bridge and its own `flowlaned`, joined by an
 //! underlay veth with host-gw routes to each other's pod CIDR. Pods are
 //! namespaces wired by the real `flowlane` plugin run inside their node's

@@ -533,7 +533,7 @@ fn forked_child_is_not_blocked_by_a_parent_threads_lock() {
 
 // ------------------------------------------------------------------------
 // Two threads of one process waiting on the same shared-memory connection
-// (helper "conn", issue 3): every waiter wakes when data or room arrives.
+// (docs/shm-lane.md, waiting): every waiter wakes when data or room arrives.
 
 /// Serves the two-waiters client: for each read case it answers the
 /// client's `g` with one byte `d` a moment later (so both waiters are
@@ -779,7 +779,7 @@ fn kept_daemon_connection_survives_restart_raw_close_and_dup2() {
     assert_eq!(node.shm_opened(), 3);
 }
 
-/// Measurement tool, not a CI test (helper "conn", issue 3): connection
+/// Measurement tool, not a CI test: connection
 /// set-up rate and connect + first byte p50 over the lane, plain TCP, and
 /// the two fallback paths (server without the library; no daemon), median
 /// of 3 alternating rounds. `FLS_LIB=/path/libflowlane_preload.so` compares

@@ -1,4 +1,4 @@
-//! A flowlane training cluster on one machine, as DESIGN.md describes it:
+//! A flowlane training cluster on one machine, as docs/architecture.md describes it:
 //! nodes are network namespaces with their own bridge, pod CIDR and
 //! `flowlaned`, joined by veth links to an underlay namespace with host-gw
 //! routes to each other's pod CIDRs; pods are network namespaces wired by the

@@ -393,9 +393,9 @@ pub fn direct_exchange(
             data.fill(&mut bytes);
             let off = (written as usize) & (size - 1);
             let first = k.min(size - off);
-            // SAFETY: [written, written + k) is free room of our ring
-            // (k <= size - in flight), which nothing else touches.
             if !spec.bench {
+                // SAFETY: [written, written + k) is free room of our ring
+                // (k <= size - in flight), which nothing else touches.
                 unsafe {
                     let base = tx_ptr as *mut u8;
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(off), first);

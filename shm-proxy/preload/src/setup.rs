@@ -1,5 +1,5 @@
 //! Setting a connection up: the daemon round trips at listen, connect and
-//! accept (see SHM-DESIGN-NOTES: the client announces BEFORE its TCP
+//! accept (see docs/shm-lane.md: the client announces BEFORE its TCP
 //! connect, the server claims AFTER accept), and everything that decides
 //! whether a socket is one the library may touch at all.
 

@@ -500,7 +500,7 @@ mod bench {
         v[v.len() / 2]
     }
 
-    /// The fallback path's overhead (issue 3 item 4): plain TCP between the
+    /// The fallback path's overhead: plain TCP between the
     /// two pods without the library, against connections that stay on TCP
     /// with the library loaded on both sides. Two fallback causes: the
     /// server's library is switched off (`FLOWLANE_DISABLE=1`, so the peer
