@@ -46,14 +46,41 @@ fn a_non_admin_uid_on_the_node_gets_no_node_answers() {
     let l = nobody.cmd("listen 0.0.0.0:7001");
     assert!(refused(&l, NO_POD), "{l}");
 
+    // `flowlane status` as that uid says why.
+    let status_as = |uid: u32, gid: u32| {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new(flowlane_e2e::binaries::flowlane())
+            .args(["status", "--json", "--socket"])
+            .arg(&node.socket)
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .expect("flowlane status")
+    };
+    let out = status_as(65534, 65534);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("refused") && err.contains("--admin-gid"),
+        "{err}"
+    );
+
     // The same uid in the admin group (--admin-gid) is an administrator.
     let mut sre = Agent::spawn_as(65534, 4242, &node.socket);
     assert_eq!(sre.cmd("stats"), "ok");
     assert_eq!(sre.cmd("registry-changed"), "ok");
+    let out = status_as(65534, 4242);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let st: flowlane_lane::proto::Stats = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    assert_eq!(st.connections.len(), 1);
 
     // And root on the node (what `flowlane status` and the CNI poke are).
     let after = node.stats();
-    assert_eq!(after.auth_failures, before.auth_failures + 3);
+    assert_eq!(after.auth_failures, before.auth_failures + 4);
     assert_eq!(
         after.daemon.registry_reloads,
         before.daemon.registry_reloads + 1
