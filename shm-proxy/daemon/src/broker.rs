@@ -677,6 +677,12 @@ impl Broker {
         })
     }
 
+    /// Refuses a request served outside the broker (the relay), counted
+    /// as an auth failure.
+    pub fn refuse(&mut self, code: ErrorCode, message: impl Into<String>) -> Answer {
+        self.deny(code, message)
+    }
+
     fn deny(&mut self, code: ErrorCode, message: impl Into<String>) -> Answer {
         self.counters.auth_failures += 1;
         let message = message.into();
