@@ -638,7 +638,7 @@ impl Broker {
     /// made for itself (`unshare -n`: root in a pod can do that), not from
     /// other uids of the node.
     fn node_caller(&mut self, caller: &Caller) -> Result<(), Answer> {
-        let Some(netns) = caller.netns else {
+        let (Some(netns), Some(_)) = (caller.netns, caller.process) else {
             return Err(self.deny(ErrorCode::Forbidden, "cannot identify the calling process"));
         };
         if self.pods.contains(netns) {
