@@ -677,6 +677,85 @@ fn mixed_pairs_across_nodes_stay_on_tcp() {
     );
 }
 
+/// A third pod asks the client's daemon to cancel another pod's relayed
+/// set-up (ids are time-based: guessable): refused, and the set-up goes on
+/// to carry the connection once the server accepts.
+#[test]
+fn a_third_pod_cannot_cancel_another_pods_relayed_set_up() {
+    let _g = serial();
+    let c = Cluster::new(2);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let (client, attacker, server) = (&n0.pods[0], &n0.pods[1], &n1.pods[0]);
+    // Listens at once (the library registers the listener), accepts late:
+    // the client's set-up waits for the claim meanwhile.
+    const LATE_SERVER: &str = r#"
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(4)
+time.sleep(float(sys.argv[2]))
+c, _ = s.accept(); c.sendall(c.recv(64)); c.close()
+"#;
+    const CLIENT: &str = r#"
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+print("connected", flush=True)
+c.sendall(b"ping"); print(c.recv(64).decode(), flush=True)
+"#;
+    // The daemon protocol by hand: u32 LE length + JSON.
+    const CANCEL: &str = r#"
+import json, socket, struct, sys
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
+body = json.dumps({"op": "cancel-intent", "channel_id": int(sys.argv[2])}).encode()
+s.sendall(struct.pack("<I", len(body)) + body)
+n = struct.unpack("<I", s.recv(4))[0]; print(s.recv(n).decode())
+"#;
+    let _srv = n1.serve(
+        server,
+        true,
+        7570,
+        &[PYTHON, "-c", LATE_SERVER, "7570", "0.5"],
+    );
+    let mut cli = Bg::spawn(n0.cmd(
+        client,
+        true,
+        &[PYTHON, "-c", CLIENT, &server.ip.to_string(), "7570"],
+    ));
+    assert!(first_line(&mut cli).starts_with("connected"));
+    // The set-up's id, from the client daemon's log (ANSI codes stripped).
+    let id = {
+        let mut plain = String::new();
+        let log = n0.log();
+        let mut chars = log.chars();
+        while let Some(ch) = chars.next() {
+            if ch == '\x1b' {
+                chars.by_ref().find(|c| c.is_ascii_alphabetic());
+            } else {
+                plain.push(ch);
+            }
+        }
+        plain
+            .lines()
+            .filter(|l| l.contains("relay: channel announced"))
+            .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("id=")))
+            .and_then(|id| id.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no announced set-up in n0's log:\n{log}"))
+    };
+    let socket = n0.socket().display().to_string();
+    let id_s = id.to_string();
+    let answer = run_ok(
+        n0.cmd(attacker, false, &[PYTHON, "-c", CANCEL, &socket, &id_s]),
+        T,
+        "cancel",
+    );
+    assert!(answer.contains("forbidden"), "{answer}");
+    let auth_failures = n0.stats().auth_failures;
+    assert!(auth_failures >= 1);
+    // The set-up was not touched: the late accept gets the relayed channel.
+    assert_eq!(first_line(&mut cli).trim(), "ping", "{}", c.logs());
+    assert_eq!(n0.relay().0, 1, "carried by the relay: {}", c.logs());
+    assert_eq!(n1.relay().0, 1, "{}", c.logs());
+}
+
 /// Reads a line from the child's stdout (blocking).
 fn first_line(b: &mut Bg) -> String {
     use std::io::BufRead;

@@ -57,6 +57,15 @@ pub fn main(args: &[String]) -> i32 {
     };
     let stats = match DaemonClient::connect(&opts.socket, TIMEOUT).and_then(|mut c| c.stats()) {
         Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            eprintln!(
+                "flowlane status: flowlaned on {} refused: {e}\n\
+                 (node-wide stats are for root or flowlaned's --admin-gid group, in the node's \
+                 network namespace)",
+                opts.socket.display()
+            );
+            return 1;
+        }
         Err(e) => {
             eprintln!(
                 "flowlane status: no flowlaned answers on {}: {e}\n\

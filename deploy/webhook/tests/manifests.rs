@@ -548,6 +548,8 @@ fn the_node_agent_is_complete_and_runs_the_rdma_lane() {
     for path in [
         "/run/flowlane",
         "/var/lib/flowlane",
+        // the pods' pinned namespaces: registry entries are checked against them
+        "/run/netns",
         "/etc/cni/net.d",
         "/opt/cni/bin",
     ] {

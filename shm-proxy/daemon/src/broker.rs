@@ -18,6 +18,7 @@ use flowlane_lane::proto::{
 };
 use flowlane_registry::Registry;
 
+use crate::channel_store::{ChannelRecord, ChannelStore};
 use crate::counters::{reason, Counters};
 use crate::identity::ProcessId;
 use crate::listener_store::{ListenerRecord, ListenerStore};
@@ -60,11 +61,42 @@ impl Default for Limits {
 }
 
 /// Who sent a request, as far as the kernel and `/proc` tell.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Caller {
     /// Inode of the caller's network namespace (None: unknown process).
     pub netns: Option<u64>,
     pub process: Option<ProcessId>,
+    /// Effective uid and gid when it connected (SO_PEERCRED, in the
+    /// daemon's user namespace): they decide node requests only.
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+}
+
+/// Most bytes per second one direction of a connection is believed to
+/// carry (128 GiB/s: above any memory copy). A close report claiming more
+/// than that over the connection's life is refused as a bad request, so a
+/// pod cannot blow up the node's byte counters with its own reports.
+const MAX_REPORTED_BYTES_PER_SEC: u64 = 1 << 37;
+
+/// Whether `bytes` could have crossed one direction of a connection that
+/// has been open for `age` (plus slack for clocks and rounding).
+fn plausible_bytes(bytes: u64, age: Duration) -> bool {
+    bytes
+        <= age
+            .as_secs()
+            .saturating_add(2)
+            .saturating_mul(MAX_REPORTED_BYTES_PER_SEC)
+}
+
+/// How the broker decides that a registry entry still describes a live pod.
+#[derive(Debug, Clone, Copy)]
+enum NetnsCheck {
+    /// The entry's namespace path must be a namespace file (device
+    /// `nsfs_dev`) with the recorded inode.
+    Verify { nsfs_dev: u64 },
+    /// Unit tests with made-up inodes.
+    #[cfg(test)]
+    Off,
 }
 
 /// The answer to one request.
@@ -182,6 +214,16 @@ pub struct Broker {
     listener_since: HashMap<(PodId, SocketAddr), Instant>,
     /// The cross-node view (`nodes.rs`) for stats answers, when it runs.
     nodes_view: Option<NodesViewFn>,
+    /// Network namespaces whose root (or admin-group) processes are the
+    /// node's administrators: the daemon's own and the initial one.
+    node_netns: Vec<u64>,
+    /// A group whose members (in `node_netns`) are administrators too.
+    admin_gid: Option<u32>,
+    netns_check: NetnsCheck,
+    /// Connections a predecessor brokered (saved at its graceful stop):
+    /// whose pods may report their close, and which sides did.
+    inherited: HashMap<u64, ChannelRecord>,
+    channel_store: ChannelStore,
 }
 
 /// Reports the relay lane's name and counters for stats answers.
@@ -204,6 +246,22 @@ impl Broker {
     /// A broker for the node whose registry lives in `facts.state_dir`;
     /// reads the registry and the saved listeners.
     pub fn new(facts: DaemonFacts, limits: Limits) -> Self {
+        let nsfs_dev = crate::identity::nsfs_dev().unwrap_or_else(|e| {
+            // No pod can be verified: every client stays on TCP.
+            tracing::error!(error = %e, "cannot stat /proc/self/ns/net; no pod will be trusted");
+            u64::MAX
+        });
+        Self::with_check(facts, limits, NetnsCheck::Verify { nsfs_dev })
+    }
+
+    /// A broker that takes the registry's inodes at their word (unit tests
+    /// with made-up inodes).
+    #[cfg(test)]
+    fn trusting_registry(facts: DaemonFacts, limits: Limits) -> Self {
+        Self::with_check(facts, limits, NetnsCheck::Off)
+    }
+
+    fn with_check(facts: DaemonFacts, limits: Limits, netns_check: NetnsCheck) -> Self {
         // Channel ids stay unique across restarts: connections brokered by
         // an earlier daemon still report their ids when they close.
         let now_ms = SystemTime::now()
@@ -225,13 +283,32 @@ impl Broker {
             next_id: (now_ms << 16).max(1),
             counters: Counters::default(),
             limits,
-            facts,
             started: Instant::now(),
             relay_stats: None,
             listener_since: HashMap::new(),
             nodes_view: None,
+            node_netns: crate::identity::own_netns_inode()
+                .into_iter()
+                .chain([crate::identity::INIT_NETNS_INODE])
+                .collect(),
+            admin_gid: None,
+            netns_check,
+            inherited: HashMap::new(),
+            channel_store: ChannelStore::new(&facts.state_dir),
+            facts,
         };
         b.reload_registry();
+        // Taken, not read: after a crash the next start must not find the
+        // records of a stop before it.
+        b.inherited = b
+            .channel_store
+            .take()
+            .into_iter()
+            .filter(|r| {
+                r.id < b.first_id && b.pods.contains(r.client_pod) && b.pods.contains(r.server_pod)
+            })
+            .map(|r| (r.id, r))
+            .collect();
         let mut restored = 0;
         for rec in b.store.load() {
             if b.pods.contains(rec.pod) && rec.process.is_alive() {
@@ -242,6 +319,7 @@ impl Broker {
         tracing::info!(
             pods = b.pods.len(),
             listeners = restored,
+            inherited_connections = b.inherited.len(),
             "state rebuilt from the registry"
         );
         b.save_listeners();
@@ -250,6 +328,36 @@ impl Broker {
 
     pub fn pod_count(&self) -> usize {
         self.pods.len()
+    }
+
+    /// Members of group `gid` (primary or supplementary) in the node's
+    /// network namespace may ask node requests too (`--admin-gid`).
+    pub fn set_admin_gid(&mut self, gid: Option<u32>) {
+        self.admin_gid = gid;
+    }
+
+    /// Whether a registry entry still names a live namespace.
+    fn entry_is_live(&self, path: &str, inode: u64) -> bool {
+        match self.netns_check {
+            NetnsCheck::Verify { nsfs_dev } => crate::pods::netns_is_live(path, inode, nsfs_dev),
+            #[cfg(test)]
+            NetnsCheck::Off => true,
+        }
+    }
+
+    /// Whether pod `pod` is in the table and its namespace is still the
+    /// one its entry recorded (checked on every request that needs the
+    /// caller's pod: one stat).
+    fn pod_is_live(&self, pod: PodId) -> bool {
+        match self.netns_check {
+            NetnsCheck::Verify { nsfs_dev } => self.pods.get(pod).is_some_and(|p| {
+                p.netns_paths
+                    .iter()
+                    .any(|path| crate::pods::netns_is_live(path, pod, nsfs_dev))
+            }),
+            #[cfg(test)]
+            NetnsCheck::Off => self.pods.contains(pod),
+        }
     }
 
     /// Rereads the pod registry and forgets listeners and pending channels
@@ -263,11 +371,27 @@ impl Broker {
             }
         };
         self.registry_stamp = registry_stamp(self.registry.root());
-        self.pods = PodTable::from_attachments(&attachments);
+        // A runtime that crashed before CNI DEL leaves entries whose
+        // namespace is gone; the kernel may give their inodes to new
+        // namespaces, which must not become those pods.
+        let (live, stale): (Vec<_>, Vec<_>) = attachments
+            .into_iter()
+            .partition(|a| self.entry_is_live(&a.netns, a.netns_inode));
+        for a in &stale {
+            tracing::warn!(
+                entry = %a.container_id,
+                netns = %a.netns,
+                inode = a.netns_inode,
+                "registry entry names a namespace that is gone (or is another one now): not trusted"
+            );
+        }
+        self.pods = PodTable::from_attachments(&live);
         self.counters.registry_reloads += 1;
         let pods = &self.pods;
         let before = self.listeners.len();
         self.listeners.retain(|(pod, _), _| pods.contains(*pod));
+        self.inherited
+            .retain(|_, r| pods.contains(r.client_pod) && pods.contains(r.server_pod));
         let gone: Vec<IntentKey> = self
             .pending
             .values()
@@ -489,25 +613,74 @@ impl Broker {
         let Some(netns) = caller.netns else {
             return Err(self.deny(ErrorCode::UnknownPod, "cannot identify the calling process"));
         };
-        if self.pods.contains(netns) || (self.reload_if_changed() && self.pods.contains(netns)) {
-            return Ok(netns);
+        if !(self.pods.contains(netns) || (self.reload_if_changed() && self.pods.contains(netns))) {
+            return Err(self.deny(
+                ErrorCode::UnknownPod,
+                format!("network namespace {netns} is not a pod of this node"),
+            ));
+        }
+        // The entry was live at the last reread; the pod may have died
+        // since and its inode gone to a new namespace (the caller's).
+        if !self.pod_is_live(netns) {
+            return Err(self.deny(
+                ErrorCode::UnknownPod,
+                format!("the registry entry of network namespace {netns} is stale"),
+            ));
+        }
+        Ok(netns)
+    }
+
+    /// Node-level requests (stats: every connection, pod names, byte
+    /// counts; the registry poke) come only from the node's administrators:
+    /// uid 0, or a member of `--admin-gid`, in the daemon's own or the
+    /// initial network namespace. Not from a pod (a pod must not learn
+    /// about other pods' connections), not from a namespace a process
+    /// made for itself (`unshare -n`: root in a pod can do that), not from
+    /// other uids of the node.
+    fn node_caller(&mut self, caller: &Caller) -> Result<(), Answer> {
+        let (Some(netns), Some(_)) = (caller.netns, caller.process) else {
+            return Err(self.deny(ErrorCode::Forbidden, "cannot identify the calling process"));
+        };
+        if self.pods.contains(netns) {
+            return Err(self.deny(
+                ErrorCode::Forbidden,
+                "node requests are not allowed from a pod",
+            ));
+        }
+        if !self.node_netns.contains(&netns) {
+            return Err(self.deny(
+                ErrorCode::Forbidden,
+                "node requests are answered only in the node's network namespace",
+            ));
+        }
+        if caller.uid == Some(0) || self.in_admin_group(caller) {
+            return Ok(());
         }
         Err(self.deny(
-            ErrorCode::UnknownPod,
-            format!("network namespace {netns} is not a pod of this node"),
+            ErrorCode::Forbidden,
+            "node requests need uid 0 or the daemon's admin group (--admin-gid)",
         ))
     }
 
-    /// Node-level requests (stats, registry poke) come from the node, not
-    /// from pods: a pod must not learn about other pods' connections.
-    fn node_caller(&mut self, caller: &Caller) -> Result<(), Answer> {
-        match caller.netns {
-            Some(n) if self.pods.contains(n) => Err(self.deny(
-                ErrorCode::Forbidden,
-                "node requests are not allowed from a pod",
-            )),
-            _ => Ok(()),
+    /// Whether the caller's effective gid, or one of its supplementary
+    /// groups (read from /proc, then the process checked to be the same),
+    /// is the admin group.
+    fn in_admin_group(&self, caller: &Caller) -> bool {
+        let Some(admin) = self.admin_gid else {
+            return false;
+        };
+        if caller.gid == Some(admin) {
+            return true;
         }
+        caller.process.is_some_and(|p| {
+            crate::identity::groups_of(p.pid).is_ok_and(|g| g.contains(&admin)) && p.is_alive()
+        })
+    }
+
+    /// Refuses a request served outside the broker (the relay), counted
+    /// as an auth failure.
+    pub fn refuse(&mut self, code: ErrorCode, message: impl Into<String>) -> Answer {
+        self.deny(code, message)
     }
 
     fn deny(&mut self, code: ErrorCode, message: impl Into<String>) -> Answer {
@@ -881,29 +1054,25 @@ impl Broker {
         if self.recently_closed.0.contains(&channel_id) {
             return Response::Ok.into();
         }
-        let Some(conn) = self.active.get_mut(&channel_id) else {
-            // Brokered by an earlier daemon (ids are unique across restarts
-            // and grow with time): the bytes still count for the lane. Ids
-            // this daemon never issued are ignored.
-            if channel_id < self.first_id {
-                self.counters.shm.bytes = self.counters.shm.bytes.saturating_add(sent);
-            }
-            return Response::Ok.into();
+        let Some(conn) = self.active.get(&channel_id) else {
+            return self.report_inherited(caller, pod, channel_id, report);
         };
         if pod != conn.client_pod && pod != conn.server_pod {
             return self.deny(ErrorCode::Forbidden, "the channel belongs to other pods");
         }
-        // Which side: by process when both ends are one pod, else by pod.
-        let is_client = if conn.client_pod == conn.server_pod {
-            if caller.process.is_some() && caller.process == conn.server_process {
-                false
-            } else if caller.process.is_some() && caller.process == conn.client_process {
-                true
-            } else {
-                conn.client_report.is_none()
-            }
-        } else {
-            pod == conn.client_pod
+        let age = conn.opened.elapsed();
+        let is_client = Self::reporting_client(
+            pod,
+            caller,
+            (conn.client_pod, conn.server_pod),
+            (conn.client_process, conn.server_process),
+            conn.client_report.is_some(),
+        );
+        if !(plausible_bytes(sent, age) && plausible_bytes(received, age)) {
+            return self.implausible(channel_id, report, age);
+        }
+        let Some(conn) = self.active.get_mut(&channel_id) else {
+            return Response::Ok.into();
         };
         if is_client {
             conn.client_report = Some(report);
@@ -916,19 +1085,143 @@ impl Broker {
         Response::Ok.into()
     }
 
+    /// Which side of a connection `pod` reports for: by process when both
+    /// ends are one pod, else by pod.
+    fn reporting_client(
+        pod: PodId,
+        caller: &Caller,
+        (client_pod, server_pod): (PodId, PodId),
+        (client_process, server_process): (Option<ProcessId>, Option<ProcessId>),
+        client_reported: bool,
+    ) -> bool {
+        if client_pod == server_pod {
+            if caller.process.is_some() && caller.process == server_process {
+                false
+            } else if caller.process.is_some() && caller.process == client_process {
+                true
+            } else {
+                !client_reported
+            }
+        } else {
+            pod == client_pod
+        }
+    }
+
+    /// A close report whose byte counts the connection could not have
+    /// carried: refused and counted as a bad request.
+    fn implausible(&mut self, channel_id: u64, report: SideReport, age: Duration) -> Answer {
+        self.counters.bad_requests += 1;
+        tracing::debug!(
+            channel_id,
+            sent = report.sent,
+            received = report.received,
+            age_secs = age.as_secs(),
+            "close report with implausible byte counts refused"
+        );
+        Response::error(
+            ErrorCode::BadRequest,
+            "byte counts exceed what the connection could have carried",
+        )
+        .into()
+    }
+
+    /// A close report for a connection this daemon did not broker. Only a
+    /// predecessor's connection handed over at its graceful stop counts
+    /// (once per side, from its own pods, bounded by its age); any other id
+    /// (a predecessor that crashed, an id nobody issued) changes nothing.
+    fn report_inherited(
+        &mut self,
+        caller: &Caller,
+        pod: PodId,
+        channel_id: u64,
+        report: SideReport,
+    ) -> Answer {
+        let Some(rec) = self.inherited.get(&channel_id) else {
+            tracing::debug!(channel_id, "close report for an unknown connection ignored");
+            return Response::Ok.into();
+        };
+        if pod != rec.client_pod && pod != rec.server_pod {
+            return self.deny(ErrorCode::Forbidden, "the channel belongs to other pods");
+        }
+        let age = Duration::from_millis(unix_ms().saturating_sub(rec.opened_unix_ms));
+        let is_client = Self::reporting_client(
+            pod,
+            caller,
+            (rec.client_pod, rec.server_pod),
+            (rec.client_process, rec.server_process),
+            rec.client_reported,
+        );
+        if !(plausible_bytes(report.sent, age) && plausible_bytes(report.received, age)) {
+            return self.implausible(channel_id, report, age);
+        }
+        let Some(rec) = self.inherited.get_mut(&channel_id) else {
+            return Response::Ok.into();
+        };
+        let side = if is_client {
+            &mut rec.client_reported
+        } else {
+            &mut rec.server_reported
+        };
+        if std::mem::replace(side, true) {
+            // That side reported already.
+            return Response::Ok.into();
+        }
+        // Each side counts what it sent: together, both directions.
+        self.counters.shm.bytes = self.counters.shm.bytes.saturating_add(report.sent);
+        if rec.client_reported && rec.server_reported {
+            self.inherited.remove(&channel_id);
+            self.remember_closed(channel_id);
+        }
+        Response::Ok.into()
+    }
+
+    /// The live connections (and those still inherited), for the next
+    /// daemon: called when this one stops gracefully.
+    pub fn save_connections(&self) {
+        let now = Instant::now();
+        let now_ms = unix_ms();
+        let records: Vec<ChannelRecord> = self
+            .active
+            .values()
+            .map(|c| ChannelRecord {
+                id: c.id,
+                client_pod: c.client_pod,
+                server_pod: c.server_pod,
+                opened_unix_ms: now_ms
+                    .saturating_sub(now.saturating_duration_since(c.opened).as_millis() as u64),
+                client_process: c.client_process,
+                server_process: c.server_process,
+                client_reported: c.client_report.is_some(),
+                server_reported: c.server_report.is_some(),
+            })
+            .chain(self.inherited.values().cloned())
+            .collect();
+        match self.channel_store.save(&records) {
+            Ok(()) => tracing::info!(
+                connections = records.len(),
+                "live connections saved for the next daemon"
+            ),
+            Err(e) => tracing::warn!(error = %e, "cannot save the live connections"),
+        }
+    }
+
+    fn remember_closed(&mut self, id: u64) {
+        const REMEMBER: usize = 65536;
+        let (set, order) = &mut self.recently_closed;
+        set.insert(id);
+        order.push_back(id);
+        if order.len() > REMEMBER {
+            if let Some(old) = order.pop_front() {
+                set.remove(&old);
+            }
+        }
+    }
+
     fn close_active(&mut self, id: u64) {
         if let Some(conn) = self.active.remove(&id) {
             let (c2s, s2c) = conn.bytes();
             self.counters.shm.closed += 1;
-            const REMEMBER: usize = 65536;
-            let (set, order) = &mut self.recently_closed;
-            set.insert(id);
-            order.push_back(id);
-            if order.len() > REMEMBER {
-                if let Some(old) = order.pop_front() {
-                    set.remove(&old);
-                }
-            }
+            self.remember_closed(id);
             self.counters.shm.bytes = self
                 .counters
                 .shm
@@ -976,6 +1269,12 @@ impl Broker {
         for id in dead {
             self.close_active(id);
         }
+        // Inherited connections whose processes are all gone will not
+        // report any more.
+        self.inherited.retain(|_, r| {
+            let mut gone = |p: Option<ProcessId>| p.is_none_or(|p| !is_alive(&p));
+            !(gone(r.client_process) && gone(r.server_process))
+        });
         let before: usize = self.listeners.values().map(Vec::len).sum();
         for procs in self.listeners.values_mut() {
             procs.retain(&mut is_alive);
@@ -1137,6 +1436,14 @@ impl Broker {
     }
 }
 
+/// Milliseconds since the Unix epoch.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 /// A dual-stack (`::`) socket sees IPv4 peers as IPv4-mapped IPv6
 /// addresses (`::ffff:10.0.0.2`); the registry holds plain IPv4. Compare in
 /// one form.
@@ -1248,7 +1555,7 @@ mod tests {
             })
             .unwrap();
         }
-        let broker = Broker::new(
+        let broker = Broker::trusting_registry(
             DaemonFacts {
                 state_dir: dir.clone(),
                 socket: dir.join("s.sock"),
@@ -1258,10 +1565,23 @@ mod tests {
         Node { dir, broker }
     }
 
+    /// A root process of pod `i` (pods run as any uid, root included).
     fn pod(i: u64) -> Caller {
         Caller {
             netns: Some(i),
             process: Some(ProcessId::of(std::process::id()).unwrap()),
+            uid: Some(0),
+            gid: Some(0),
+        }
+    }
+
+    /// A process of uid/gid in the daemon's own network namespace.
+    fn on_node(uid: u32, gid: u32) -> Caller {
+        Caller {
+            netns: Some(crate::identity::own_netns_inode().unwrap()),
+            process: Some(ProcessId::of(std::process::id()).unwrap()),
+            uid: Some(uid),
+            gid: Some(gid),
         }
     }
 
@@ -1451,11 +1771,7 @@ mod tests {
                 ..
             }
         ));
-        let host = Caller {
-            netns: Some(12345),
-            process: None,
-        };
-        let Response::Stats { stats } = b.handle(&host, Request::Stats).response else {
+        let Response::Stats { stats } = b.handle(&on_node(0, 0), Request::Stats).response else {
             panic!()
         };
         assert_eq!(stats.auth_failures, 4);
@@ -1640,8 +1956,8 @@ mod tests {
             .spawn()
             .unwrap();
         let as_parent = Caller {
-            netns: Some(2),
             process: Some(ProcessId::of(parent.id()).unwrap()),
+            ..pod(2)
         };
         let r = b.handle(&as_parent, Request::RegisterListener { addr: listen_addr });
         assert_eq!(r.response, Response::Ok);
@@ -1712,17 +2028,317 @@ mod tests {
             },
         );
         let facts = n.broker.facts.clone();
-        let mut again = Broker::new(facts, Limits::default());
+        let mut again = Broker::trusting_registry(facts, Limits::default());
         assert_eq!(again.stats().listeners.len(), 1);
         Registry::new(&n.dir).remove("n", "c2", "eth0").unwrap();
-        again.handle(
-            &Caller {
-                netns: None,
-                process: None,
-            },
-            Request::RegistryChanged,
-        );
+        again.handle(&on_node(0, 0), Request::RegistryChanged);
         assert_eq!(again.stats().listeners.len(), 0);
         assert_eq!(again.pod_count(), 2);
+    }
+
+    fn forbidden(r: &Response) -> bool {
+        matches!(
+            r,
+            Response::Error {
+                code: ErrorCode::Forbidden,
+                ..
+            }
+        )
+    }
+
+    #[test]
+    fn node_requests_only_from_the_nodes_administrators() {
+        let mut n = node("admin", Limits::default());
+        let b = &mut n.broker;
+        let ask = |b: &mut Broker, c: &Caller| {
+            let st = b.handle(c, Request::Stats).response;
+            let poke = b.handle(c, Request::RegistryChanged).response;
+            assert_eq!(
+                matches!(st, Response::Stats { .. }),
+                poke == Response::Ok,
+                "{st:?} / {poke:?}"
+            );
+            assert!(
+                matches!(st, Response::Stats { .. }) || forbidden(&st),
+                "{st:?}"
+            );
+            matches!(st, Response::Stats { .. })
+        };
+        // Root in the daemon's own (or the initial) network namespace.
+        assert!(ask(b, &on_node(0, 0)));
+        let init = Caller {
+            netns: Some(crate::identity::INIT_NETNS_INODE),
+            ..on_node(0, 0)
+        };
+        assert!(ask(b, &init));
+        // Another uid of the node, unless in the admin group.
+        assert!(!ask(b, &on_node(65534, 65534)));
+        b.set_admin_gid(Some(4242));
+        assert!(ask(b, &on_node(65534, 4242)));
+        assert!(!ask(b, &on_node(65534, 65534)));
+        // A supplementary group of the calling process counts too.
+        let me = std::process::id();
+        if let Some(g) = crate::identity::groups_of(me).unwrap().first() {
+            b.set_admin_gid(Some(*g));
+            assert!(ask(b, &on_node(65534, u32::MAX - 1)));
+        }
+        b.set_admin_gid(Some(4242));
+        // Root in a namespace of its own making (`unshare -n`): nothing.
+        let unshared = Caller {
+            netns: Some(777_777),
+            ..on_node(0, 0)
+        };
+        assert!(!ask(b, &unshared));
+        let unshared_admin_group = Caller {
+            netns: Some(777_777),
+            ..on_node(65534, 4242)
+        };
+        assert!(!ask(b, &unshared_admin_group));
+        // A pod, even as root; an unidentified caller.
+        assert!(!ask(b, &pod(1)));
+        assert!(!ask(b, &Caller::default()));
+        let Response::Stats { stats } = b.handle(&on_node(0, 0), Request::Stats).response else {
+            panic!()
+        };
+        // Two refusals (stats, poke) for each of the five refused callers
+        // and the one refused twice.
+        assert_eq!(stats.auth_failures, 12);
+    }
+
+    /// Channel pod 1 -> pod 2, claimed; returns its id.
+    fn open_channel(b: &mut Broker, port: u16) -> u64 {
+        let listen = sa(&format!("0.0.0.0:{port}"));
+        assert_eq!(
+            b.handle(&pod(2), Request::RegisterListener { addr: listen })
+                .response,
+            Response::Ok
+        );
+        let dst = sa(&format!("10.202.9.2:{port}"));
+        let a = b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: sa("10.202.9.1:41000"),
+                dst,
+                region_len: 8192,
+            },
+        );
+        let Response::Channel { id, .. } = a.response else {
+            panic!("{:?}", a.response)
+        };
+        let c = b.handle(
+            &pod(2),
+            Request::ClaimAccepted {
+                local: dst,
+                peer: sa("10.202.9.1:41000"),
+            },
+        );
+        assert!(matches!(c.response, Response::Channel { .. }));
+        id
+    }
+
+    fn closed(b: &mut Broker, who: u64, id: u64, sent: u64, received: u64) -> Response {
+        b.handle(
+            &pod(who),
+            Request::ReportClosed {
+                channel_id: id,
+                sent,
+                received,
+            },
+        )
+        .response
+    }
+
+    #[test]
+    fn close_reports_count_only_from_the_channels_pods_and_within_reason() {
+        let mut n = node("report", Limits::default());
+        let b = &mut n.broker;
+        let id = open_channel(b, 95);
+        let bytes = |b: &Broker| b.stats().lanes[SHM_LANE].bytes;
+        let before = b.stats();
+        // A third pod: refused, nothing recorded.
+        assert!(forbidden(&closed(b, 3, id, 1 << 40, 1 << 40)));
+        assert_eq!(b.stats().auth_failures, before.auth_failures + 1);
+        // The channel's own pod with absurd counts: a bad request.
+        for (sent, received) in [(u64::MAX, 0), (0, u64::MAX), (1 << 40, 0)] {
+            let r = closed(b, 1, id, sent, received);
+            assert!(
+                matches!(
+                    r,
+                    Response::Error {
+                        code: ErrorCode::BadRequest,
+                        ..
+                    }
+                ),
+                "{r:?}"
+            );
+        }
+        assert_eq!(b.stats().bad_requests, before.bad_requests + 3);
+        assert_eq!(bytes(b), 0);
+        assert_eq!(b.stats().lanes[SHM_LANE].connections_active, 1);
+        // Sane reports from both ends close it.
+        assert_eq!(closed(b, 1, id, 1000, 10), Response::Ok);
+        assert_eq!(closed(b, 2, id, 10, 1000), Response::Ok);
+        assert_eq!(bytes(b), 1010);
+        assert_eq!(b.stats().lanes[SHM_LANE].connections_closed, 1);
+        assert!(plausible_bytes(100 << 30, Duration::ZERO));
+        assert!(!plausible_bytes(1 << 40, Duration::ZERO));
+    }
+
+    #[test]
+    fn a_successor_counts_a_handed_over_connection_once_per_side_from_its_pods() {
+        let mut n = node("inherit", Limits::default());
+        let id = open_channel(&mut n.broker, 96);
+        // A second connection, the client's end already reported.
+        let other = {
+            let b = &mut n.broker;
+            let a = b.handle(
+                &pod(1),
+                Request::ConnectIntent {
+                    src: sa("10.202.9.1:41001"),
+                    dst: sa("10.202.9.2:96"),
+                    region_len: 8192,
+                },
+            );
+            let Response::Channel { id, .. } = a.response else {
+                panic!()
+            };
+            b.handle(
+                &pod(2),
+                Request::ClaimAccepted {
+                    local: sa("10.202.9.2:96"),
+                    peer: sa("10.202.9.1:41001"),
+                },
+            );
+            assert_eq!(closed(b, 1, id, 5, 0), Response::Ok);
+            id
+        };
+        n.broker.save_connections();
+        // Ids are time-based: the successor's start after this one's ids.
+        std::thread::sleep(Duration::from_millis(5));
+        let facts = n.broker.facts.clone();
+        let mut b = Broker::trusting_registry(facts.clone(), Limits::default());
+        let bytes = |b: &Broker| b.stats().lanes[SHM_LANE].bytes;
+        assert!(forbidden(&closed(&mut b, 3, id, 1 << 30, 0)));
+        assert!(matches!(
+            closed(&mut b, 1, id, u64::MAX, 0),
+            Response::Error {
+                code: ErrorCode::BadRequest,
+                ..
+            }
+        ));
+        assert_eq!(closed(&mut b, 1, id, 100, 7), Response::Ok);
+        assert_eq!(bytes(&b), 100);
+        // The same side again: counted once.
+        assert_eq!(closed(&mut b, 1, id, 100, 7), Response::Ok);
+        assert_eq!(bytes(&b), 100);
+        assert_eq!(closed(&mut b, 2, id, 7, 100), Response::Ok);
+        assert_eq!(bytes(&b), 107);
+        assert_eq!(closed(&mut b, 2, id, 7, 100), Response::Ok);
+        assert_eq!(bytes(&b), 107);
+        // The other connection's client end reported to the predecessor.
+        assert_eq!(closed(&mut b, 1, other, 5, 0), Response::Ok);
+        assert_eq!(bytes(&b), 107);
+        assert_eq!(closed(&mut b, 2, other, 3, 5), Response::Ok);
+        assert_eq!(bytes(&b), 110);
+        // Ids nobody handed over (a crashed predecessor's, made up): nothing.
+        assert_eq!(closed(&mut b, 1, id - 1000, 1 << 30, 0), Response::Ok);
+        assert_eq!(closed(&mut b, 1, 1, 1 << 30, 0), Response::Ok);
+        assert_eq!(bytes(&b), 110);
+        // The hand-over is taken by one successor only.
+        let c = Broker::trusting_registry(facts, Limits::default());
+        assert!(c.inherited.is_empty());
+    }
+
+    /// One real pod: `sleep`'s namespace (the test's own) recorded under
+    /// its `/proc/PID/ns/net` path, checked like any entry.
+    #[test]
+    fn stale_registry_entries_lend_no_identity() {
+        let dir = std::env::temp_dir().join(format!("fld-broker-{}-stale", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let own = crate::identity::own_netns_inode().unwrap();
+        let mut sleeper = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let reg = Registry::new(&dir);
+        let entry = |id: &str, netns: String, inode: u64, ip: &str| Attachment {
+            network: "n".into(),
+            container_id: id.into(),
+            ifname: "eth0".into(),
+            netns,
+            netns_inode: inode,
+            ips: vec![format!("{ip}/24")],
+            mac: String::new(),
+            pod_namespace: Some("default".into()),
+            pod_name: Some(id.into()),
+            pod_uid: None,
+            created_unix: 0,
+        };
+        reg.put(&entry(
+            "live",
+            format!("/proc/{}/ns/net", sleeper.id()),
+            own,
+            "10.202.8.1",
+        ))
+        .unwrap();
+        // A crashed runtime's pod: its pinned namespace is gone.
+        reg.put(&entry(
+            "gone",
+            "/var/run/netns/fld-no-such-ns".into(),
+            4242,
+            "10.202.8.2",
+        ))
+        .unwrap();
+        // No path recorded: cannot be checked, not trusted.
+        reg.put(&entry("nopath", String::new(), 4343, "10.202.8.3"))
+            .unwrap();
+        let mut b = Broker::new(
+            DaemonFacts {
+                state_dir: dir.clone(),
+                socket: dir.join("s.sock"),
+            },
+            Limits::default(),
+        );
+        assert_eq!(b.pod_count(), 1, "only the live entry is a pod");
+        let as_ns = |netns| Caller {
+            netns: Some(netns),
+            ..pod(0)
+        };
+        let listen = |b: &mut Broker, c: &Caller| {
+            b.handle(
+                c,
+                Request::RegisterListener {
+                    addr: sa("0.0.0.0:97"),
+                },
+            )
+            .response
+        };
+        let unknown = |r: &Response| {
+            matches!(
+                r,
+                Response::Error {
+                    code: ErrorCode::UnknownPod,
+                    ..
+                }
+            )
+        };
+        assert!(unknown(&listen(&mut b, &as_ns(4242))));
+        assert!(unknown(&listen(&mut b, &as_ns(4343))));
+        assert_eq!(listen(&mut b, &as_ns(own)), Response::Ok);
+        // The pod dies (its sandbox process; the path goes) and nothing
+        // rereads the registry: a namespace with its inode is no one.
+        sleeper.kill().unwrap();
+        sleeper.wait().unwrap();
+        assert!(unknown(&listen(&mut b, &as_ns(own))));
+        let intent = b.handle(
+            &as_ns(own),
+            Request::ConnectIntent {
+                src: sa("10.202.8.1:5000"),
+                dst: sa("10.202.8.1:97"),
+                region_len: 8192,
+            },
+        );
+        assert!(unknown(&intent.response) && intent.fd.is_none());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

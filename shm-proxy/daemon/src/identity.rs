@@ -34,10 +34,48 @@ pub fn netns_inode_of_pid(pid: u32) -> io::Result<u64> {
     Ok(std::fs::metadata(format!("/proc/{pid}/ns/net"))?.ino())
 }
 
-#[cfg(test)]
 /// The inode of the daemon's own network namespace.
 pub fn own_netns_inode() -> io::Result<u64> {
     Ok(std::fs::metadata("/proc/self/ns/net")?.ino())
+}
+
+/// The inode the kernel gives its initial network namespace (`init_net`,
+/// `PROC_NET_INIT_INO` in include/linux/proc_ns.h): fixed since Linux 3.8.
+/// Only processes that already are in it, or that host root moves there
+/// (setns needs CAP_SYS_ADMIN over the initial user namespace and a handle
+/// on the namespace), can be in it.
+pub const INIT_NETNS_INODE: u64 = 0xEFFF_FFF9;
+
+/// The device and inode of the network namespace at `path` (a runtime's
+/// bind mount such as `/var/run/netns/cni-…`, or `/proc/PID/ns/net`).
+pub fn netns_at(path: &std::path::Path) -> io::Result<(u64, u64)> {
+    let m = std::fs::metadata(path)?;
+    Ok((m.dev(), m.ino()))
+}
+
+/// The device of the namespace filesystem (nsfs): every namespace file,
+/// bind-mounted or under `/proc`, has it; a regular file never does.
+pub fn nsfs_dev() -> io::Result<u64> {
+    Ok(std::fs::metadata("/proc/self/ns/net")?.dev())
+}
+
+/// Supplementary groups of process `pid` (the `Groups:` line of
+/// `/proc/PID/status`, mapped into the daemon's user namespace).
+pub fn groups_of(pid: u32) -> io::Result<Vec<u32>> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    Ok(parse_groups(&status))
+}
+
+fn parse_groups(status: &str) -> Vec<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Groups:"))
+        .map(|g| {
+            g.split_whitespace()
+                .filter_map(|n| n.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn start_time(pid: u32) -> io::Result<u64> {
@@ -64,6 +102,24 @@ mod tests {
             "1234 (a b) c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10";
         assert_eq!(parse_start_time(stat), Some(987654));
         assert_eq!(parse_start_time("garbage"), None);
+    }
+
+    #[test]
+    fn parses_supplementary_groups() {
+        let status = "Name:\tx\nUid:\t0\t0\t0\t0\nGroups:\t4 24 27 \nNSpid:\t1\n";
+        assert_eq!(parse_groups(status), vec![4, 24, 27]);
+        assert_eq!(parse_groups("Groups:\n"), Vec::<u32>::new());
+        assert_eq!(parse_groups("garbage"), Vec::<u32>::new());
+        assert!(groups_of(std::process::id()).is_ok());
+    }
+
+    #[test]
+    fn a_namespace_file_is_on_nsfs() {
+        let (dev, ino) = netns_at(std::path::Path::new("/proc/self/ns/net")).unwrap();
+        assert_eq!(dev, nsfs_dev().unwrap());
+        assert_eq!(ino, own_netns_inode().unwrap());
+        let (dev, _) = netns_at(std::path::Path::new("/proc/self/stat")).unwrap();
+        assert_ne!(dev, nsfs_dev().unwrap());
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! to ring without the daemon; it only keeps counters.
 
 mod broker;
+mod channel_store;
 mod counters;
 mod identity;
 mod listener_store;
@@ -70,6 +71,11 @@ struct Args {
     /// The cross-node view (`nodes.rs`): --node-name, --kubernetes, --sysfs-root, --nodes-refresh.
     #[command(flatten)]
     nodes: nodes::Flags,
+    /// Members of this group (primary or supplementary), in the node's
+    /// network namespace, may ask for node-wide answers (`flowlane status`,
+    /// diag, the registry poke) without being root.
+    #[arg(long)]
+    admin_gid: Option<u32>,
     /// Check the flags (as the daemon would at start) and exit: 0 and a
     /// summary on stdout when they are valid, else 2 and the reason.
     #[arg(long)]
@@ -226,6 +232,7 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         socket: args.socket.clone(),
     };
     let shared = server::Shared::new(Broker::new(facts, limits));
+    shared.lock().set_admin_gid(args.admin_gid);
     // Signals first, so a SIGTERM right after start is handled gracefully.
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
@@ -290,11 +297,19 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
             }
         })
     };
-    server::serve(listener, args.socket.clone(), shared, relay, async {
-        let _ = stop_rx.await;
-    })
+    server::serve(
+        listener,
+        args.socket.clone(),
+        shared.clone(),
+        relay,
+        async {
+            let _ = stop_rx.await;
+        },
+    )
     .await;
     ticker.abort();
+    // Their ends report the close to the next daemon.
+    shared.lock().save_connections();
     tracing::info!("flowlaned stopped");
     Ok(())
 }

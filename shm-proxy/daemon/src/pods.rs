@@ -43,6 +43,10 @@ pub struct Pod {
     /// `namespace/name`, or the container id when the runtime gave no name.
     pub name: String,
     pub addrs: Vec<PodAddr>,
+    /// Where the runtime pinned the namespace (`CNI_NETNS` of each
+    /// attachment): how the daemon tells a live pod from a stale entry
+    /// whose inode the kernel gave to a new namespace.
+    pub netns_paths: Vec<String>,
 }
 
 impl Pod {
@@ -78,7 +82,11 @@ impl PodTable {
                 id: a.netns_inode,
                 name: pod_name(a),
                 addrs: Vec::new(),
+                netns_paths: Vec::new(),
             });
+            if !a.netns.is_empty() && !pod.netns_paths.contains(&a.netns) {
+                pod.netns_paths.push(a.netns.clone());
+            }
             for s in &a.ips {
                 let Some(addr) = parse_cidr(s) else {
                     tracing::warn!(entry = %a.container_id, ip = %s, "ignoring unparsable registry address");
@@ -121,6 +129,19 @@ impl PodTable {
             .map(|p| p.name.clone())
             .unwrap_or_else(|| format!("netns:{id}"))
     }
+}
+
+/// Whether the namespace an attachment names is still the one it recorded:
+/// its path (`CNI_NETNS`) is a namespace file (on nsfs, device `nsfs_dev`)
+/// with the recorded inode. A runtime that crashed before CNI DEL leaves
+/// an entry whose path is gone (or, for `/proc/PID/ns/net` paths, names
+/// another process's namespace); the kernel may give the inode to a new
+/// namespace, which must not become that pod. An empty path cannot be
+/// checked and is not trusted.
+pub fn netns_is_live(path: &str, inode: u64, nsfs_dev: u64) -> bool {
+    !path.is_empty()
+        && crate::identity::netns_at(std::path::Path::new(path))
+            .is_ok_and(|(dev, ino)| dev == nsfs_dev && ino == inode)
 }
 
 fn pod_name(a: &Attachment) -> String {
@@ -197,6 +218,35 @@ mod tests {
             a.source_for("fd00::9".parse().unwrap()),
             Some("fd00::2".parse().unwrap())
         );
+    }
+
+    #[test]
+    fn only_a_namespace_file_with_the_recorded_inode_is_live() {
+        use crate::identity::{nsfs_dev, own_netns_inode};
+        let dev = nsfs_dev().unwrap();
+        let own = own_netns_inode().unwrap();
+        let me = format!("/proc/{}/ns/net", std::process::id());
+        assert!(netns_is_live(&me, own, dev));
+        // The inode went to another namespace, or the path is gone.
+        assert!(!netns_is_live(&me, own + 1, dev));
+        assert!(!netns_is_live(
+            "/var/run/netns/flowlane-no-such-ns",
+            own,
+            dev
+        ));
+        assert!(!netns_is_live("", own, dev));
+        // A regular file with the right inode number is no namespace.
+        use std::os::unix::fs::MetadataExt;
+        let f = std::env::temp_dir().join(format!("fld-pods-{}", std::process::id()));
+        std::fs::write(&f, b"x").unwrap();
+        let ino = std::fs::metadata(&f).unwrap().ino();
+        assert!(!netns_is_live(f.to_str().unwrap(), ino, dev));
+        std::fs::remove_file(&f).unwrap();
+        // The paths of every attachment are kept.
+        let mut a = att("a", own, &["10.1.0.2/24"]);
+        a.netns = me.clone();
+        let t = PodTable::from_attachments(&[a.clone(), a]);
+        assert_eq!(t.get(own).unwrap().netns_paths, vec![me]);
     }
 
     #[test]

@@ -92,7 +92,8 @@ impl Shared {
 
 /// Binds the daemon socket: creates its directory, replaces a stale socket
 /// file (refusing if a live daemon answers on it), and opens it to every
-/// uid (clients are authenticated by network namespace, not uid).
+/// uid (pods run as any uid: a pod's clients are authenticated by network
+/// namespace; node requests by uid/gid and namespace, see `broker.rs`).
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     use anyhow::Context;
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -173,17 +174,13 @@ pub async fn serve(
 /// Identity of the peer, fixed when it connected (SO_PEERCRED records the
 /// connecting process).
 fn identify(stream: &UnixStream) -> Caller {
-    let pid = stream
-        .peer_cred()
-        .ok()
+    let cred = stream.peer_cred().ok();
+    let pid = cred
         .and_then(|c| c.pid())
         .and_then(|p| u32::try_from(p).ok())
         .filter(|p| *p > 0);
     let Some(pid) = pid else {
-        return Caller {
-            netns: None,
-            process: None,
-        };
+        return Caller::default();
     };
     // Read the start time first: if the pid is reused between the two
     // reads, the process id no longer matches and the caller is refused
@@ -191,12 +188,14 @@ fn identify(stream: &UnixStream) -> Caller {
     let process = ProcessId::of(pid).ok();
     let netns = netns_inode_of_pid(pid).ok();
     if process.is_some_and(|p| !p.is_alive()) {
-        return Caller {
-            netns: None,
-            process: None,
-        };
+        return Caller::default();
     }
-    Caller { netns, process }
+    Caller {
+        netns,
+        process,
+        uid: cred.map(|c| c.uid()),
+        gid: cred.map(|c| c.gid()),
+    }
 }
 
 /// Whether the process identified when the connection was made still
@@ -384,7 +383,11 @@ mod tests {
     fn a_caller_stays_itself_only_in_its_namespace_and_lifetime() {
         let me = ProcessId::of(std::process::id()).unwrap();
         let netns = netns_inode_of_pid(me.pid).ok();
-        let caller = |netns, process| Caller { netns, process };
+        let caller = |netns, process| Caller {
+            netns,
+            process,
+            ..Caller::default()
+        };
         assert!(still_the_caller(&caller(netns, Some(me))));
         // Connected from another namespace than the one it is in now.
         assert!(!still_the_caller(&caller(netns.map(|n| n + 1), Some(me))));
@@ -418,7 +421,8 @@ mod tests {
                 network: "n".into(),
                 container_id: "c1".into(),
                 ifname: "eth0".into(),
-                netns: String::new(),
+                // Checked like any entry: the test's own namespace.
+                netns: format!("/proc/{}/ns/net", std::process::id()),
                 netns_inode: crate::identity::own_netns_inode().unwrap(),
                 ips: vec!["10.202.9.1/24".into(), "10.202.9.2/24".into()],
                 mac: String::new(),

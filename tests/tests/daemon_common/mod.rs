@@ -249,6 +249,23 @@ impl Agent {
         Self::start(cmd.env(AGENT_ENV, socket))
     }
 
+    /// An agent in the test's own network namespace running as `uid` and
+    /// `gid` (no supplementary groups).
+    pub fn spawn_as(uid: u32, gid: u32, socket: &Path) -> Agent {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
+        Self::start(cmd.uid(uid).gid(gid).env(AGENT_ENV, socket))
+    }
+
+    /// An agent started through `wrapper` (e.g. `["unshare", "-n"]`, or
+    /// `["ip", "netns", "exec", POD, "unshare", "-n"]`), which must exec it.
+    pub fn spawn_via(wrapper: &[&str], socket: &Path) -> Agent {
+        let exe = std::env::current_exe().expect("current_exe");
+        let mut cmd = Command::new(wrapper[0]);
+        cmd.args(&wrapper[1..]).arg(exe);
+        Self::start(cmd.env(AGENT_ENV, socket))
+    }
+
     fn start(cmd: &mut Command) -> Agent {
         let mut child = cmd
             .args([

@@ -92,8 +92,9 @@ pub fn check(socket: &Path, state_dir: &Path) -> (Section, DaemonState) {
                     Err(e) => s.warn(
                         "daemon.stats_unavailable",
                         format!("flowlaned is up, but did not give its stats ({e})"),
-                        "run diag on the node as root (the daemon answers stats only from the \
-                         node), and use the same release for daemon and plugin",
+                        "run diag on the node (its network namespace) as root or as a member of \
+                         flowlaned's --admin-gid group (the daemon answers stats only to them), \
+                         and use the same release for daemon and plugin",
                     ),
                 }
             }

@@ -104,8 +104,9 @@ pub struct Relay {
     /// Answered streams kept a moment so their answer is read before the
     /// drop (the sweep releases them).
     lingering: Mutex<Vec<Accepted>>,
-    /// Client-side set-ups waiting for the peer's CLAIMED, by channel id.
-    setups: Mutex<HashMap<u64, Arc<dyn LaneStream>>>,
+    /// Client-side set-ups waiting for the peer's CLAIMED, by channel id,
+    /// with the client pod (netns inode) that alone may cancel it.
+    setups: Mutex<HashMap<u64, Setup>>,
     active: Mutex<HashMap<u64, Arc<Carried>>>,
     opened: AtomicU64,
     closed: AtomicU64,
@@ -138,6 +139,9 @@ fn zero_copy_ring() -> usize {
         .and_then(|v| v.parse::<usize>().ok())
         .map_or(ZERO_COPY_RING, |k| k << 10)
 }
+
+/// A client-side set-up: the announcing pod (netns inode) and its stream.
+type Setup = (u64, Arc<dyn LaneStream>);
 
 impl Relay {
     /// Starts the relay: its accept thread runs for the daemon's lifetime.
@@ -313,7 +317,20 @@ impl Relay {
                 socket_fd,
             } => self.claim(caller, canonical(local), canonical(peer), socket_fd),
             Request::CancelIntent { channel_id } => {
-                if let Some(s) = lock(&self.setups).remove(&channel_id) {
+                let mut setups = lock(&self.setups);
+                if setups
+                    .get(&channel_id)
+                    .is_some_and(|(pod, _)| Some(*pod) != caller.netns)
+                {
+                    drop(setups);
+                    return self.shared.lock().refuse(
+                        ErrorCode::Forbidden,
+                        "the channel was announced by another pod",
+                    );
+                }
+                let cancelled = setups.remove(&channel_id);
+                drop(setups);
+                if let Some((_, s)) = cancelled {
                     s.reset();
                     self.shared.lock().count_fallback(reason::INTENT_CANCELLED);
                 }
@@ -458,13 +475,15 @@ impl Relay {
                 return self.fallback(NoChannelReason::NotLocalPod, relay_reason::LANE_UNREACHABLE);
             }
         }
-        lock(&self.setups).insert(id, stream.clone());
+        // relay_client_check found the caller's pod: its namespace.
+        let pod = caller.netns.unwrap_or_default();
+        lock(&self.setups).insert(id, (pod, stream.clone()));
         let r = self.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("relay-setup-{id}"))
             .spawn(move || r.client_setup(id, key, stream, region, sock, pidfd, pid, name));
         if spawned.is_err() {
-            if let Some(s) = lock(&self.setups).remove(&id) {
+            if let Some((_, s)) = lock(&self.setups).remove(&id) {
                 s.reset();
             }
             return self.fallback(NoChannelReason::NotLocalPod, relay_reason::SETUP_FAILED);
