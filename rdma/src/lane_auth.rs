@@ -202,6 +202,29 @@ impl fmt::Debug for LaneAuth {
     }
 }
 
+/// Connects to a peer's lane port from `listen`'s address when that is a
+/// specific one (the node's underlay address, which the peer checks against
+/// its node table), so a multi-homed node's route cannot pick another
+/// source; from any address otherwise.
+pub fn connect_from(
+    listen: SocketAddr,
+    peer: SocketAddr,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
+    let ip = listen.ip();
+    if ip.is_unspecified() || ip.is_ipv4() != peer.ip().is_ipv4() {
+        return TcpStream::connect_timeout(&peer, timeout);
+    }
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(peer),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.bind(&SocketAddr::new(ip, 0).into())?;
+    sock.connect_timeout(&peer.into(), timeout)?;
+    Ok(sock.into())
+}
+
 /// Canonical (IPv4-mapped) address in 16 bytes, then the port.
 fn encode_addr(out: &mut Vec<u8>, a: SocketAddr) {
     let v6 = match a.ip().to_canonical() {
@@ -605,6 +628,16 @@ mod tests {
         let t0 = Instant::now();
         assert!(auth(KEY).accept(&mut s).is_err());
         assert!(t0.elapsed() < Duration::from_millis(900));
+    }
+
+    #[test]
+    fn connections_leave_from_the_lane_address() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = l.local_addr().unwrap();
+        let c = connect_from("127.0.0.3:7471".parse().unwrap(), peer, AUTH_TIMEOUT).unwrap();
+        assert_eq!(c.local_addr().unwrap().ip().to_string(), "127.0.0.3");
+        let c = connect_from("0.0.0.0:7471".parse().unwrap(), peer, AUTH_TIMEOUT).unwrap();
+        assert_eq!(c.local_addr().unwrap().ip().to_string(), "127.0.0.1");
     }
 
     #[test]

@@ -732,3 +732,47 @@ fn a_source_outside_the_node_table_gets_no_link() {
     assert_eq!(errors(&*b, "peer_auth_failed"), 0);
     assert_eq!(b.stats().links_up, 0);
 }
+
+/// A peer with the key that announces, after the handshake, a lane at
+/// another address than its own (so that our opens to that other node
+/// would ride its link) gets no link; the same peer announcing its own
+/// address gets one.
+#[test]
+fn a_peer_announcing_another_nodes_lane_gets_no_link() {
+    use flowlane_rdma::transport::FabricProvider;
+    use std::io::Read;
+    let opts = small_opts();
+    let b = start(&opts);
+    // Returns whether b sent its ready byte (the link is up on its side).
+    let announce = |lane: &str| -> bool {
+        let mut s = TcpStream::connect(b.local_addr()).unwrap();
+        auth().initiate(&mut s).expect("the key is right");
+        let (_half, desc) = MemProvider.prepare(opts.geometry()).unwrap();
+        let hello = serde_json::json!({
+            "protocol": 2,
+            "lane": lane,
+            "geometry": {"slots": opts.slots, "slot_size": opts.slot_size},
+            "window": opts.stream_window,
+            "fabric": desc,
+        })
+        .to_string();
+        let mut msg = (hello.len() as u32).to_le_bytes().to_vec();
+        msg.extend_from_slice(hello.as_bytes());
+        s.write_all(&msg).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut theirs = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut theirs).unwrap();
+        let mut ready = [0u8; 1];
+        matches!(s.read(&mut ready), Ok(1)) && &ready == b"R"
+    };
+    assert!(!announce("127.0.0.2:7471"), "another address: no link");
+    eventually("the refused link is counted", || {
+        errors(&*b, "link_setup_failed") == 1
+    });
+    assert!(
+        announce("127.0.0.1:7471"),
+        "its own address: the link comes up"
+    );
+}

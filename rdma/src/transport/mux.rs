@@ -309,8 +309,8 @@ fn connect_link<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr) -> io::Re
             .fetch_add(1, Ordering::Relaxed);
         e
     };
-    let mut sock =
-        TcpStream::connect_timeout(&peer, inner.opts.connect_timeout).map_err(setup_failed)?;
+    let mut sock = crate::lane_auth::connect_from(inner.local, peer, inner.opts.connect_timeout)
+        .map_err(setup_failed)?;
     // The peer proves the key before it learns anything about us.
     // (A peer with another key closes the connection without a word: we
     // see an I/O error, counted as a set-up failure; it counts the refusal.)

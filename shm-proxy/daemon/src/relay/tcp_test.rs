@@ -56,7 +56,7 @@ struct Refused {
 }
 
 pub struct TcpTestTransport {
-    #[cfg(test)]
+    /// Where we listen: our streams leave from its address.
     local: SocketAddr,
     auth: LaneAuth,
     accepted: Mutex<mpsc::Receiver<Accepted>>,
@@ -68,7 +68,6 @@ impl TcpTestTransport {
     /// admits (and proving the key to those we open streams to).
     pub fn bind(addr: SocketAddr, auth: LaneAuth) -> io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
-        #[cfg(test)]
         let local = listener.local_addr()?;
         let (tx, rx) = mpsc::channel();
         let refused = Arc::<Refused>::default();
@@ -77,7 +76,6 @@ impl TcpTestTransport {
             .name("relay-lane-listen".into())
             .spawn(move || listen_loop(listener, a, r, tx))?;
         Ok(TcpTestTransport {
-            #[cfg(test)]
             local,
             auth,
             accepted: Mutex::new(rx),
@@ -201,7 +199,7 @@ impl LaneTransport for TcpTestTransport {
     }
 
     fn open(&self, peer: SocketAddr, key: StreamKey) -> io::Result<Box<dyn LaneStream>> {
-        let mut s = TcpStream::connect_timeout(&peer, CONNECT_TIMEOUT)?;
+        let mut s = flowlane_rdma::lane_auth::connect_from(self.local, peer, CONNECT_TIMEOUT)?;
         s.set_nodelay(true)?;
         // The peer proves the key before it learns the stream's key.
         if let Err(e) = self.auth.initiate(&mut s) {
