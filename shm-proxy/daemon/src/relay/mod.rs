@@ -302,15 +302,19 @@ impl Relay {
             })
             .collect();
         let pending = lock(&self.setups).len() + lock(&self.accepted).len();
+        // Zeros only next to a transport's own counts: a node whose RDMA
+        // lane never ran shows no invented samples (counters.rs).
         let mut errors = self.transport.error_counts();
-        errors.push((
-            refusal::FOREIGN_CLIENT,
-            self.refused_foreign.load(Ordering::Relaxed),
-        ));
-        errors.push((
-            refusal::DUPLICATE,
-            self.refused_duplicate.load(Ordering::Relaxed),
-        ));
+        let counting = !errors.is_empty();
+        for (kind, n) in [
+            (refusal::FOREIGN_CLIENT, &self.refused_foreign),
+            (refusal::DUPLICATE, &self.refused_duplicate),
+        ] {
+            let n = n.load(Ordering::Relaxed);
+            if counting || n > 0 {
+                errors.push((kind, n));
+            }
+        }
         (
             self.lane.to_string(),
             LaneStats {
