@@ -536,7 +536,13 @@ mod tests {
     /// right stream right after them goes through.
     #[test]
     fn only_a_peer_with_the_key_opens_a_stream() {
-        let t = bind(KEY);
+        // (the silent connections must not time out, and be counted,
+        // while the test runs)
+        let t = TcpTestTransport::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            auth(KEY).with_timeout(Duration::from_secs(60)),
+        )
+        .unwrap();
         let addr = t.local_addr().unwrap();
         let _silent: Vec<_> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
         let wrong = bind(b"another key, also 32 bytes or more long");
