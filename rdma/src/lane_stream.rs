@@ -40,6 +40,13 @@ pub trait LaneStream: Send + Sync {
     fn direct(&self) -> Option<&dyn DirectLane> {
         None
     }
+    /// The underlay address of the daemon at the other end, as its
+    /// connection's source shows it (authenticated: see `lane_auth`): the
+    /// relay checks that a stream's client belongs to that node. `None`:
+    /// the transport cannot say, and the relay refuses the stream.
+    fn peer_node(&self) -> Option<std::net::IpAddr> {
+        None
+    }
 }
 
 /// One ring's data area in the daemon's own mapping of a pod's channel.

@@ -9,9 +9,12 @@
 //!   traffic, or explains why there is none.
 //! - [`topology`] is the cluster's node table: which node owns which pod
 //!   CIDR and which nodes have an RDMA lane.
+//! - [`lane_auth`] admits only the cluster's daemons on the lane port (node
+//!   table, shared-key challenge/response), for every transport.
 
 pub mod discovery;
 pub mod gid;
+pub mod lane_auth;
 pub mod lane_stream;
 pub mod sysfs;
 pub mod topology;
@@ -19,6 +22,7 @@ pub mod transport;
 
 pub use discovery::{discover, Device, GidEntry, GidType, Inventory, LinkLayer, Port, PortState};
 pub use gid::{select_gid, NoGidReason, NoUsableGid, NodeAddress, SelectedGid};
+pub use lane_auth::{AuthError, KeyError, LaneAuth, LaneKey, PeerFilter};
 pub use lane_stream::{DirectLane, LaneStream, LaneTransport, Piece, RingArea, StreamKey};
 pub use sysfs::Sysfs;
 pub use topology::kubernetes::KubeNodeDirectory;

@@ -5,7 +5,7 @@
 
 use std::{
     io::{ErrorKind, Write},
-    net::{SocketAddr, TcpStream},
+    net::{IpAddr, SocketAddr, TcpStream},
     sync::Arc,
     thread,
     time::{Duration, Instant},
@@ -15,7 +15,7 @@ use flowlane_rdma::transport::exercise::{
     check_receive, direct_exchange, exchange, DirectSpec, ExchangeSpec, Pattern,
 };
 use flowlane_rdma::transport::{MemProvider, MemTransport, RdmaOptions};
-use flowlane_rdma::{LaneStream, LaneTransport, Piece, RingArea, StreamKey};
+use flowlane_rdma::{LaneAuth, LaneKey, LaneStream, LaneTransport, Piece, RingArea, StreamKey};
 
 fn small_opts() -> RdmaOptions {
     // A tiny ring and window so credits and windows run out constantly.
@@ -30,9 +30,30 @@ fn small_opts() -> RdmaOptions {
     }
 }
 
+const KEY: &[u8] = b"transport tests: a lane key of 32 bytes or more";
+
+/// The lane's authentication as the daemons set it up: the key, and
+/// loopback as the node table.
+fn auth_with(key: &[u8]) -> LaneAuth {
+    LaneAuth::new(
+        LaneKey::from_bytes(key).unwrap(),
+        Arc::new(|ip: IpAddr| ip.is_loopback()),
+    )
+}
+
+fn auth() -> LaneAuth {
+    auth_with(KEY)
+}
+
 fn start(opts: &RdmaOptions) -> Arc<MemTransport> {
     Arc::new(
-        MemTransport::start(MemProvider, "127.0.0.1:0".parse().unwrap(), opts.clone()).unwrap(),
+        MemTransport::start(
+            MemProvider,
+            "127.0.0.1:0".parse().unwrap(),
+            opts.clone(),
+            auth(),
+        )
+        .unwrap(),
     )
 }
 
@@ -358,7 +379,7 @@ fn peer_death_resets_streams_and_new_opens_fail_until_it_is_back() {
         "{e}"
     );
     // The peer comes back on the same port: opens work again.
-    let b2 = Arc::new(MemTransport::start(MemProvider, b_addr, opts.clone()).unwrap());
+    let b2 = Arc::new(MemTransport::start(MemProvider, b_addr, opts.clone(), auth()).unwrap());
     let (s, (k, t)) = open_and_accept(&a, &b2, 9);
     assert_eq!(k, key(9));
     assert_carries(&*s, &*t, b"back");
@@ -402,7 +423,7 @@ fn garbage_on_the_lane_port_is_refused_and_the_listener_keeps_working() {
         drop(c);
     }
     eventually("the three bad handshakes are counted", || {
-        errors(&*b, "link_setup_failed") == 3
+        errors(&*b, "peer_auth_failed") == 3
     });
     let (s, (_, t)) = open_and_accept(&a, &b, 30);
     assert_carries(&*s, &*t, b"fine");
@@ -452,7 +473,7 @@ fn bad_options_are_refused() {
             ..RdmaOptions::default()
         },
     ] {
-        let e = MemTransport::start(MemProvider, "127.0.0.1:0".parse().unwrap(), o)
+        let e = MemTransport::start(MemProvider, "127.0.0.1:0".parse().unwrap(), o, auth())
             .map(|_| ())
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidInput);
@@ -652,4 +673,107 @@ fn a_placement_outside_the_peer_ring_fails_the_link() {
         "nothing written outside the ring"
     );
     drop((ga, gb));
+}
+
+/// A link is set up only between daemons holding the same key: a peer with
+/// another key gets no link (on either side), and the transports go on
+/// serving the right peers.
+#[test]
+fn a_peer_with_another_key_gets_no_link_and_the_lane_keeps_working() {
+    let opts = small_opts();
+    let b = start(&opts);
+    let wrong = MemTransport::start(
+        MemProvider,
+        "127.0.0.1:0".parse().unwrap(),
+        opts.clone(),
+        auth_with(b"another key, also at least 32 bytes long"),
+    )
+    .unwrap();
+    let e = wrong.open(b.local_addr(), key(1)).map(|_| ()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::UnexpectedEof, "{e}");
+    let t0 = Instant::now();
+    while errors(&*b, "peer_auth_failed") == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "no refusal counted");
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(b.stats().links_up, 0);
+    // It only sees the connection close: a set-up failure.
+    assert_eq!(errors(&wrong, "link_setup_failed"), 1);
+    // The other way round: our side refuses the impostor's listener.
+    let e = b.open(wrong.local_addr(), key(2)).map(|_| ()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::UnexpectedEof, "{e}");
+    // A right peer still gets its link and streams.
+    let a = start(&opts);
+    let (s, (k, t)) = open_and_accept(&a, &b, 3);
+    assert_eq!(k, key(3));
+    s.send(b"ok").unwrap();
+    let mut buf = [0u8; 2];
+    assert_eq!(t.recv(&mut buf).unwrap(), 2);
+}
+
+/// A source outside the node table is closed before a byte is read.
+#[test]
+fn a_source_outside_the_node_table_gets_no_link() {
+    let opts = small_opts();
+    let b = Arc::new(
+        MemTransport::start(
+            MemProvider,
+            "127.0.0.1:0".parse().unwrap(),
+            opts.clone(),
+            LaneAuth::new(
+                LaneKey::from_bytes(KEY).unwrap(),
+                Arc::new(|_: IpAddr| false),
+            ),
+        )
+        .unwrap(),
+    );
+    let a = start(&opts);
+    assert!(a.open(b.local_addr(), key(1)).is_err());
+    assert_eq!(errors(&*b, "peer_unknown"), 1);
+    assert_eq!(errors(&*b, "peer_auth_failed"), 0);
+    assert_eq!(b.stats().links_up, 0);
+}
+
+/// A peer with the key that announces, after the handshake, a lane at
+/// another address than its own (so that our opens to that other node
+/// would ride its link) gets no link; the same peer announcing its own
+/// address gets one.
+#[test]
+fn a_peer_announcing_another_nodes_lane_gets_no_link() {
+    use flowlane_rdma::transport::FabricProvider;
+    use std::io::Read;
+    let opts = small_opts();
+    let b = start(&opts);
+    // Returns whether b sent its ready byte (the link is up on its side).
+    let announce = |lane: &str| -> bool {
+        let mut s = TcpStream::connect(b.local_addr()).unwrap();
+        auth().initiate(&mut s).expect("the key is right");
+        let (_half, desc) = MemProvider.prepare(opts.geometry()).unwrap();
+        let hello = serde_json::json!({
+            "protocol": 2,
+            "lane": lane,
+            "geometry": {"slots": opts.slots, "slot_size": opts.slot_size},
+            "window": opts.stream_window,
+            "fabric": desc,
+        })
+        .to_string();
+        let mut msg = (hello.len() as u32).to_le_bytes().to_vec();
+        msg.extend_from_slice(hello.as_bytes());
+        s.write_all(&msg).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut theirs = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut theirs).unwrap();
+        let mut ready = [0u8; 1];
+        matches!(s.read(&mut ready), Ok(1)) && &ready == b"R"
+    };
+    assert!(!announce("127.0.0.2:7471"), "another address: no link");
+    eventually("the refused link is counted", || {
+        errors(&*b, "link_setup_failed") == 1
+    });
+    assert!(
+        announce("127.0.0.1:7471"),
+        "its own address: the link comes up"
+    );
 }

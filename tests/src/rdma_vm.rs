@@ -502,8 +502,9 @@ impl RdmaRig {
 
     /// The flags that give both guests' `flowlaned` the cross-node RDMA
     /// lane: the relay listening on the node's underlay address, the RDMA
-    /// transport on `rxe0`, and the node table `node-up.sh` writes.
-    pub const RDMA_LANE_ARGS: [&'static str; 8] = [
+    /// transport on `rxe0`, the node table and the lane key `node-up.sh`
+    /// writes.
+    pub const RDMA_LANE_ARGS: [&'static str; 10] = [
         "--lane-listen",
         "$RIG_ADDR:7471",
         "--lane-transport",
@@ -512,6 +513,8 @@ impl RdmaRig {
         "/etc/flowlane/nodes.json",
         "--node-name",
         "node$RIG_NODE",
+        "--lane-key-file",
+        "/etc/flowlane/lane.key",
     ];
 
     /// [`RdmaRig::nodes_up`] with [`RdmaRig::RDMA_LANE_ARGS`] plus `extra`

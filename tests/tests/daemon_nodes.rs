@@ -296,6 +296,112 @@ fn a_view_needs_this_nodes_name() {
     );
 }
 
+/// The relay never runs without the cluster's lane key: with
+/// `--lane-listen`, a missing flag, a missing, empty or too short key file
+/// or one readable by others stops the daemon (and `--check-config`) with
+/// the reason; `--lane-transport` defaults to `rdma`, never the test
+/// transport.
+#[test]
+fn the_relay_needs_a_good_lane_key() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = TempDir::new("kblk");
+    let table = tmp.join("nodes.json");
+    std::fs::write(
+        &table,
+        r#"{"nodes": [{"name": "kblk-a", "podCIDRs": ["10.172.61.0/24"], "underlay": "127.0.0.1", "lanePort": 7471}]}"#,
+    )
+    .unwrap();
+    let base = |extra: &[String]| -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "--nodes-file".into(),
+            table.display().to_string(),
+            "--node-name".into(),
+            "kblk-a".into(),
+            "--lane-listen".into(),
+            format!("127.0.0.1:{}", free_port()),
+        ];
+        a.extend_from_slice(extra);
+        a
+    };
+    let key_file = |name: &str, body: &str, mode: u32| -> String {
+        let p = tmp.join(name);
+        std::fs::write(&p, body).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        p.display().to_string()
+    };
+    let flag = |p: String| vec!["--lane-key-file".to_string(), p];
+    // A missing file passes --check-config (which also runs away from the
+    // node, where the Secret is not mounted) but stops the daemon.
+    let missing = base(&flag(tmp.join("absent").display().to_string()));
+    let check = Command::new(workspace_artifact("flowlaned"))
+        .arg("--check-config")
+        .args(&missing)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && out.contains("not here; read at start"),
+        "{check:?}"
+    );
+    let (dir, mut child) = Daemon::spawn("kblk0", &missing, &[]);
+    let exited = wait::for_some(LIVENESS, || child.child.try_wait().ok().flatten())
+        .expect("flowlaned without its key file must not start");
+    assert!(!exited.success());
+    let log = std::fs::read_to_string(dir.join("flowlaned.log")).unwrap();
+    assert!(log.contains("No such file"), "says why: {log}");
+    let cases: Vec<(&str, Vec<String>, &str)> = vec![
+        ("no flag", base(&[]), "--lane-key-file"),
+        (
+            "empty",
+            base(&flag(key_file("empty.key", "\n", 0o600))),
+            "is empty",
+        ),
+        (
+            "too short",
+            base(&flag(key_file("short.key", "hunter2", 0o600))),
+            "too short",
+        ),
+        (
+            "readable by others",
+            base(&flag(key_file("open.key", &"k".repeat(40), 0o644))),
+            "group or others",
+        ),
+    ];
+    for (what, args, says) in cases {
+        let check = Command::new(workspace_artifact("flowlaned"))
+            .arg("--check-config")
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&check.stderr);
+        assert_eq!(
+            check.status.code(),
+            Some(2),
+            "{what}: --check-config: {err}"
+        );
+        assert!(err.contains(says), "{what}: --check-config says why: {err}");
+        let (dir, mut child) = Daemon::spawn("kblk1", &args, &[]);
+        let exited = wait::for_some(LIVENESS, || child.child.try_wait().ok().flatten())
+            .unwrap_or_else(|| panic!("{what}: flowlaned must not start"));
+        assert!(!exited.success(), "{what}");
+        let log = std::fs::read_to_string(dir.join("flowlaned.log")).unwrap();
+        assert!(log.contains(says), "{what}: the daemon says why: {log}");
+    }
+    // The default transport is RDMA, and a good key passes the check.
+    let good = base(&flag(key_file("good.key", &"k".repeat(40), 0o400)));
+    let check = Command::new(workspace_artifact("flowlaned"))
+        .arg("--check-config")
+        .args(&good)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{check:?}");
+    assert!(
+        out.contains("relay: rdma on") && out.contains("lane key"),
+        "{out}"
+    );
+}
+
 /// The DaemonSet gives every node the same flags: a node without RDMA
 /// (no devices in sysfs) asked for the RDMA lane keeps serving (shm lane,
 /// status) and says why its cross-node connections stay on TCP.
@@ -324,6 +430,8 @@ fn rdma_lane_asked_on_a_node_without_rdma_keeps_the_daemon_serving() {
             format!("127.0.0.1:{port}"),
             "--lane-transport".into(),
             "rdma".into(),
+            "--lane-key-file".into(),
+            lane_key(tmp.path()),
         ],
         &[],
     );
@@ -664,6 +772,15 @@ fn node_object(name: &str, cidrs: &[&str], ip: &str, lane: Option<Value>) -> Val
 }
 
 /// A free TCP port on 127.0.0.1 for a daemon's lane listener.
+/// A lane key file (`--lane-key-file`) in `dir`, mode 0600.
+fn lane_key(dir: &Path) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join("lane.key");
+    std::fs::write(&p, "daemon_nodes: a lane key of 32 bytes or more\n").unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p.display().to_string()
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -715,7 +832,17 @@ fn kubernetes_view_publishes_lanes_and_survives_api_errors() {
         .map(String::from)
         .to_vec();
         if let Some(p) = lane {
-            a.extend(["--lane-listen".to_string(), format!("127.0.0.1:{p}")]);
+            a.extend([
+                "--lane-listen".to_string(),
+                format!("127.0.0.1:{p}"),
+                "--lane-key-file".to_string(),
+                lane_key(tmp.path()),
+                // The test transport, said explicitly: it listens without an
+                // RDMA device, so the lane port is published (the fake
+                // sysfs has an rxe0 but no device to open).
+                "--lane-transport".to_string(),
+                "tcp-test".to_string(),
+            ]);
         }
         a
     };

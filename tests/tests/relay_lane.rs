@@ -29,6 +29,8 @@ use flowlane_lane::proto::Stats;
 static SERIAL: Mutex<()> = Mutex::new(());
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 const LANE_PORT: u16 = 7470;
+/// The test cluster's shared lane key.
+const LANE_KEY: &[u8] = b"relay_lane: the test cluster's lane key, 32+ bytes\n";
 const T: Duration = Duration::from_secs(120);
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -55,6 +57,15 @@ impl Node {
 
     fn state_dir(&self) -> PathBuf {
         self.dir.join("state")
+    }
+
+    /// The cluster's lane key (the same bytes on every node), mode 0600.
+    fn lane_key_file(&self) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let p = self.dir.join("lane.key");
+        std::fs::write(&p, LANE_KEY).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p
     }
 
     fn cni_conf(&self) -> String {
@@ -119,6 +130,10 @@ impl Node {
             .arg(self.socket())
             .args(["--log-level", "debug"])
             .args(["--lane-listen", &format!("{}:{LANE_PORT}", self.underlay)])
+            // The test double, said explicitly (the default is rdma).
+            .args(["--lane-transport", "tcp-test"])
+            .arg("--lane-key-file")
+            .arg(self.lane_key_file())
             .arg("--nodes-file")
             .arg(nodes_file)
             .args(["--node-name", &self.name])
@@ -1105,4 +1120,309 @@ fn an_idle_relayed_connection_costs_the_daemons_no_cpu() {
             c.logs()
         );
     }
+}
+
+// ---------------------------------------------------------------------
+// Impostors on the lane port (issue 11, part 2): each gets nothing and
+// changes nothing. The attacks run on threads inside the nodes' and pods'
+// network namespaces (setns), with the real handshake code of the lane
+// (`flowlane_rdma::lane_auth`).
+
+/// `live_client.py IP PORT GO`: connects (through the relay), swaps one
+/// byte, prints "up", waits for the file GO, then swaps 32 x 32 KiB and
+/// prints "ok".
+const LIVE_CLIENT: &str = r#"
+import socket, sys, os, time
+ip, port, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+c = socket.create_connection((ip, port))
+c.sendall(b"x"); assert c.recv(1) == b"x"
+print("up", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.05)
+for i in range(32):
+    data = os.urandom(32768)
+    c.sendall(data)
+    got = bytearray()
+    while len(got) < len(data):
+        d = c.recv(len(data) - len(got))
+        assert d, "eof"
+        got += d
+    assert bytes(got) == data, i
+c.close()
+print("ok", flush=True)
+"#;
+
+/// Runs `f` on a thread inside network namespace `ns`: the sockets it makes
+/// live there.
+fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let fd = std::fs::File::open(&path).expect("netns file");
+        nix::sched::setns(&fd, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        f()
+    })
+    .join()
+    .expect("impostor thread")
+}
+
+fn lane_auth(key: &[u8]) -> flowlane_rdma::LaneAuth {
+    flowlane_rdma::LaneAuth::new(
+        flowlane_rdma::LaneKey::from_bytes(key).unwrap(),
+        std::sync::Arc::new(|_: std::net::IpAddr| true),
+    )
+}
+
+fn lane_connect(to: std::net::SocketAddr) -> std::net::TcpStream {
+    std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).expect("connect lane port")
+}
+
+/// Everything the peer sends until it closes (or 3 s pass).
+fn read_rest(s: &mut std::net::TcpStream) -> Vec<u8> {
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut got = Vec::new();
+    let mut b = [0u8; 256];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return got,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+        }
+    }
+}
+
+/// A tcp-test stream header (after the handshake): `FLR1`, u16-le length,
+/// the key as JSON.
+fn stream_header(client: std::net::SocketAddr, server: std::net::SocketAddr) -> Vec<u8> {
+    let body = serde_json::json!({"client": client, "server": server}).to_string();
+    let mut h = b"FLR1".to_vec();
+    h.extend_from_slice(&(body.len() as u16).to_le_bytes());
+    h.extend_from_slice(body.as_bytes());
+    h
+}
+
+/// An authenticated stream (the right key, from node n0's address) with
+/// `client`/`server` as its key; returns the first answer byte (the
+/// record `0, u32-le 1, byte`), the stream kept open.
+fn authed_stream(
+    ns: &str,
+    lane: std::net::SocketAddr,
+    client: std::net::SocketAddr,
+    server: std::net::SocketAddr,
+) -> (Option<u8>, std::net::TcpStream) {
+    in_netns(ns, move || {
+        use std::io::{Read, Write};
+        let mut s = lane_connect(lane);
+        lane_auth(LANE_KEY)
+            .initiate(&mut s)
+            .expect("the right key authenticates");
+        s.write_all(&stream_header(client, server)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut rec = [0u8; 6];
+        let answer = s.read_exact(&mut rec).ok().map(|_| {
+            assert_eq!(rec[..5], [0, 1, 0, 0, 0], "one stream byte");
+            rec[5]
+        });
+        (answer, s)
+    })
+}
+
+fn lane_error(node: &Node, kind: &str) -> u64 {
+    node.stats()
+        .lane_errors
+        .get("relay")
+        .and_then(|e| e.get(kind).copied())
+        .unwrap_or(0)
+}
+
+/// Impostors on node n1's lane port while a relayed connection between
+/// n0's and n1's pods is live: a stranger (a pod's address, not a node of
+/// the table, even with the key), a daemon without a key (the old header),
+/// a wrong key, a replayed transcript, a spoofed client address (a node
+/// carrying pod traffic that is not its own) and a duplicate stream key
+/// (of the live connection, and of a pending stream). Each is refused and
+/// counted; the live connection, new connections and both daemons go on.
+#[test]
+fn impostors_on_the_lane_port_get_nothing_and_change_nothing() {
+    use std::io::{Read, Write};
+    let _g = serial();
+    let c = Cluster::new(1);
+    let (n0, n1, a, b) = c.first_pods();
+    let lane: std::net::SocketAddr = (n1.underlay, LANE_PORT).into();
+    let port = 7611u16;
+    let _srv = n1.serve(
+        b,
+        true,
+        port,
+        &[PYTHON, "-c", ECHO_SERVER, &port.to_string(), "2"],
+    );
+    let go = c.dir.join("go");
+    let mut live = Bg::spawn(n0.cmd(
+        a,
+        true,
+        &[
+            PYTHON,
+            "-c",
+            LIVE_CLIENT,
+            &b.ip.to_string(),
+            &port.to_string(),
+            go.to_str().unwrap(),
+        ],
+    ));
+    assert_eq!(first_line(&mut live).trim(), "up");
+    let t0 = Instant::now();
+    while n1.relay().0 < 1 {
+        assert!(
+            t0.elapsed() < T,
+            "the live connection is relayed\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = n1.stats();
+    let live_conn = before
+        .connections
+        .iter()
+        .find(|x| x.lane == "relay")
+        .expect("the live relayed connection")
+        .clone();
+    let server_addr: std::net::SocketAddr = (b.ip, port).into();
+
+    // 1. A stranger: a pod's address (not in the node table), with the
+    // right key and the full handshake: closed before a byte is read.
+    let got = in_netns(&a.netns, move || {
+        let mut s = lane_connect(lane);
+        let r = lane_auth(LANE_KEY).initiate(&mut s);
+        (r.is_err(), read_rest(&mut s))
+    });
+    assert!(got.0 && got.1.is_empty(), "stranger: {got:?}");
+    assert_eq!(lane_error(n1, "peer_unknown"), 1, "{}", c.logs());
+
+    // 2. No key: a node's address speaking the old, unauthenticated header.
+    let client0: std::net::SocketAddr = (a.ip, 45001).into();
+    let got = in_netns(&n0.netns, move || {
+        let mut s = lane_connect(lane);
+        let _ = s.write_all(&stream_header(client0, server_addr));
+        read_rest(&mut s)
+    });
+    assert!(got.is_empty(), "no key: answered {got:?}");
+    assert_eq!(lane_error(n1, "peer_auth_failed"), 1, "{}", c.logs());
+
+    // 3. A wrong key.
+    let got = in_netns(&n0.netns, move || {
+        let mut s = lane_connect(lane);
+        let r = lane_auth(b"a guessed key, 32 bytes or longer....").initiate(&mut s);
+        let _ = s.write_all(&stream_header(client0, server_addr));
+        (r.is_err(), read_rest(&mut s))
+    });
+    assert!(got.0 && got.1.is_empty(), "wrong key: {got:?}");
+    assert_eq!(lane_error(n1, "peer_auth_failed"), 2, "{}", c.logs());
+
+    // 4. A replayed transcript: the initiator's bytes of a good exchange
+    // (recorded as an eavesdropper on the underlay would), sent again.
+    let got = in_netns(&n0.netns, move || {
+        let mut s = lane_connect(lane);
+        let (me, peer) = (s.local_addr().unwrap(), s.peer_addr().unwrap());
+        let ni = [0x5a_u8; 32];
+        let mut sent = b"FLA1".to_vec();
+        sent.extend_from_slice(&ni);
+        s.write_all(&sent).unwrap();
+        let mut ch = [0u8; 36];
+        s.read_exact(&mut ch).unwrap();
+        let proof = lane_auth(LANE_KEY).initiator_proof(&ni, &ch[4..], me, peer);
+        s.write_all(&proof).unwrap();
+        let mut theirs = [0u8; 32];
+        s.read_exact(&mut theirs)
+            .expect("the recorded exchange was good");
+        drop(s);
+        sent.extend_from_slice(&proof);
+        let mut s = lane_connect(lane);
+        s.write_all(&sent).unwrap();
+        let got = read_rest(&mut s);
+        // The challenge (36 bytes) comes back, nothing after it.
+        (got.len(), got.get(..4).map(|m| m == b"FLA1"))
+    });
+    assert_eq!(got, (36, Some(true)), "replay: only a fresh challenge");
+    // (the recorded exchange itself ended before its header: not a refusal)
+    assert_eq!(lane_error(n1, "peer_auth_failed"), 3, "{}", c.logs());
+
+    // 5. A spoofed client: node n0 (the key, its own address) opens a
+    // stream for an address of n1's pod CIDR, to n1's listening pod.
+    let spoofed: std::net::SocketAddr = (b.ip, 45002).into();
+    let (answer, _s) = authed_stream(&n0.netns, lane, spoofed, server_addr);
+    assert_eq!(answer, Some(0xB2), "spoofed client: STREAM_REFUSED");
+    let outside: std::net::SocketAddr = (n1.underlay, 45003).into();
+    let (answer, _s2) = authed_stream(&n0.netns, lane, outside, server_addr);
+    assert_eq!(
+        answer,
+        Some(0xB2),
+        "client outside every pod CIDR: STREAM_REFUSED"
+    );
+    assert_eq!(lane_error(n1, "stream_foreign_client"), 2, "{}", c.logs());
+
+    // 6. Duplicate keys: the live connection's, then a pending stream's.
+    let (answer, _s3) = authed_stream(
+        &n0.netns,
+        lane,
+        live_conn.client.addr,
+        live_conn.server.addr,
+    );
+    assert_eq!(
+        answer,
+        Some(0xB2),
+        "the live connection's key: STREAM_REFUSED"
+    );
+    let fresh: std::net::SocketAddr = (a.ip, 45004).into();
+    let (first, pending) = authed_stream(&n0.netns, lane, fresh, server_addr);
+    assert_eq!(
+        first,
+        Some(0xB1),
+        "a fresh key from n0's pod CIDR: REGISTERED"
+    );
+    let (second, _s4) = authed_stream(&n0.netns, lane, fresh, server_addr);
+    assert_eq!(second, Some(0xB2), "its duplicate: STREAM_REFUSED");
+    assert_eq!(lane_error(n1, "stream_duplicate"), 2, "{}", c.logs());
+    drop(pending);
+
+    // Nothing changed: the live connection carries on, on the relay.
+    std::fs::write(&go, b"").unwrap();
+    let (st, out, err) = live.finish(T);
+    assert!(
+        st.is_some_and(|s| s.success()) && out.contains("ok"),
+        "the live connection after the impostors: {out} {err}\n{}",
+        c.logs()
+    );
+    let after = n1.stats();
+    assert_eq!(
+        after.lanes["relay"].connections_opened, before.lanes["relay"].connections_opened,
+        "no impostor stream became a connection"
+    );
+    // A new connection still rides the relay, and both daemons serve.
+    echo_across(&c, 0, 1, 7612, 1, 200_000);
+    wait_closed(&c, 2);
+    for node in &c.nodes {
+        assert_eq!(node.relay().0, 2, "{}: {}", node.name, c.logs());
+    }
+    // n0 was never refused anything: its own lane errors stay at zero.
+    for kind in [
+        "peer_unknown",
+        "peer_auth_failed",
+        "stream_foreign_client",
+        "stream_duplicate",
+    ] {
+        assert_eq!(lane_error(n0, kind), 0, "{kind} on n0");
+    }
+    // `flowlane status` shows the refusals.
+    let out = run_ok(
+        {
+            let mut cmd = Command::new(build_dir().join("flowlane"));
+            cmd.args(["status", "--socket"]).arg(n1.socket());
+            cmd
+        },
+        T,
+        "flowlane status",
+    );
+    assert!(
+        out.contains("peer_auth_failed") && out.contains("stream_foreign_client"),
+        "{out}"
+    );
 }

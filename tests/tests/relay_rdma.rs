@@ -279,7 +279,7 @@ fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
 
 /// Both daemons restarted with the relay's copying data path.
 fn relay_nodes_up_copying(rig: &RdmaRig) {
-    let args = "--lane-listen $RIG_ADDR:7471 --lane-transport rdma --nodes-file /etc/flowlane/nodes.json --node-name node$RIG_NODE --log-level info,flowlaned=debug";
+    let args = "--lane-listen $RIG_ADDR:7471 --lane-transport rdma --nodes-file /etc/flowlane/nodes.json --node-name node$RIG_NODE --lane-key-file /etc/flowlane/lane.key --log-level info,flowlaned=debug";
     let jobs: Vec<_> = [1u8, 2]
         .iter()
         .map(|&n| {

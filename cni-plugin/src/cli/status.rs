@@ -172,6 +172,23 @@ fn render(s: &Stats) -> String {
         "auth failures {}, bad requests {}, refused connections {}",
         s.auth_failures, s.bad_requests, s.connections_refused
     );
+    // Cross-node lane failures and refusals (peers not in the node table,
+    // peers without the lane key, streams refused): the kinds seen.
+    let lane_errors: Vec<Vec<String>> = s
+        .lane_errors
+        .iter()
+        .flat_map(|(lane, kinds)| {
+            kinds
+                .iter()
+                .filter(|(_, n)| **n > 0)
+                .map(move |(k, n)| vec![format!("  {lane}"), k.clone(), n.to_string()])
+        })
+        .collect();
+    if !lane_errors.is_empty() {
+        let total: u64 = s.lane_errors.values().flat_map(|k| k.values()).sum();
+        let _ = writeln!(out, "\nLANE ERRORS: {total}");
+        out += &table(&["  LANE", "KIND", "COUNT"], &lane_errors);
+    }
     let _ = writeln!(out, "\nCONNECTIONS: {}", s.connections.len());
     if !s.connections.is_empty() {
         let rows: Vec<Vec<String>> = s
@@ -239,6 +256,15 @@ mod tests {
             },
         );
         s.fallbacks.insert("no-listener".into(), 4);
+        s.lane_errors.insert(
+            "relay".into(),
+            [
+                ("peer_auth_failed".to_string(), 3),
+                ("peer_unknown".to_string(), 0),
+            ]
+            .into_iter()
+            .collect(),
+        );
         s.connections.push(ConnectionInfo {
             id: 9,
             lane: "shm".into(),
@@ -265,5 +291,11 @@ mod tests {
         assert!(t.contains("default/a 10.0.0.2:4000"));
         assert!(t.contains("2.0 KiB"));
         assert!(t.contains("1m15s"));
+        assert!(t.contains("LANE ERRORS: 3"), "{t}");
+        assert!(t.contains("relay  peer_auth_failed  3"), "{t}");
+        assert!(
+            !t.contains("peer_unknown"),
+            "zero counts are not shown: {t}"
+        );
     }
 }

@@ -600,6 +600,36 @@ fn the_node_agent_is_complete_and_runs_the_rdma_lane() {
         lane_port.container_port.to_string(),
         env["FLOWLANE_LANE_PORT"]
     );
+    // The lane key (docs/security-relay.md): the Secret flowlane-lane-key
+    // (deploy/kubernetes/lane-key.sh makes it), mounted read-only, mode 0400
+    // (flowlaned refuses a key that group or others may read), optional only
+    // so that the relay-off variant needs none.
+    assert!(
+        args.contains(&"--lane-key-file=/etc/flowlane-lane/key"),
+        "{args:?}"
+    );
+    let key_volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "lane-key")
+        .and_then(|v| v.secret.as_ref())
+        .expect("a lane-key Secret volume");
+    assert_eq!(key_volume.secret_name.as_deref(), Some("flowlane-lane-key"));
+    assert_eq!(key_volume.default_mode, Some(0o400));
+    let key_mount = daemon
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "lane-key")
+        .expect("the lane key mounted in flowlaned");
+    assert_eq!(key_mount.mount_path, "/etc/flowlane-lane");
+    assert_eq!(key_mount.read_only, Some(true));
+    let script = std::fs::read_to_string(deploy_dir().join("lane-key.sh")).unwrap();
+    assert!(
+        script.contains("flowlane-lane-key") && script.contains("--from-file=key="),
+        "lane-key.sh makes the Secret the DaemonSet mounts"
+    );
     // The real daemon accepts the arguments as the kubelet expands them.
     let summary = flowlaned_accepts(daemon, &objects);
     assert!(

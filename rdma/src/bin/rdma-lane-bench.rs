@@ -16,6 +16,10 @@
 //! bytes until EOF, answer the count), 4 = echo (ping-pong), 3 = hold (never answer: the client
 //! waits for the reset when the server process is killed).
 //! Results are printed as `@@` lines with JSON for the tests to parse.
+//! The lane is authenticated as the daemons' is (`lane_auth`), with the key
+//! from `--key-file` or, without one, a fixed benchmark key (not a secret:
+//! the bench is a measuring tool, its peers are whoever runs it), and any
+//! source address admitted.
 
 use std::{
     io::{self, Read, Write},
@@ -72,7 +76,20 @@ fn transport(a: &Args, listen: SocketAddr) -> io::Result<RdmaTransport> {
         a.num("--port", 1) as u32,
         a.num("--gid-index", 1) as u32,
     )?;
-    RdmaTransport::start(provider, listen, opts(a))
+    RdmaTransport::start(provider, listen, opts(a), auth(a)?)
+}
+
+/// The benchmark's lane authentication (see the top of this file).
+fn auth(a: &Args) -> io::Result<flowlane_rdma::LaneAuth> {
+    let key = match a.get("--key-file") {
+        Some(p) => flowlane_rdma::LaneKey::from_file(std::path::Path::new(p)),
+        None => flowlane_rdma::LaneKey::from_bytes(b"rdma-lane-bench: a fixed key, not a secret"),
+    }
+    .map_err(io::Error::other)?;
+    Ok(flowlane_rdma::LaneAuth::new(
+        key,
+        Arc::new(|_: std::net::IpAddr| true),
+    ))
 }
 
 fn key(i: u64, op: u16) -> StreamKey {

@@ -57,6 +57,10 @@ pub(crate) struct LinkErrors {
     pub link_failed: AtomicU64,
     /// Connecting or handshaking with a peer daemon failed.
     pub link_setup_failed: AtomicU64,
+    /// A connection to the lane port from an address not in the node table.
+    pub peer_unknown: AtomicU64,
+    /// A peer that did not prove the lane key (either side of a link).
+    pub peer_auth_failed: AtomicU64,
 }
 
 /// A control message waiting for link credit (sent in order, before data).
@@ -105,6 +109,9 @@ struct LinkState {
 
 pub(crate) struct Link {
     pub(crate) peer: SocketAddr,
+    /// The peer daemon's address as the control connection shows it (the
+    /// node its streams come from).
+    source: std::net::IpAddr,
     fabric: Box<dyn Fabric>,
     cfg: LinkConfig,
     st: Mutex<LinkState>,
@@ -134,11 +141,13 @@ impl Link {
         control: TcpStream,
     ) -> io::Result<Arc<Link>> {
         let watcher_sock = control.try_clone()?;
+        let source = control.peer_addr()?.ip().to_canonical();
         let now = Instant::now();
         let link = Arc::new_cyclic(|weak_self| Link {
             weak_self: weak_self.clone(),
             peer_closed: Mutex::new(None),
             peer,
+            source,
             fabric,
             st: Mutex::new(LinkState {
                 failed: None,
@@ -268,6 +277,7 @@ impl Link {
         Ok(RdmaStream {
             shared,
             max_payload: self.max_payload(),
+            peer: self.source,
         })
     }
 
@@ -607,6 +617,7 @@ impl Link {
         let stream = RdmaStream {
             shared: Arc::clone(&shared),
             max_payload: self.max_payload(),
+            peer: self.source,
         };
         self.stats.streams_accepted.fetch_add(1, Ordering::Relaxed);
         if let Err(mpsc::SendError((_, stream))) = self.accept.send((key, Box::new(stream))) {

@@ -8,7 +8,7 @@ use std::{
     net::{SocketAddr, TcpListener, TcpStream},
     os::fd::AsRawFd,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         mpsc, Arc, Mutex, Weak,
     },
     time::Duration,
@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::fabric::{FabricProvider, Geometry};
 use super::link::{AcceptSender, Link, LinkConfig, LinkErrors, LinkStats, LOCAL_SHUTDOWN};
 use super::RdmaOptions;
+use crate::lane_auth::{AuthError, LaneAuth, PEER_AUTH_FAILED, PEER_UNKNOWN};
 use crate::lane_stream::{LaneStream, LaneTransport, StreamKey};
 
 /// Bumped when the link protocol changes; peers with another version are
@@ -26,6 +27,9 @@ use crate::lane_stream::{LaneStream, LaneTransport, StreamKey};
 /// 2: zero-copy placements (the relay's RING/PLACED/ROOM frames).
 const PROTOCOL: u32 = 2;
 const MAX_HELLO: usize = 64 * 1024;
+/// Connections on the lane port being authenticated at once; more are
+/// closed unread (a flood of silent connections cannot pile up threads).
+const MAX_HANDSHAKES: usize = 32;
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Hello {
@@ -81,6 +85,10 @@ struct Inner<P: FabricProvider> {
     errors: Arc<LinkErrors>,
     /// Peers an extra link is being made to in the background.
     growing: Mutex<std::collections::HashSet<SocketAddr>>,
+    /// Who may set up a link (`lane_auth`): node table and shared key.
+    auth: LaneAuth,
+    /// Handshakes in progress on the lane port.
+    handshakes: AtomicUsize,
 }
 
 /// A [`LaneTransport`] over any [`FabricProvider`]: [`super::RdmaTransport`]
@@ -90,8 +98,15 @@ pub struct MuxTransport<P: FabricProvider> {
 }
 
 impl<P: FabricProvider> MuxTransport<P> {
-    /// Binds the lane port and starts accepting peer daemons.
-    pub fn start(provider: P, listen: SocketAddr, opts: RdmaOptions) -> io::Result<Self> {
+    /// Binds the lane port and starts accepting peer daemons: those that
+    /// `auth` admits (a node of the node table that proves the lane key);
+    /// our own links are authenticated the same way.
+    pub fn start(
+        provider: P,
+        listen: SocketAddr,
+        opts: RdmaOptions,
+        auth: LaneAuth,
+    ) -> io::Result<Self> {
         opts.validate()?;
         let listener = TcpListener::bind(listen)?;
         let local = listener.local_addr()?;
@@ -110,6 +125,8 @@ impl<P: FabricProvider> MuxTransport<P> {
             links_failed: AtomicU64::new(0),
             errors: Arc::default(),
             growing: Mutex::default(),
+            auth,
+            handshakes: AtomicUsize::new(0),
         });
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
@@ -226,6 +243,8 @@ impl<P: FabricProvider> LaneTransport for MuxTransport<P> {
                 "link_setup_failed",
                 e.link_setup_failed.load(Ordering::Relaxed),
             ),
+            (PEER_UNKNOWN, e.peer_unknown.load(Ordering::Relaxed)),
+            (PEER_AUTH_FAILED, e.peer_auth_failed.load(Ordering::Relaxed)),
         ]
     }
 
@@ -283,14 +302,31 @@ fn healthy<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr) -> (Option<Arc
 
 /// Connects and registers one more link to `peer`.
 fn connect_link<P: FabricProvider>(inner: &Inner<P>, peer: SocketAddr) -> io::Result<Arc<Link>> {
-    let connected = TcpStream::connect_timeout(&peer, inner.opts.connect_timeout)
-        .and_then(|sock| handshake(inner, sock, true));
-    let (lane, link) = connected.inspect_err(|_| {
+    let setup_failed = |e: io::Error| {
         inner
             .errors
             .link_setup_failed
             .fetch_add(1, Ordering::Relaxed);
-    })?;
+        e
+    };
+    let mut sock = crate::lane_auth::connect_from(inner.local, peer, inner.opts.connect_timeout)
+        .map_err(setup_failed)?;
+    // The peer proves the key before it learns anything about us.
+    // (A peer with another key closes the connection without a word: we
+    // see an I/O error, counted as a set-up failure; it counts the refusal.)
+    match inner.auth.initiate(&mut sock) {
+        Ok(()) => {}
+        Err(e @ AuthError::Io(_)) => {
+            tracing::info!(%peer, error = %e, "RDMA lane handshake with the peer failed");
+            return Err(setup_failed(e.into()));
+        }
+        Err(e) => {
+            count_refusal(inner, &e);
+            tracing::warn!(%peer, error = %e, "RDMA lane peer not authenticated");
+            return Err(e.into());
+        }
+    }
+    let (lane, link) = handshake(inner, sock, true).map_err(setup_failed)?;
     if lane != peer {
         tracing::debug!(%peer, %lane, "peer announces another lane address");
     }
@@ -372,26 +408,60 @@ fn listen_loop<P: FabricProvider>(listener: TcpListener, inner: Weak<Inner<P>>) 
         if n <= 0 {
             continue;
         }
-        let Ok((sock, from)) = listener.accept() else {
+        let Ok((mut sock, from)) = listener.accept() else {
             continue;
         };
+        // Before anything else: the source must be a node of the table.
+        if let Err(e) = inner.auth.admit(from) {
+            count_refusal(&inner, &e);
+            tracing::info!(%from, error = %e, "lane connection refused");
+            continue;
+        }
+        if inner.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            inner.handshakes.fetch_sub(1, Ordering::AcqRel);
+            inner
+                .errors
+                .peer_auth_failed
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::info!(%from, "too many lane handshakes at once; connection closed");
+            continue;
+        }
         let inner2 = Arc::clone(&inner);
         let spawned = std::thread::Builder::new()
             .name("rdma-lane-hs".into())
-            .spawn(move || match handshake(&inner2, sock, false) {
-                Ok((lane, link)) => register(&inner2, lane, &link),
-                Err(e) => {
-                    inner2
-                        .errors
-                        .link_setup_failed
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(%from, error = %e, "RDMA lane handshake failed")
+            .spawn(move || {
+                let authed = inner2.auth.respond(&mut sock);
+                inner2.handshakes.fetch_sub(1, Ordering::AcqRel);
+                if let Err(e) = authed {
+                    count_refusal(&inner2, &e);
+                    tracing::info!(%from, error = %e, "lane peer not authenticated; connection closed");
+                    return;
+                }
+                match handshake(&inner2, sock, false) {
+                    Ok((lane, link)) => register(&inner2, lane, &link),
+                    Err(e) => {
+                        inner2
+                            .errors
+                            .link_setup_failed
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%from, error = %e, "RDMA lane handshake failed")
+                    }
                 }
             });
         if let Err(e) = spawned {
+            inner.handshakes.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(error = %e, "cannot start a handshake thread");
         }
     }
+}
+
+/// Counts a peer the lane refused (`peer_unknown` / `peer_auth_failed`).
+fn count_refusal<P: FabricProvider>(inner: &Inner<P>, e: &AuthError) {
+    let c = match e.counter() {
+        PEER_UNKNOWN => &inner.errors.peer_unknown,
+        _ => &inner.errors.peer_auth_failed,
+    };
+    c.fetch_add(1, Ordering::Relaxed);
 }
 
 fn write_msg(sock: &mut TcpStream, v: &impl Serialize) -> io::Result<()> {
@@ -444,6 +514,18 @@ fn handshake<P: FabricProvider>(
         },
     )?;
     let peer: Hello = read_msg(&mut sock)?;
+    // A node announces its own lane, not another node's: the link is filed
+    // under that address and carries our streams to that node's pods.
+    let source = sock.peer_addr()?.ip().to_canonical();
+    if !initiator && peer.lane.ip().to_canonical() != source {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "the peer at {source} announces the lane {} of another address",
+                peer.lane
+            ),
+        ));
+    }
     if peer.protocol != PROTOCOL {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,

@@ -192,6 +192,8 @@ impl StreamShared {
 pub(crate) struct RdmaStream {
     pub(crate) shared: Arc<StreamShared>,
     pub(crate) max_payload: usize,
+    /// The peer daemon's address (its link's control connection).
+    pub(crate) peer: std::net::IpAddr,
 }
 
 /// How long a blocked call sleeps before re-checking (wake-ups normally
@@ -199,6 +201,10 @@ pub(crate) struct RdmaStream {
 const RECHECK: Duration = Duration::from_secs(1);
 
 impl LaneStream for RdmaStream {
+    fn peer_node(&self) -> Option<std::net::IpAddr> {
+        Some(self.peer)
+    }
+
     fn send(&self, buf: &[u8]) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);

@@ -114,7 +114,7 @@ pub const EMPTY_FAMILIES: &[EmptyFamily] = &[EmptyFamily {
 /// Fed by the RDMA transport's link counters; a daemon without the RDMA
 /// lane describes the family with no samples.
 const RDMA_ERRORS: &str = "flowlane_rdma_errors_total";
-const RDMA_ERRORS_HELP: &str = "RDMA lane errors by kind: link_failed (an RDMA link to a peer daemon failed: error completion, protocol violation, keep-alive silence, peer gone), link_setup_failed (connecting or handshaking with a peer daemon failed). No samples on a node without the RDMA lane.";
+const RDMA_ERRORS_HELP: &str = "RDMA lane errors by kind: link_failed (an RDMA link to a peer daemon failed: error completion, protocol violation, keep-alive silence, peer gone), link_setup_failed (connecting or handshaking with a peer daemon failed), peer_unknown (a connection to the lane port from an address not in the node table), peer_auth_failed (a peer that did not prove the lane key), stream_foreign_client (a stream whose client is no pod of the node that opened it), stream_duplicate (a stream with the key of a live one). No samples on a node without the RDMA lane.";
 
 /// The Prometheus series of one latency histogram (seconds).
 fn histogram_samples(

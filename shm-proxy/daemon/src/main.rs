@@ -59,11 +59,18 @@ struct Args {
     /// node's underlay IP and the lane port). Without it nothing changes.
     #[arg(long)]
     lane_listen: Option<std::net::SocketAddr>,
-    /// The lane's transport: `tcp-test` (one TCP connection per stream, for
-    /// hosts without RDMA and tests), `rdma`, or `off` (no relay even with
-    /// --lane-listen: a cluster-wide opt-out that keeps the flags as they are).
-    #[arg(long, default_value = "tcp-test")]
+    /// The lane's transport: `rdma` (the default), `tcp-test` (one TCP
+    /// connection per stream: a test double for hosts without RDMA, never
+    /// a default), or `off` (no relay even with --lane-listen: a
+    /// cluster-wide opt-out that keeps the flags as they are).
+    #[arg(long, default_value = "rdma")]
     lane_transport: String,
+    /// The cluster's shared lane key (a file of at least 32 bytes, mode
+    /// 0400/0600, e.g. a mounted Kubernetes Secret): only daemons that prove
+    /// it (and connect from a node of the node table) may open lane
+    /// streams. Required with --lane-listen (docs/security-relay.md).
+    #[arg(long)]
+    lane_key_file: Option<PathBuf>,
     /// The cluster's node table (JSON: nodes with podCIDRs, underlay,
     /// lanePort, rdma); says which node owns a pod IP.
     #[arg(long)]
@@ -107,7 +114,18 @@ impl Args {
         if self.relay_listen().is_some() && self.nodes_file.is_none() && !self.nodes.kubernetes {
             anyhow::bail!("--lane-listen needs the cross-node view (--nodes-file or --kubernetes, and --node-name)");
         }
+        if self.relay_listen().is_some() && self.lane_key_file.is_none() {
+            anyhow::bail!("--lane-listen needs --lane-key-file: the cluster's shared lane key, without which any host reaching the lane port could pose as a node (see docs/security-relay.md; in Kubernetes the Secret flowlane-lane-key, deploy/kubernetes/lane-key.sh)");
+        }
         Ok(())
+    }
+
+    /// The lane key, when the relay is on (checked: see `LaneKey::from_file`).
+    fn lane_key(&self) -> anyhow::Result<Option<flowlane_rdma::LaneKey>> {
+        match (&self.lane_key_file, self.relay_listen()) {
+            (Some(p), Some(_)) => Ok(Some(flowlane_rdma::LaneKey::from_file(p)?)),
+            _ => Ok(None),
+        }
     }
 }
 
@@ -156,8 +174,23 @@ fn main() -> anyhow::Result<()> {
             eprintln!("flowlaned: {e:#}");
             std::process::exit(2);
         }
+        // The key is read only where it exists: --check-config also runs
+        // away from the node (the manifests' tests), where the Secret is not.
+        let key = match &args.lane_key_file {
+            Some(p) if args.relay_listen().is_some() && p.exists() => match args.lane_key() {
+                Ok(_) => format!(", lane key {} ok", p.display()),
+                Err(e) => {
+                    eprintln!("flowlaned: {e:#}");
+                    std::process::exit(2);
+                }
+            },
+            Some(p) if args.relay_listen().is_some() => {
+                format!(", lane key {} (not here; read at start)", p.display())
+            }
+            _ => String::new(),
+        };
         println!(
-            "flowlaned: configuration ok (relay: {}, node table: {})",
+            "flowlaned: configuration ok (relay: {}, node table: {}{key})",
             args.relay_listen()
                 .map(|a| format!("{} on {a}", args.lane_transport))
                 .unwrap_or_else(|| "off".into()),
@@ -172,6 +205,8 @@ fn main() -> anyhow::Result<()> {
     init_logging(args.log_level.as_deref());
     raise_fd_limit();
     args.check()?;
+    // A bad key file stops the daemon before it serves anything.
+    args.lane_key()?;
     let limits = Limits {
         intent_ttl: Duration::from_secs_f64(args.intent_timeout),
         max_region: args.max_region,
@@ -202,17 +237,32 @@ fn start_relay(
     let Some(nodes) = nodes else {
         anyhow::bail!("--lane-listen needs the cross-node view (--nodes-file or --kubernetes, and --node-name)");
     };
+    // No key, no relay: the daemon does not start (a lane port that any
+    // host could pose as a node on is worse than none).
+    let key = args
+        .lane_key()?
+        .context("--lane-listen needs --lane-key-file")?;
+    let auth = {
+        let nodes = nodes.clone();
+        flowlane_rdma::LaneAuth::new(
+            key,
+            Arc::new(move |ip: std::net::IpAddr| nodes.is_node_address(ip)),
+        )
+    };
     let transport: Arc<dyn flowlane_rdma::LaneTransport> = match args.lane_transport.as_str() {
-        "tcp-test" => Arc::new(
-            relay::tcp_test::TcpTestTransport::bind(listen)
-                .with_context(|| format!("listening for lane streams on {listen}"))?,
-        ),
+        "tcp-test" => {
+            tracing::warn!("--lane-transport tcp-test: the test transport (one TCP connection per stream), not for production");
+            Arc::new(
+                relay::tcp_test::TcpTestTransport::bind(listen, auth)
+                    .with_context(|| format!("listening for lane streams on {listen}"))?,
+            )
+        }
         // Follows this node's lane (rdma_lane.rs): a node without a usable
         // RDMA port keeps its daemon (the shm lane, counters, diag), its
         // pods' cross-node connections stay on TCP (the reason is logged),
         // and the lane opens when a port comes up; a port that goes down or
         // a device being removed closes it.
-        "rdma" => rdma_lane::SupervisedRdma::start(nodes.clone(), listen).0,
+        "rdma" => rdma_lane::SupervisedRdma::start(nodes.clone(), listen, auth).0,
         other => anyhow::bail!("--lane-transport {other}: unknown (tcp-test, rdma)"),
     };
     let router = relay::route::Router::new(nodes, transport.name() == "rdma");

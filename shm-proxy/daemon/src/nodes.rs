@@ -174,6 +174,25 @@ impl Nodes {
         }
     }
 
+    /// Whether `ip` is the underlay address of a node of the table (who may
+    /// connect to the lane port). In-memory only.
+    pub fn is_node_address(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        self.directory
+            .view()
+            .is_ok_and(|v| v.nodes().iter().any(|n| n.underlay.to_canonical() == ip))
+    }
+
+    /// Whether `pod_ip` belongs to a pod CIDR of another node whose
+    /// underlay address is `underlay` (a stream from that node's daemon may
+    /// carry that pod's connections, and no other's). In-memory only.
+    pub fn is_pod_of_node_at(&self, underlay: IpAddr, pod_ip: IpAddr) -> bool {
+        match self.route_for(pod_ip.to_canonical()) {
+            Destination::Remote(n) => n.underlay.to_canonical() == underlay.to_canonical(),
+            _ => false,
+        }
+    }
+
     /// This node's RDMA lane as discovery found it at the last refresh
     /// (the GID selected for this node's address), `None` without one.
     pub fn local_rdma(&self) -> Option<RdmaLane> {

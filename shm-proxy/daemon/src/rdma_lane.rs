@@ -22,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use flowlane_rdma::topology::RdmaLane;
-use flowlane_rdma::{LaneStream, LaneTransport, RdmaOptions, RdmaTransport, StreamKey};
+use flowlane_rdma::{LaneAuth, LaneStream, LaneTransport, RdmaOptions, RdmaTransport, StreamKey};
 
 use crate::nodes::Nodes;
 
@@ -46,6 +46,8 @@ struct State {
 pub struct SupervisedRdma {
     nodes: Arc<Nodes>,
     listen: SocketAddr,
+    /// Every transport it opens admits only the cluster's daemons.
+    auth: LaneAuth,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -58,10 +60,15 @@ impl SupervisedRdma {
     /// Opens the transport on this node's lane now if it has one (else
     /// returns the reason with the supervisor, which keeps trying), and
     /// starts following the lane.
-    pub fn start(nodes: Arc<Nodes>, listen: SocketAddr) -> (Arc<Self>, Option<String>) {
+    pub fn start(
+        nodes: Arc<Nodes>,
+        listen: SocketAddr,
+        auth: LaneAuth,
+    ) -> (Arc<Self>, Option<String>) {
         let sup = Arc::new(SupervisedRdma {
             nodes,
             listen,
+            auth,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
         });
@@ -107,7 +114,7 @@ impl SupervisedRdma {
                 .unwrap_or_else(|| "this node has no RDMA lane".into());
             return Some(set_down(&mut st, why));
         };
-        match open(&lane, self.listen) {
+        match open(&lane, self.listen, &self.auth) {
             Ok(t) => {
                 tracing::info!(device = %lane.device, port = lane.port, gid_index = lane.gid_index, listen = %self.listen, "RDMA lane open");
                 st.running = Some(Running {
@@ -160,11 +167,11 @@ fn set_down(st: &mut State, why: String) -> String {
     st.down_reason.clone()
 }
 
-fn open(lane: &RdmaLane, listen: SocketAddr) -> anyhow::Result<RdmaTransport> {
+fn open(lane: &RdmaLane, listen: SocketAddr, auth: &LaneAuth) -> anyhow::Result<RdmaTransport> {
     use anyhow::Context;
     let provider = flowlane_rdma::transport::VerbsProvider::from_lane(lane)
         .with_context(|| format!("opening RDMA device {} port {}", lane.device, lane.port))?;
-    RdmaTransport::start(provider, listen, RdmaOptions::default())
+    RdmaTransport::start(provider, listen, RdmaOptions::default(), auth.clone())
         .with_context(|| format!("starting the RDMA lane on {listen}"))
 }
 

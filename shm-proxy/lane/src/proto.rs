@@ -285,7 +285,8 @@ pub struct Stats {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nodes: Option<serde_json::Value>,
     /// Failures of a cross-node lane's transport, by lane (`rdma`) and kind
-    /// (`link_failed`, `link_setup_failed`); absent without a relay, for a
+    /// (`link_failed`, `link_setup_failed`, `peer_unknown`, `peer_auth_failed`,
+    /// `stream_foreign_client`, `stream_duplicate`); absent without a relay, for a
     /// transport that keeps none, and in older daemons.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub lane_errors: BTreeMap<String, BTreeMap<String, u64>>,

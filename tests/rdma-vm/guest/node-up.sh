@@ -5,6 +5,8 @@
 #                                         creates it at the first ADD)
 #   /opt/cni/bin/flowlane                 -> $FLOWLANE_BIN_DIR/flowlane
 #   /etc/flowlane/nodes.json              the two-node table (podCIDRs, underlay, rdma, lanePort)
+#   /etc/flowlane/lane.key                the rig's lane key (--lane-key-file), mode 0600: the same
+#                                         fixed test key on both guests (a test rig, not a secret)
 #   /var/lib/flowlane                     state dir (pod registry), IPAM in /var/lib/flowlane/ipam
 #   /run/flowlane/flowlaned.sock          flowlaned's socket; its pid in /run/flowlane/flowlaned.pid;
 #                                         NODE_NAME=node<N> in its environment (its name in nodes.json)
@@ -77,6 +79,7 @@ EOF
   node_entry 2 192.168.47.2 10.47.2.0/24
   echo ']}'; } > /etc/flowlane/nodes.json
 cp /etc/flowlane/nodes.json "$RIG_NODE_DIR/nodes.json"
+(umask 077; printf 'flowlane rdma rig lane key: a fixed test key, not a secret\n' > /etc/flowlane/lane.key)
 
 # Stop a daemon from an earlier node-up.
 if [ -f "$RUNDIR/flowlaned.pid" ]; then

@@ -7,6 +7,9 @@
 //!                                                connect, so a claim never waits for it)
 //!                                    NO_LISTENER (instead) the server pod has no flowlane
 //!                                                listener there: the client stays on TCP
+//!                                    STREAM_REFUSED (instead) the stream is not acceptable:
+//!                                                its client is no pod of the opening node,
+//!                                                or a live stream has the same key
 //!   server daemon -> client daemon   CLAIMED     the server pod claimed the connection
 //!   client daemon -> server daemon   ATTACHED    the client pod is on the ring: go
 //!                                    REFUSED     it is not (gave up / never mapped): TCP
@@ -40,6 +43,7 @@ use flowlane_rdma::LaneStream;
 
 pub const REGISTERED: u8 = 0xB1;
 pub const NO_LISTENER: u8 = 0xB0;
+pub const STREAM_REFUSED: u8 = 0xB2;
 pub const CLAIMED: u8 = 0xC1;
 pub const ATTACHED: u8 = 0xA1;
 pub const REFUSED: u8 = 0xA0;

@@ -84,6 +84,20 @@ pub mod relay_reason {
     pub const SETUP_FAILED: &str = "relay-setup-failed";
     /// The client pod gave up (or never mapped its channel) before the claim.
     pub const REFUSED: &str = "relay-refused";
+    /// The server daemon refused the stream (STREAM_REFUSED: see
+    /// `stream_foreign_client`/`stream_duplicate` in its lane errors).
+    pub const STREAM_REFUSED: &str = "relay-stream-refused";
+}
+
+/// Streams the relay refused, in `lane_errors` next to the transport's
+/// (`peer_unknown`, `peer_auth_failed`, ...).
+pub mod refusal {
+    /// The stream's client address is no pod of the node whose daemon
+    /// opened it (node X cannot carry pod traffic of node Y).
+    pub const FOREIGN_CLIENT: &str = "stream_foreign_client";
+    /// A stream with the key of a live one (waiting for its claim, or
+    /// carried): refused, the live one goes on.
+    pub const DUPLICATE: &str = "stream_duplicate";
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -111,6 +125,8 @@ pub struct Relay {
     opened: AtomicU64,
     closed: AtomicU64,
     closed_bytes: AtomicU64,
+    refused_foreign: AtomicU64,
+    refused_duplicate: AtomicU64,
     /// Move bytes without copies where the transport can (see `placed.rs`).
     zero_copy: bool,
     /// Ring size (per direction) of zero-copy relayed connections: nothing
@@ -175,6 +191,8 @@ impl Relay {
             opened: AtomicU64::new(0),
             closed: AtomicU64::new(0),
             closed_bytes: AtomicU64::new(0),
+            refused_foreign: AtomicU64::new(0),
+            refused_duplicate: AtomicU64::new(0),
             zero_copy,
             zero_copy_ring,
         });
@@ -199,22 +217,36 @@ impl Relay {
             match self.transport.accept() {
                 Ok((key, stream)) => {
                     let key = canonical_key(key);
-                    tracing::debug!(client = %key.client, server = %key.server, "lane stream accepted");
+                    let from = stream.peer_node();
+                    tracing::debug!(client = %key.client, server = %key.server, ?from, "lane stream accepted");
+                    // The opening daemon (authenticated by the transport)
+                    // carries its own node's pods only.
+                    if !from.is_some_and(|f| self.router.is_pod_of(f, key.client.ip())) {
+                        tracing::warn!(client = %key.client, server = %key.server, ?from, "relay: stream refused: its client is no pod of the node that opened it");
+                        self.refused_foreign.fetch_add(1, Ordering::Relaxed);
+                        self.answer_and_linger(stream, frames::STREAM_REFUSED);
+                        continue;
+                    }
                     if !self.shared.lock().has_flowlane_listener(key.server) {
                         tracing::debug!(server = %key.server, "relay: no flowlane listener there");
-                        let _ = frames::send_all(&*stream, &[frames::NO_LISTENER]);
-                        let _ = stream.shutdown_send();
-                        // Dropping it now could reset it before the answer
-                        // is read (a reset may discard unread bytes).
-                        lock(&self.lingering).push((Arc::from(stream), Instant::now()));
+                        self.answer_and_linger(stream, frames::NO_LISTENER);
                         continue;
                     }
                     let now = Instant::now();
+                    // (`lane_stats` holds `active` while it takes
+                    // `accepted`: never the other way round.)
+                    let carried = lock(&self.active).values().any(|c| c.key == key);
                     let mut acc = lock(&self.accepted);
-                    let stream: Arc<dyn LaneStream> = Arc::from(stream);
-                    if let Some((old, _)) = acc.insert(key, (stream.clone(), now)) {
-                        old.reset(); // the same client port again: the earlier attempt is dead
+                    let live = carried || acc.contains_key(&key);
+                    if live {
+                        drop(acc);
+                        tracing::warn!(client = %key.client, server = %key.server, "relay: stream refused: a live stream has its key");
+                        self.refused_duplicate.fetch_add(1, Ordering::Relaxed);
+                        self.answer_and_linger(stream, frames::STREAM_REFUSED);
+                        continue;
                     }
+                    let stream: Arc<dyn LaneStream> = Arc::from(stream);
+                    acc.insert(key, (stream.clone(), now));
                     drop(acc);
                     if frames::send_all(&*stream, &[frames::REGISTERED]).is_err() {
                         lock(&self.accepted).remove(&key);
@@ -226,6 +258,15 @@ impl Relay {
                 }
             }
         }
+    }
+
+    /// Answers a stream we do not take with `answer` and keeps it a moment:
+    /// dropping it now could reset it before the answer is read (a reset
+    /// may discard unread bytes).
+    fn answer_and_linger(&self, stream: Box<dyn LaneStream>, answer: u8) {
+        let _ = frames::send_all(&*stream, &[answer]);
+        let _ = stream.shutdown_send();
+        lock(&self.lingering).push((Arc::from(stream), Instant::now()));
     }
 
     /// The relay's lane: counters and the carried connections (for stats
@@ -266,6 +307,19 @@ impl Relay {
             })
             .collect();
         let pending = lock(&self.setups).len() + lock(&self.accepted).len();
+        // Zeros only next to a transport's own counts: a node whose RDMA
+        // lane never ran shows no invented samples (counters.rs).
+        let mut errors = self.transport.error_counts();
+        let counting = !errors.is_empty();
+        for (kind, n) in [
+            (refusal::FOREIGN_CLIENT, &self.refused_foreign),
+            (refusal::DUPLICATE, &self.refused_duplicate),
+        ] {
+            let n = n.load(Ordering::Relaxed);
+            if counting || n > 0 {
+                errors.push((kind, n));
+            }
+        }
         (
             self.lane.to_string(),
             LaneStats {
@@ -276,7 +330,7 @@ impl Relay {
                 channels_pending: pending as u64,
             },
             connections,
-            self.transport.error_counts(),
+            errors,
         )
     }
 
@@ -468,6 +522,10 @@ impl Relay {
             Ok(frames::REGISTERED) => {}
             Ok(frames::NO_LISTENER) => {
                 return self.fallback(NoChannelReason::NoListener, reason::NO_LISTENER);
+            }
+            Ok(frames::STREAM_REFUSED) => {
+                tracing::info!(%peer_daemon, %src, %dst, "relay: the peer daemon refused the stream; TCP");
+                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::STREAM_REFUSED);
             }
             other => {
                 tracing::info!(%peer_daemon, answer = ?other, "relay: peer daemon did not register the stream; TCP");

@@ -19,6 +19,12 @@ impl Router {
         Router { nodes, need_rdma }
     }
 
+    /// Whether a stream from the daemon at `peer` (its underlay address)
+    /// may carry a connection of the pod `client`: only a pod of that node.
+    pub fn is_pod_of(&self, peer: IpAddr, client: IpAddr) -> bool {
+        self.nodes.is_pod_of_node_at(peer, client)
+    }
+
     /// The lane address of the daemon of the node owning `ip`, when that is
     /// another node with a lane.
     pub fn lane_peer(&self, ip: IpAddr) -> Option<SocketAddr> {

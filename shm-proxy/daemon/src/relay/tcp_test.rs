@@ -2,6 +2,13 @@
 //! without RDMA. One plain TCP connection per stream between the two
 //! daemons; the stream's [`StreamKey`] travels as a header at the start.
 //!
+//! Every connection is authenticated first (`flowlane_rdma::lane_auth`,
+//! as the RDMA transport's set-up connection is): the source address must
+//! be a node of the node table, then both daemons prove the lane key;
+//! only then the header. The listener hands each connection to a thread of
+//! its own for that (at most [`MAX_HANDSHAKES`] at once), so a stranger
+//! that connects and stalls delays nobody.
+//!
 //! It exists so that the whole relay (pairing, pumps, doorbells, close and
 //! failure handling) runs and is tested end to end on any machine; the
 //! production transport is `flowlane_rdma`'s RDMA one (`--lane-transport`).
@@ -23,32 +30,62 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use flowlane_rdma::{DirectLane, LaneStream, LaneTransport, Piece, RingArea, StreamKey};
+use flowlane_rdma::lane_auth::{PEER_AUTH_FAILED, PEER_UNKNOWN};
+use flowlane_rdma::{
+    AuthError, DirectLane, LaneAuth, LaneStream, LaneTransport, Piece, RingArea, StreamKey,
+};
 
 const MAGIC: &[u8; 4] = b"FLR1";
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const HEADER_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_KEY_LEN: usize = 1024;
+/// Connections being authenticated at once; more are closed unread.
+pub const MAX_HANDSHAKES: usize = 32;
+
+type Accepted = (StreamKey, Box<dyn LaneStream>);
+
+/// Refusals, for the daemon's counters (`lane_errors`).
+#[derive(Default)]
+struct Refused {
+    peer_unknown: AtomicU64,
+    peer_auth_failed: AtomicU64,
+}
 
 pub struct TcpTestTransport {
-    listener: TcpListener,
+    /// Where we listen: our streams leave from its address.
+    local: SocketAddr,
+    auth: LaneAuth,
+    accepted: Mutex<mpsc::Receiver<Accepted>>,
+    refused: Arc<Refused>,
 }
 
 impl TcpTestTransport {
-    /// Listens for peer daemons' streams on `addr`.
-    pub fn bind(addr: SocketAddr) -> io::Result<Self> {
+    /// Listens for peer daemons' streams on `addr`, admitting those `auth`
+    /// admits (and proving the key to those we open streams to).
+    pub fn bind(addr: SocketAddr, auth: LaneAuth) -> io::Result<Self> {
+        let listener = TcpListener::bind(addr)?;
+        let local = listener.local_addr()?;
+        let (tx, rx) = mpsc::channel();
+        let refused = Arc::<Refused>::default();
+        let (a, r) = (auth.clone(), refused.clone());
+        std::thread::Builder::new()
+            .name("relay-lane-listen".into())
+            .spawn(move || listen_loop(listener, a, r, tx))?;
         Ok(TcpTestTransport {
-            listener: TcpListener::bind(addr)?,
+            local,
+            auth,
+            accepted: Mutex::new(rx),
+            refused,
         })
     }
 
     #[cfg(test)]
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.listener.local_addr()
+        Ok(self.local)
     }
 
     fn read_header(s: &mut TcpStream) -> io::Result<StreamKey> {
@@ -72,14 +109,105 @@ impl TcpTestTransport {
     }
 }
 
+impl Refused {
+    fn count(&self, e: &AuthError) {
+        match e.counter() {
+            PEER_UNKNOWN => &self.peer_unknown,
+            _ => &self.peer_auth_failed,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Accepts connections: the source is checked against the node table
+/// before anything is read, then a thread authenticates the peer and reads
+/// the header (a stalled peer holds only its own thread, for at most the
+/// handshake's deadline plus the header's).
+fn listen_loop(
+    listener: TcpListener,
+    auth: LaneAuth,
+    refused: Arc<Refused>,
+    tx: mpsc::Sender<Accepted>,
+) {
+    let busy = Arc::new(AtomicUsize::new(0));
+    loop {
+        let (mut s, from) = match listener.accept() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "lane accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        if let Err(e) = auth.admit(from) {
+            refused.count(&e);
+            tracing::info!(%from, error = %e, "lane connection refused");
+            continue;
+        }
+        if busy.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            busy.fetch_sub(1, Ordering::AcqRel);
+            refused.peer_auth_failed.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(%from, "too many lane handshakes at once; connection closed");
+            continue;
+        }
+        let (auth, refused, tx, busy2) = (auth.clone(), refused.clone(), tx.clone(), busy.clone());
+        let spawned = std::thread::Builder::new()
+            .name("relay-lane-auth".into())
+            .spawn(move || {
+                let got = auth
+                    .respond(&mut s)
+                    .map_err(|e| {
+                        refused.count(&e);
+                        tracing::info!(%from, error = %e, "lane peer not authenticated; connection closed");
+                    })
+                    .and_then(|()| {
+                        TcpTestTransport::read_header(&mut s).map_err(|e| {
+                            // An authenticated peer: a bug or a version skew.
+                            tracing::warn!(%from, error = %e, "bad lane stream header");
+                        })
+                    });
+                busy2.fetch_sub(1, Ordering::AcqRel);
+                if let Ok(key) = got {
+                    if s.set_nodelay(true).is_ok() {
+                        let _ = tx.send((key, Box::new(TcpLane::new(s))));
+                    }
+                }
+            });
+        if spawned.is_err() {
+            busy.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(%from, "cannot start a lane handshake thread");
+        }
+    }
+}
+
 impl LaneTransport for TcpTestTransport {
     fn name(&self) -> &'static str {
         "tcp-test"
     }
 
+    fn error_counts(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            (
+                PEER_UNKNOWN,
+                self.refused.peer_unknown.load(Ordering::Relaxed),
+            ),
+            (
+                PEER_AUTH_FAILED,
+                self.refused.peer_auth_failed.load(Ordering::Relaxed),
+            ),
+        ]
+    }
+
     fn open(&self, peer: SocketAddr, key: StreamKey) -> io::Result<Box<dyn LaneStream>> {
-        let mut s = TcpStream::connect_timeout(&peer, CONNECT_TIMEOUT)?;
+        let mut s = flowlane_rdma::lane_auth::connect_from(self.local, peer, CONNECT_TIMEOUT)?;
         s.set_nodelay(true)?;
+        // The peer proves the key before it learns the stream's key.
+        if let Err(e) = self.auth.initiate(&mut s) {
+            if !matches!(e, AuthError::Io(_)) {
+                self.refused.count(&e);
+            }
+            return Err(e.into());
+        }
         let body = serde_json::to_vec(&key).map_err(io::Error::other)?;
         let mut msg = Vec::with_capacity(6 + body.len());
         msg.extend_from_slice(MAGIC);
@@ -90,17 +218,11 @@ impl LaneTransport for TcpTestTransport {
     }
 
     fn accept(&self) -> io::Result<(StreamKey, Box<dyn LaneStream>)> {
-        loop {
-            let (mut s, from) = self.listener.accept()?;
-            match Self::read_header(&mut s) {
-                Ok(key) => {
-                    s.set_nodelay(true)?;
-                    return Ok((key, Box::new(TcpLane::new(s))));
-                }
-                // A stray connection must not stop the lane.
-                Err(e) => tracing::debug!(%from, error = %e, "bad lane stream header"),
-            }
-        }
+        self.accepted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .recv()
+            .map_err(|_| io::Error::new(io::ErrorKind::NotConnected, "lane listener gone"))
     }
 }
 
@@ -234,6 +356,10 @@ impl TcpLane {
 }
 
 impl LaneStream for TcpLane {
+    fn peer_node(&self) -> Option<std::net::IpAddr> {
+        self.s.peer_addr().ok().map(|a| a.ip().to_canonical())
+    }
+
     fn send(&self, buf: &[u8]) -> io::Result<usize> {
         self.check()?;
         if buf.is_empty() {
@@ -384,12 +510,61 @@ mod tests {
         }
     }
 
+    const KEY: &[u8] = b"tcp-test tests: a lane key of 32 bytes or more";
+
+    fn auth(key: &[u8]) -> LaneAuth {
+        LaneAuth::new(
+            flowlane_rdma::LaneKey::from_bytes(key).unwrap(),
+            Arc::new(|ip: std::net::IpAddr| ip.is_loopback()),
+        )
+    }
+
+    fn bind(key: &[u8]) -> TcpTestTransport {
+        TcpTestTransport::bind("127.0.0.1:0".parse().unwrap(), auth(key)).unwrap()
+    }
+
+    fn count(t: &TcpTestTransport, kind: &str) -> u64 {
+        t.error_counts()
+            .into_iter()
+            .find(|(k, _)| *k == kind)
+            .unwrap()
+            .1
+    }
+
+    /// A stream opened with another key is refused (nothing is accepted,
+    /// the refusal is counted), a silent connection holds nobody up, and a
+    /// right stream right after them goes through.
+    #[test]
+    fn only_a_peer_with_the_key_opens_a_stream() {
+        // (the silent connections must not time out, and be counted,
+        // while the test runs)
+        let t = TcpTestTransport::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            auth(KEY).with_timeout(Duration::from_secs(60)),
+        )
+        .unwrap();
+        let addr = t.local_addr().unwrap();
+        let _silent: Vec<_> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let wrong = bind(b"another key, also 32 bytes or more long");
+        assert!(wrong.open(addr, key()).is_err());
+        let good = bind(KEY);
+        let s = good.open(addr, key()).unwrap();
+        super::super::frames::send_all(&*s, b"x").unwrap();
+        let (k, r) = t.accept().unwrap();
+        assert_eq!(k, key());
+        assert_eq!(r.peer_node(), Some("127.0.0.1".parse().unwrap()));
+        let mut b = [0u8; 1];
+        assert_eq!(r.recv(&mut b).unwrap(), 1);
+        assert_eq!(count(&t, "peer_auth_failed"), 1);
+        assert_eq!(count(&t, "peer_unknown"), 0);
+    }
+
     #[test]
     fn a_stream_carries_its_key_bytes_eof_and_reset() {
-        let t = TcpTestTransport::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let t = bind(KEY);
         let addr = t.local_addr().unwrap();
         let opener = std::thread::spawn(move || {
-            let c = TcpTestTransport::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+            let c = bind(KEY);
             let s = c.open(addr, key()).unwrap();
             super::super::frames::send_all(&*s, b"hello").unwrap();
             s.shutdown_send().unwrap();
