@@ -230,10 +230,8 @@ mod tests {
             .unwrap();
         if seals != 0 {
             // SAFETY: fcntl on an fd we own.
-            assert_eq!(
-                unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) },
-                0
-            );
+            let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) };
+            assert_eq!(r, 0);
         }
         fd
     }
