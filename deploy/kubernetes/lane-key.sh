@@ -1,7 +1,7 @@
 #!/bin/sh
 # Makes the cluster's lane key: the Secret flowlane-lane-key (key "key": 48 random bytes,
 # base64) that every flowlaned proves at the set-up of a cross-node lane link
-# (docs/security-relay.md). The DaemonSet mounts it at /etc/flowlane-lane/key, mode 0400.
+# (docs/security.md). The DaemonSet mounts it at /etc/flowlane-lane/key, mode 0400.
 # Run after `kubectl apply -k deploy/kubernetes` (the namespace must exist). An existing key is
 # kept; ROTATE=1 replaces it (then `kubectl -n flowlane-system rollout restart ds/flowlane-node`:
 # daemons with different keys refuse each other until all have restarted, and their pods'

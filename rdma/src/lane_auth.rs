@@ -35,7 +35,7 @@
 //! What this does not give: confidentiality or integrity of what follows on
 //! the wire. After the handshake the transports' bytes (pod payload, stream
 //! keys, RDMA queue-pair parameters) travel in the clear; see
-//! `docs/security-relay.md`.
+//! `docs/security.md`.
 
 use std::fmt;
 use std::fs;

@@ -4,7 +4,7 @@
 //! victims that read, peek, poll, epoll, splice and sendfile through the
 //! library. Standard library only (ctypes for the raw memory and syscalls).
 
-/// `hostile.py client IP PORT | server PORT`: for every shared word of the
+/// `hostile.py client IP PORT [MODES] | server PORT`: for every shared word of the
 /// region and every kind of hostile value (extreme, zero, one back, a MiB
 /// ahead, random), opens one lane connection (5 bytes echoed over the
 /// ring), writes the value into its own mapping of the channel, rings a raw
@@ -41,7 +41,8 @@ class PollFd(ctypes.Structure):
 def maps():
     out = {}
     for line in open("/proc/self/maps"):
-        if "/memfd:flowlane-ch-" in line:
+        # flowlane-ch-N: a same-node channel; flowlane-relay-N: the relay's
+        if "/memfd:flowlane-ch-" in line or "/memfd:flowlane-relay-" in line:
             lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
             out[lo] = hi - lo
     return out
@@ -99,6 +100,8 @@ def echo_ok(c, payload):
     return got == payload
 
 role = sys.argv[1]
+if len(sys.argv) > 4 and role == "client":
+    MODES = sys.argv[4].split(",")
 payload = bytes(ALPHA[i % 26] for i in range(65536))
 n = 0
 if role == "client":

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use flowlane_e2e::attack_scripts::{victim_server, HOSTILE};
 use flowlane_e2e::shm::{
     build_dir, fresh_netns, preload_lib, run_cni, run_ok, sh, sh_ok, wait_listening, Bg, Pod,
 };
@@ -1425,4 +1426,68 @@ fn impostors_on_the_lane_port_get_nothing_and_change_nothing() {
         out.contains("peer_auth_failed") && out.contains("stream_foreign_client"),
         "{out}"
     );
+}
+
+/// The relay's copying path against a hostile pod: the client pod gets a
+/// relayed channel (its ring peer is its own node's daemon, a root
+/// process), then writes every shared word of the region in turn. Only its
+/// own connection ends; the daemon survives, counts `ring-violation`, and
+/// relays the honest connection after every attack; the daemon writes no
+/// byte into the pod's ring that the pod was not sent.
+#[test]
+fn a_hostile_pod_cannot_crash_its_daemon_through_the_relay() {
+    let _g = serial();
+    let mut c = Cluster::new(1);
+    let (n0, n1, attacker, victim) = c.first_pods();
+    let srv = n1.serve(
+        victim,
+        true,
+        7491,
+        &[PYTHON, "-c", &victim_server(), "7491"],
+    );
+    let ip = victim.ip.to_string();
+    let modes = "max,back,ahead,random";
+    let mut cmd = n0.cmd(
+        attacker,
+        true,
+        &[PYTHON, "-c", HOSTILE, "client", &ip, "7491", modes],
+    );
+    cmd.env("FLOWLANE_RING_SIZE", "4096");
+    let (st, out, err) = Bg::spawn(cmd).finish(Duration::from_secs(300));
+    let attacks = 19 * 4;
+    assert!(
+        st.is_some_and(|s| s.success()) && out.contains(&format!("done {attacks}")),
+        "attacker: {out}\n{err}\ndaemon n0:\n{}",
+        n0.log()
+    );
+    assert!(
+        !out.lines().any(|l| l.starts_with("tcp ")),
+        "not relayed:\n{out}"
+    );
+    assert!(
+        !out.contains("leak"),
+        "the daemon wrote bytes it was not given:\n{out}"
+    );
+    assert_eq!(
+        out.lines().filter(|l| *l == "honest ok").count(),
+        attacks,
+        "the daemon must relay an honest connection after every attack:\n{out}"
+    );
+    assert!(
+        out.lines().any(|l| l == "attack c2s.tail ahead reset"),
+        "the issue's attack must end the connection:\n{out}"
+    );
+    let daemon = c.nodes[0].daemon.as_mut().expect("daemon n0");
+    assert!(daemon.try_wait().unwrap().is_none(), "daemon n0 died");
+    let (n0, _, _, _) = c.first_pods();
+    let counted = n0
+        .stats()
+        .fallbacks
+        .get("ring-violation")
+        .copied()
+        .unwrap_or(0);
+    let resets = out.lines().filter(|l| l.ends_with(" reset")).count() as u64;
+    eprintln!("{resets} of {attacks} attacks ended the connection; daemon n0 counted {counted} ring violations");
+    assert!(counted >= 1, "no ring violation counted:\n{}", n0.log());
+    drop(srv);
 }

@@ -600,7 +600,7 @@ fn the_node_agent_is_complete_and_runs_the_rdma_lane() {
         lane_port.container_port.to_string(),
         env["FLOWLANE_LANE_PORT"]
     );
-    // The lane key (docs/security-relay.md): the Secret flowlane-lane-key
+    // The lane key (docs/security.md): the Secret flowlane-lane-key
     // (deploy/kubernetes/lane-key.sh makes it), mounted read-only, mode 0400
     // (flowlaned refuses a key that group or others may read), optional only
     // so that the relay-off variant needs none.

@@ -68,7 +68,7 @@ struct Args {
     /// The cluster's shared lane key (a file of at least 32 bytes, mode
     /// 0400/0600, e.g. a mounted Kubernetes Secret): only daemons that prove
     /// it (and connect from a node of the node table) may open lane
-    /// streams. Required with --lane-listen (docs/security-relay.md).
+    /// streams. Required with --lane-listen (docs/security.md).
     #[arg(long)]
     lane_key_file: Option<PathBuf>,
     /// The cluster's node table (JSON: nodes with podCIDRs, underlay,
@@ -115,7 +115,7 @@ impl Args {
             anyhow::bail!("--lane-listen needs the cross-node view (--nodes-file or --kubernetes, and --node-name)");
         }
         if self.relay_listen().is_some() && self.lane_key_file.is_none() {
-            anyhow::bail!("--lane-listen needs --lane-key-file: the cluster's shared lane key, without which any host reaching the lane port could pose as a node (see docs/security-relay.md; in Kubernetes the Secret flowlane-lane-key, deploy/kubernetes/lane-key.sh)");
+            anyhow::bail!("--lane-listen needs --lane-key-file: the cluster's shared lane key, without which any host reaching the lane port could pose as a node (see docs/security.md; in Kubernetes the Secret flowlane-lane-key, deploy/kubernetes/lane-key.sh)");
         }
         Ok(())
     }
