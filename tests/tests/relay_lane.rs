@@ -1473,10 +1473,6 @@ fn a_hostile_pod_cannot_crash_its_daemon_through_the_relay() {
         attacks,
         "the daemon must relay an honest connection after every attack:\n{out}"
     );
-    assert!(
-        out.lines().any(|l| l == "attack c2s.tail ahead reset"),
-        "the issue's attack must end the connection:\n{out}"
-    );
     let daemon = c.nodes[0].daemon.as_mut().expect("daemon n0");
     assert!(daemon.try_wait().unwrap().is_none(), "daemon n0 died");
     let (n0, _, _, _) = c.first_pods();
@@ -1488,6 +1484,14 @@ fn a_hostile_pod_cannot_crash_its_daemon_through_the_relay() {
         .unwrap_or(0);
     let resets = out.lines().filter(|l| l.ends_with(" reset")).count() as u64;
     eprintln!("{resets} of {attacks} attacks ended the connection; daemon n0 counted {counted} ring violations");
-    assert!(counted >= 1, "no ring violation counted:\n{}", n0.log());
+    // The daemon finds a bad word whenever its pump next reads the ring
+    // (also after the attacker closed), so this does not depend on timing.
+    let failed = n0
+        .log()
+        .lines()
+        .filter(|l| l.contains("the pod broke the ring protocol"))
+        .count() as u64;
+    assert!(failed >= 1, "no relayed connection failed:\n{}", n0.log());
+    assert!(counted >= failed, "{counted} counted, {failed} failed");
     drop(srv);
 }
