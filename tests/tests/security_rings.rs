@@ -87,6 +87,17 @@ fn check_attacker(out: &str) -> Vec<(String, String, String)> {
     assert!(out.contains(&format!("done {ATTACKS}")), "{out}");
     let all = outcomes(out);
     assert_eq!(all.len(), ATTACKS, "{out}");
+    // One line per word: what the attacker saw for each kind of value.
+    let mut words: Vec<&str> = all.iter().map(|(w, _, _)| w.as_str()).collect();
+    words.dedup();
+    for w in words {
+        let seen: Vec<String> = all
+            .iter()
+            .filter(|(x, _, _)| x == w)
+            .map(|(_, m, o)| format!("{m}={o}"))
+            .collect();
+        eprintln!("  {w:<22} {}", seen.join(" "));
+    }
     eprintln!(
         "{} of {ATTACKS} attacks ended the connection; the rest touched words the victim \
          never needed (futex words, writer_need, its own flags) or values it allows",
