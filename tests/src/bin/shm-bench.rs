@@ -1036,7 +1036,7 @@ mod ceiling {
     /// larger than the caches) into a private one: what a reader can pull
     /// from memory. A ring the writer fills with streaming stores is read
     /// from memory, so this bounds the lane when the vCPUs sit far apart
-    /// (see docs/shm-lane.md, "Copies into the ring").
+    /// (see docs/benchmarks/2026-11-30-streaming-stores.md).
     fn copy_from_memory(msg: usize, total: u64) -> f64 {
         std::thread::scope(|s| {
             s.spawn(|| {
