@@ -203,9 +203,10 @@ fn identify(stream: &UnixStream) -> Caller {
 /// unidentified: the broker refuses what needs an identity). A process
 /// that is gone fails too (its /proc entry is gone); a later process that
 /// got the same pid passes only inside the same namespace, i.e. the same
-/// pod. One stat of /proc/PID/ns/net (~8 us); the start-time check of
-/// `ProcessId::is_alive` reads /proc/PID/stat, which costs 25-40 us for a
-/// process with many threads, on every request.
+/// pod. One stat of /proc/PID/ns/net, cheaper than the start-time check
+/// of `ProcessId::is_alive`, which reads /proc/PID/stat (slow for a process
+/// with many threads) on every request; see
+/// docs/benchmarks/2026-11-30-daemon-setup.md.
 fn still_the_caller(caller: &Caller) -> bool {
     let Some(process) = caller.process else {
         return true;

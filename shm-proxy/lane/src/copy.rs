@@ -5,24 +5,23 @@
 //! **Into the ring: streaming stores for bulk.** A ring line the consumer
 //! has read sits (shared) in the consumer core's cache, so a plain store to
 //! it must first take the line over: a read-for-ownership that invalidates
-//! the consumer's copy. On the test machine (AMD EPYC guest) the host places
-//! the two vCPUs on different core complexes most of the time (cache-line
-//! round trip ≈ 330 ns instead of ≈ 60 ns), every such take-over is a
-//! cross-complex round trip, and a 64 KiB stream's writer managed 2.0 GB/s
-//! (the reader waited on it for every message). Non-temporal (streaming)
-//! stores write whole lines through the write-combining buffers without
-//! reading them first: 16-17 GB/s from one core wherever the reader sits
-//! (4 GiB of 64 KiB messages; SSE2, AVX2 and AVX-512 stores gave the same
-//! figure, so the x86-64 baseline's SSE2 is used and needs no run-time
-//! detection). The reader then reads those lines from memory.
+//! the consumer's copy. On a VM the host often places the two vCPUs on
+//! different core complexes, every such take-over is then a cross-complex
+//! round trip, and the writer of a bulk stream becomes the bottleneck (the
+//! reader waits on it for every message). Non-temporal (streaming) stores
+//! write whole lines through the write-combining buffers without reading
+//! them first, so the writer runs at one core's store rate wherever the
+//! reader sits (SSE2, AVX2 and AVX-512 stores measured the same, so the
+//! x86-64 baseline's SSE2 is used and needs no run-time detection). The
+//! reader then reads those lines from memory. Figures:
+//! docs/benchmarks/2026-11-30-streaming-stores.md.
 //!
 //! When the two vCPUs sit close, half and half does better: every other
-//! 512-byte group of lines streamed, the others stored normally, 24-25 GB/s
-//! against 14-15 for all streamed (the cached half reaches the reader
-//! through the shared L3, and the two kinds of store use different
-//! buffers; see `MIXED_GROUP` for the group size). Far apart, any
-//! normal store stalls the copy on its take-over again: 2.5-3.6 GB/s for
-//! 1:1, 1:2 or 1:3 mixes. Where the host puts the vCPUs changes while a
+//! 512-byte group of lines streamed, the others stored normally (the cached
+//! half reaches the reader through the shared L3, and the two kinds of
+//! store use different buffers; see `MIXED_GROUP` for the group size). Far
+//! apart, any normal store stalls the copy on its take-over again, whatever
+//! the mix. Where the host puts the vCPUs changes while a
 //! stream runs, so each ring's [`CopyTuner`] measures what the writer sees
 //! end to end and now and then tries the other way (see there).
 //!
@@ -47,9 +46,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 const PIECE: usize = 2048;
 
 /// `Mixed` alternates groups of this many lines (512 bytes): streamed,
-/// stored normally, streamed, ... Close together, 512-byte groups moved
-/// 24-25 GB/s against 21-23 for single lines, 23-24 for 1 KiB groups and
-/// 13-18 for 2 KiB groups (same runs, 2 GiB of 64 KiB messages each).
+/// stored normally, streamed, ... With the vCPUs close together 512-byte
+/// groups moved the most of the group sizes tried (single lines to 2 KiB;
+/// docs/benchmarks/2026-11-30-streaming-stores.md).
 const MIXED_GROUP: usize = 8;
 
 /// Copies into a ring of at least this many bytes use streaming stores.
@@ -69,12 +68,11 @@ fn streaming_stores() -> bool {
 
 /// Copies `n` bytes. glibc's memcpy hands copies above ~2 KiB to
 /// `rep movsb`, which on some CPUs runs an order of magnitude slower when
-/// source and destination are not co-aligned on 64 bytes (measured on the
-/// test machine: 1.5-2 GB/s instead of 25 GB/s for a 64 KiB copy with the
-/// destination 1 or 15 bytes off). A ring position and an application
-/// buffer are co-aligned only by chance (one odd-sized message shifts every
-/// later one), so such copies go in pieces that stay on memcpy's vector
-/// loop (22-37 GB/s for any alignment).
+/// source and destination are not co-aligned on 64 bytes (see
+/// docs/benchmarks/2026-11-30-streaming-hand-off.md). A ring position and
+/// an application buffer are co-aligned only by chance (one odd-sized
+/// message shifts every later one), so such copies go in pieces that stay
+/// on memcpy's vector loop, which is fast for any alignment.
 ///
 /// # Safety
 /// As `ptr::copy_nonoverlapping(src, dst, n)`.

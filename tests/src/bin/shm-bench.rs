@@ -695,8 +695,9 @@ mod bench {
 ///   futex (threads not pinned): what a sleeping side of the lane costs.
 /// - cache line round trip between the pinned cores: the price of each
 ///   handover of a line. On this VM it depends on where the host places
-///   the two virtual CPUs (about 50 ns on one core complex, several hundred
-///   across), and the two-copy figures follow it.
+///   the two virtual CPUs (several times cheaper on one core complex than
+///   across; figures: docs/benchmarks/2026-11-30-hardware-ceiling.md), and
+///   the two-copy figures follow it.
 mod ceiling {
     use flowlane_lane::ring::{self, Side};
     use std::os::fd::AsFd;
@@ -1036,7 +1037,7 @@ mod ceiling {
     /// larger than the caches) into a private one: what a reader can pull
     /// from memory. A ring the writer fills with streaming stores is read
     /// from memory, so this bounds the lane when the vCPUs sit far apart
-    /// (see docs/shm-lane.md, "Copies into the ring").
+    /// (see docs/benchmarks/2026-11-30-streaming-stores.md).
     fn copy_from_memory(msg: usize, total: u64) -> f64 {
         std::thread::scope(|s| {
             s.spawn(|| {

@@ -66,10 +66,11 @@ const HANDSHAKE_WAIT: Duration = Duration::from_millis(300);
 /// How long the client daemon waits for its pod to map the channel (it
 /// does right after its connect returns).
 const MAP_WAIT: Duration = Duration::from_millis(150);
-/// Default ring size of zero-copy relayed connections (see `Relay`): on
-/// the Soft-RoCE rig 4 MiB moved 1.05-1.3x more than 1 MiB in same-run
-/// A/B runs (a 1 MiB ring was always entirely in flight, the pump waiting
-/// for completions); it pins 8 MiB per connection (docs/relay.md).
+/// Default ring size of zero-copy relayed connections (see `Relay`): the
+/// ring is the window, and a 1 MiB ring was always entirely in flight (the
+/// pump waiting for completions), so a larger ring moves more; it pins
+/// 8 MiB per connection (docs/relay.md; figures:
+/// docs/benchmarks/2026-11-30-relay-zero-copy.md).
 const ZERO_COPY_RING: usize = 4 << 20;
 /// Answered (refused) streams are dropped after this long.
 const LINGER: Duration = Duration::from_secs(5);

@@ -311,8 +311,8 @@ impl Carried {
             // PLACED (which wakes us to recompute) can make a report due,
             // so we sleep until one. (Capping it at the ring's size made
             // an emptied ring satisfy the wait at once: the thread spun,
-            // one busy CPU per connection, measured 0.2-7 million loops
-            // per second of stream on the rig.)
+            // one busy CPU per connection; see
+            // docs/benchmarks/2026-11-30-relay-zero-copy.md.)
             let need = size - (tail - reported).min(size) + size / 4;
             if self.probe.tx_tail().wrapping_sub(base) != tail {
                 continue; // a placement landed meanwhile: recompute
