@@ -58,6 +58,23 @@ fn victim_violations(stderr: &str) -> u64 {
         .count() as u64
 }
 
+/// The victim's library found at least `at_least` bad words (its stderr),
+/// each ended its connection with ECONNRESET (its stdout), and each reached
+/// the daemon's counters.
+fn assert_violations(node: &Node, out: &str, err: &str, at_least: u64) {
+    let found = victim_violations(err);
+    assert!(found >= at_least, "{err}");
+    let econnreset = out
+        .lines()
+        .filter(|l| l.ends_with(&format!(" reset {}", libc::ECONNRESET)))
+        .count() as u64;
+    assert!(
+        econnreset >= found,
+        "each violation is an ECONNRESET:\n{out}\n{err}"
+    );
+    assert_counted(node, found);
+}
+
 /// The victim's violations reached the daemon's counters (the attacker's
 /// own library may add its own: it also checks what it reads).
 fn assert_counted(node: &Node, victim: u64) {
@@ -155,7 +172,6 @@ fn a_hostile_client_cannot_crash_or_read_a_server() {
             "{word} {mode} (conn {conn}):\n{sout}"
         );
     }
-    let resets = sout.lines().filter(|l| l.contains(" reset ")).count() as u64;
     // ECONNRESET for a violation; EPIPE where the attacker's word said
     // "closed" (a value the protocol allows: as a peer's shutdown over TCP).
     let clean = [libc::ECONNRESET, libc::EPIPE].map(|e| format!(" {e}"));
@@ -165,18 +181,7 @@ fn a_hostile_client_cannot_crash_or_read_a_server() {
             .all(|l| clean.iter().any(|e| l.ends_with(e.as_str()))),
         "every failed connection must end with ECONNRESET or EPIPE:\n{sout}"
     );
-    let found = victim_violations(&serr);
-    assert!(found >= 5, "{serr}");
-    let econnreset = sout
-        .lines()
-        .filter(|l| l.ends_with(&format!(" reset {}", libc::ECONNRESET)))
-        .count() as u64;
-    assert!(
-        econnreset >= found,
-        "each violation is an ECONNRESET:\n{sout}\n{serr}"
-    );
-    assert!(resets >= found, "{sout}");
-    assert_counted(&node, found);
+    assert_violations(&node, &sout, &serr, 5);
 }
 
 /// The mirror image: the attacker is the server, the victim a client.
@@ -222,15 +227,5 @@ fn a_hostile_server_cannot_crash_or_read_a_client() {
             "{word} {mode} (conn {conn}):\n{vout}"
         );
     }
-    let found = victim_violations(&verr);
-    assert!(found >= 3, "{verr}");
-    let econnreset = vout
-        .lines()
-        .filter(|l| l.ends_with(&format!(" reset {}", libc::ECONNRESET)))
-        .count() as u64;
-    assert!(
-        econnreset >= found,
-        "each violation is an ECONNRESET:\n{vout}\n{verr}"
-    );
-    assert_counted(&node, found);
+    assert_violations(&node, &vout, &verr, 3);
 }

@@ -4,22 +4,9 @@
 //! (see `region`), so an access past the mapping faults the test; a read
 //! that ran past ring 0 into ring 1 would return ring 1's marker bytes.
 
+use super::tests::Rng;
 use super::*;
 use std::os::fd::AsFd;
-
-/// xorshift64*, so failures reproduce from the seed.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 const RING: usize = 4096;
 
