@@ -10,7 +10,7 @@ mod daemon_common;
 
 use std::time::Duration;
 
-use daemon_common::{Agent, Node};
+use daemon_common::{runnable_by_anyone, Agent, Node};
 use flowlane_e2e::netns::Netns;
 use flowlane_registry::Attachment;
 
@@ -49,7 +49,8 @@ fn a_non_admin_uid_on_the_node_gets_no_node_answers() {
     // `flowlane status` as that uid says why.
     let status_as = |uid: u32, gid: u32| {
         use std::os::unix::process::CommandExt;
-        std::process::Command::new(flowlane_e2e::binaries::flowlane())
+        let flowlane = runnable_by_anyone(&flowlane_e2e::binaries::flowlane(), &node.socket);
+        std::process::Command::new(flowlane)
             .args(["status", "--json", "--socket"])
             .arg(&node.socket)
             .uid(uid)

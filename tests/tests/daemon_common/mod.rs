@@ -214,6 +214,26 @@ impl Drop for Node {
     }
 }
 
+/// A copy of the executable `exe` that any uid can run, next to the
+/// daemon's `socket` (in the node's temporary directory, removed with it):
+/// the checkout, and so the target directory, may sit where only root may
+/// look (a clone under /root), yet processes run as other uids must exec.
+pub fn runnable_by_anyone(exe: &Path, socket: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = socket.parent().expect("the socket has a directory");
+    let to = dir.join(exe.file_name().expect("executable name"));
+    if !to.exists() {
+        // Copied under a temporary name, then renamed: two threads may ask.
+        let name = to.file_name().expect("file name").to_string_lossy();
+        let tmp = dir.join(format!(".{name}.{:?}", std::thread::current().id()));
+        std::fs::copy(exe, &tmp).expect("copy the executable");
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))
+            .expect("chmod the copy");
+        std::fs::rename(&tmp, &to).expect("rename the copy");
+    }
+    to
+}
+
 /// A pod: its namespace (deleted on drop) and address.
 pub struct Pod {
     pub ns: Netns,
@@ -253,7 +273,8 @@ impl Agent {
     /// `gid` (no supplementary groups).
     pub fn spawn_as(uid: u32, gid: u32, socket: &Path) -> Agent {
         use std::os::unix::process::CommandExt;
-        let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
+        let exe = std::env::current_exe().expect("current_exe");
+        let mut cmd = Command::new(runnable_by_anyone(&exe, socket));
         Self::start(cmd.uid(uid).gid(gid).env(AGENT_ENV, socket))
     }
 
