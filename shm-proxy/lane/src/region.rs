@@ -48,10 +48,18 @@ impl Region {
         if seals < 0 || seals & REQUIRED_SEALS != REQUIRED_SEALS {
             return Err(invalid("channel memfd is not sealed"));
         }
-        let size = std::fs::File::from(memfd.try_clone_to_owned()?)
-            .metadata()?
-            .len();
-        if size != len as u64 {
+        // One fstat on the borrowed fd (no dup: this runs for every lane
+        // connection's set-up).
+        // SAFETY: libc::stat is plain data, all-zero is a valid value, and
+        // fstat writes only into that local.
+        let size = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(memfd.as_raw_fd(), &mut st) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            st.st_size
+        };
+        if u64::try_from(size).ok() != Some(len as u64) {
             return Err(invalid(
                 "channel memfd size differs from the announced length",
             ));
