@@ -168,6 +168,43 @@ fn diag_on_a_live_local_cluster() {
         "{nodes_section:#}"
     );
 
+    // The connectivity check on the healthy cluster: bytes move on both
+    // pairs, the same-node pair on shared memory (the local cluster runs no
+    // relay, so the cross-node pair is on TCP, with the daemons' reason).
+    let out = cluster.run(&["check", "--json"]);
+    assert!(
+        out.success(),
+        "cluster check: {}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    let pairs: Value = serde_json::from_str(&out.stdout).expect("check --json");
+    let pair = |kind: &str| {
+        pairs
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind} pair: {pairs:#}"))
+            .clone()
+    };
+    let same = pair("same-node");
+    assert_eq!(
+        (&same["bytes_ok"], &same["lane"]),
+        (&Value::Bool(true), &Value::from("shm")),
+        "{same:#}"
+    );
+    let cross = pair("cross-node");
+    assert_eq!(
+        (&cross["bytes_ok"], &cross["lane"]),
+        (&Value::Bool(true), &Value::from("tcp")),
+        "{cross:#}"
+    );
+    assert!(
+        !cross["tcp_reasons"].as_array().unwrap().is_empty(),
+        "{cross:#}"
+    );
+
     // Node n1 after accidents: its daemon killed, a pod's netns removed
     // without CNI DEL, a lease written for a container nobody knows.
     let status = cluster.status();

@@ -14,6 +14,7 @@ usage: flowlane cluster up     [--name NAME] [--nodes N] [--pods M] [--pod-netwo
        flowlane cluster down   [--name NAME] [--run-root DIR]
        flowlane cluster status [--name NAME] [--run-root DIR] [--json]
        flowlane cluster exec   [--name NAME] [--run-root DIR] [--preload] POD -- PROGRAM [ARGS...]
+       flowlane cluster check  [--name NAME] [--run-root DIR] [--json]
 
 Defaults: --name local --nodes 2 --pods 2 --pod-network 10.210.0.0 (node i
 gets A.B.i.0/24) --plugin flowlane --run-root /run/flowlane-cluster.
@@ -21,7 +22,10 @@ Nodes are network namespaces flc<NAME>-n<i> with their own bridge and
 flowlaned; pods are flc<NAME>-n<i>p<j>. `down` removes everything, also
 after an interrupted `up`. `exec` runs a program in pod POD (e.g. n0p1),
 with --preload injecting libflowlane_preload.so and the node's daemon
-socket, as the deploy layer does for pods.
+socket, as the deploy layer does for pods. `check` moves 8 MiB between a
+same-node and a cross-node pod pair (with the preload library), verifies
+every byte, and says from the daemons' counters which lane carried them
+(exit 1 if a pair failed, or the same-node pair did not get shared memory).
 ";
 
 struct Opts {
@@ -74,6 +78,9 @@ pub fn main(args: &[String]) -> i32 {
     if cmd == "exec" {
         return exec(&args[1..]);
     }
+    if cmd == "probe" {
+        return probe(&args[1..]);
+    }
     let opts = match parse(&args[1..]) {
         Ok(o) => o,
         Err(e) => {
@@ -92,6 +99,7 @@ pub fn main(args: &[String]) -> i32 {
         "up" => up(&opts, &bins),
         "down" => down(&opts, &bins),
         "status" => status(&opts),
+        "check" => check(&opts, &bins),
         other => {
             eprintln!("flowlane cluster: unknown command {other:?}\n\n{USAGE}");
             2
@@ -181,6 +189,54 @@ fn status(opts: &Opts) -> i32 {
         println!("  problem: {p}");
     }
     i32::from(!(rep.up && rep.problems.is_empty()))
+}
+
+fn check(opts: &Opts, bins: &Binaries) -> i32 {
+    let state = match flowlane_cluster::ClusterState::load(&opts.spec.run_root, &opts.spec.name) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("flowlane cluster check: {e}");
+            return 1;
+        }
+    };
+    let results = flowlane_cluster::check::run(&state, bins);
+    if opts.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&results).unwrap_or_default()
+        );
+    } else {
+        print!("{}", flowlane_cluster::check::render(&results));
+    }
+    let failed = results.is_empty()
+        || results.iter().any(|r| {
+            r.error.is_some() || !r.bytes_ok || (r.kind == "same-node" && r.lane != "shm")
+        });
+    i32::from(failed)
+}
+
+/// `probe serve PORT | probe send ADDR BYTES`: the programs `check` runs in
+/// the pods.
+fn probe(args: &[String]) -> i32 {
+    use flowlane_cluster::probe;
+    let done = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        ["serve", port] => port
+            .parse()
+            .map_err(|e| format!("port: {e}"))
+            .and_then(probe::serve),
+        ["send", addr, bytes] => match (addr.parse(), bytes.parse()) {
+            (Ok(a), Ok(b)) => probe::send(a, b),
+            _ => Err(format!("bad address {addr:?} or size {bytes:?}")),
+        },
+        _ => Err("usage: flowlane cluster probe serve PORT | send ADDR BYTES".into()),
+    };
+    match done {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("flowlane cluster probe: {e}");
+            1
+        }
+    }
 }
 
 /// `exec [--name N] [--run-root DIR] [--preload] POD -- PROGRAM ARGS...`

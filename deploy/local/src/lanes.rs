@@ -17,6 +17,17 @@ pub struct Counters {
     pub shm_bytes: u64,
     /// Connections left on TCP, by the daemon's reason.
     pub fallbacks: BTreeMap<String, u64>,
+    /// Connections opened, by lane (`shm`, `relay`, ...).
+    pub opened_by_lane: BTreeMap<String, u64>,
+}
+
+/// What changed between two readings of every daemon, by lane.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LaneDeltas {
+    /// Every daemon answered both times (else nothing may be claimed).
+    pub counters_read: bool,
+    pub opened: BTreeMap<String, u64>,
+    pub fallback_reasons: BTreeMap<String, u64>,
 }
 
 /// Reads a daemon's counters; `None` when the daemon or the status command
@@ -53,11 +64,52 @@ pub fn parse(v: &Value) -> Option<Counters> {
                 .collect()
         })
         .unwrap_or_default();
+    let opened_by_lane = stats
+        .get("lanes")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(lane, l)| (lane.clone(), num(l.get("connections_opened"))))
+                .collect()
+        })
+        .unwrap_or_default();
     Some(Counters {
         shm_opened: num(shm.and_then(|s| s.get("connections_opened"))),
         shm_bytes: num(shm.and_then(|s| s.get("bytes"))),
         fallbacks,
+        opened_by_lane,
     })
+}
+
+fn add_deltas(
+    into: &mut BTreeMap<String, u64>,
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) {
+    for (k, n) in after {
+        let d = n.saturating_sub(before.get(k).copied().unwrap_or(0));
+        if d > 0 {
+            *into.entry(k.clone()).or_default() += d;
+        }
+    }
+}
+
+/// Per-lane differences summed over all nodes (the connectivity check).
+pub fn evidence_by_lane(before: &[Option<Counters>], after: &[Option<Counters>]) -> LaneDeltas {
+    let mut d = LaneDeltas {
+        counters_read: !before.is_empty() && before.len() == after.len(),
+        ..Default::default()
+    };
+    for (b, a) in before.iter().zip(after) {
+        match (b, a) {
+            (Some(b), Some(a)) => {
+                add_deltas(&mut d.opened, &b.opened_by_lane, &a.opened_by_lane);
+                add_deltas(&mut d.fallback_reasons, &b.fallbacks, &a.fallbacks);
+            }
+            _ => d.counters_read = false,
+        }
+    }
+    d
 }
 
 /// Sums the differences over all nodes; no evidence unless every daemon
@@ -72,12 +124,11 @@ pub fn evidence(before: &[Option<Counters>], after: &[Option<Counters>]) -> Lane
             (Some(b), Some(a)) => {
                 e.shm_connections += a.shm_opened.saturating_sub(b.shm_opened);
                 e.shm_bytes += a.shm_bytes.saturating_sub(b.shm_bytes);
-                for (reason, n) in &a.fallbacks {
-                    let d = n.saturating_sub(b.fallbacks.get(reason).copied().unwrap_or(0));
-                    if d > 0 {
-                        e.tcp_fallbacks += d;
-                        *e.fallback_reasons.entry(reason.clone()).or_default() += d;
-                    }
+                let mut reasons = BTreeMap::new();
+                add_deltas(&mut reasons, &b.fallbacks, &a.fallbacks);
+                for (reason, d) in reasons {
+                    e.tcp_fallbacks += d;
+                    *e.fallback_reasons.entry(reason).or_default() += d;
                 }
             }
             _ => e.counters_read = false,
@@ -98,6 +149,7 @@ mod tests {
         let c = parse(&v).unwrap();
         assert_eq!((c.shm_opened, c.shm_bytes), (4, 1000));
         assert_eq!(c.fallbacks.values().sum::<u64>(), 3);
+        assert_eq!(c.opened_by_lane.get("shm"), Some(&4));
         assert_eq!(parse(&json!({"stats": v})).unwrap(), c);
         assert!(parse(&json!({"other": 1})).is_none());
     }
@@ -108,6 +160,7 @@ mod tests {
             shm_opened: 1,
             shm_bytes: 5,
             fallbacks: BTreeMap::from([("no-listener".to_string(), 2)]),
+            ..Default::default()
         });
         let e = evidence(&[c.clone(), None], &[c.clone(), None]);
         assert!(!e.counters_read);
@@ -118,6 +171,7 @@ mod tests {
                 ("no-listener".to_string(), 2),
                 ("not-local-pod".to_string(), 1),
             ]),
+            ..Default::default()
         });
         let e = evidence(&[c], &[later]);
         assert!(e.counters_read);

@@ -12,12 +12,14 @@
 //! before the CNI plugin runs), not the plugin, and the commands double as
 //! documentation a person can replay by hand.
 
+pub mod check;
 pub mod cni;
 pub mod demo;
 pub mod down;
 pub mod exec;
 pub mod journal;
 pub mod lanes;
+pub mod probe;
 pub mod procs;
 pub mod sh;
 pub mod spec;
