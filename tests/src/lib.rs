@@ -9,6 +9,7 @@ pub mod attack_scripts;
 pub mod binaries;
 pub mod cni;
 pub mod cri;
+pub mod fake_api;
 pub mod fsutil;
 pub mod host;
 pub mod names;
