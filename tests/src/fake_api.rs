@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -47,6 +48,10 @@ pub struct FakeApi {
     pub ca_pem: String,
     pub state: Arc<Mutex<ApiState>>,
     stop: Arc<AtomicBool>,
+    /// The listening socket (a duplicate): shut down on drop to wake the
+    /// accept loop, wherever the listener was bound (a connect to wake it
+    /// would have to come from the listener's own network namespace).
+    listener: TcpListener,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -86,6 +91,7 @@ impl FakeApi {
     pub fn serve(listener: TcpListener, nodes: Vec<Value>) -> FakeApi {
         let addr = listener.local_addr().unwrap();
         let (tls, ca_pem) = tls_config(&addr.ip().to_string());
+        let waker = listener.try_clone().unwrap();
         let state = Arc::new(Mutex::new(ApiState {
             nodes,
             ..ApiState::default()
@@ -98,7 +104,10 @@ impl FakeApi {
                     if stop.load(Ordering::SeqCst) {
                         return;
                     }
-                    let Ok(conn) = conn else { continue };
+                    let Ok(conn) = conn else {
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    };
                     let state = state.clone();
                     let tls = tls.clone();
                     std::thread::spawn(move || {
@@ -116,6 +125,7 @@ impl FakeApi {
             ca_pem,
             state,
             stop,
+            listener: waker,
             thread: Some(thread),
         }
     }
@@ -176,7 +186,9 @@ impl FakeApi {
 impl Drop for FakeApi {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        let _ = TcpStream::connect(self.addr);
+        // shutdown(2) of a listening socket wakes a blocked accept (EINVAL).
+        let _ =
+            nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -309,6 +321,15 @@ fn answer(st: &mut ApiState, req: &Seen) -> (u16, Value) {
             json!({"kind": "NodeList", "apiVersion": "v1",
                    "metadata": {"resourceVersion": "5000"}, "items": st.nodes}),
         );
+    }
+    if let (true, Some(name)) = (req.method == "GET", req.path.strip_prefix("/api/v1/nodes/")) {
+        return match st.nodes.iter().find(|n| n["metadata"]["name"] == name) {
+            Some(node) => (200, node.clone()),
+            None => (
+                404,
+                status_body(404, "NotFound", &format!("nodes \"{name}\" not found")),
+            ),
+        };
     }
     if let (true, Some(name)) = (
         req.method == "PATCH",

@@ -43,12 +43,16 @@ fn block(i: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Serves one connection; prints `listening` once it accepts connections.
+/// Serves one connection; prints `listening` once it accepts connections,
+/// then `peer <address:port>` of the client it accepted.
 pub fn serve(port: u16) -> Result<(), String> {
     let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| format!("bind {port}: {e}"))?;
     println!("listening");
     std::io::stdout().flush().map_err(|e| e.to_string())?;
-    let (mut conn, _) = listener.accept().map_err(|e| format!("accept: {e}"))?;
+    let (mut conn, peer) = listener.accept().map_err(|e| format!("accept: {e}"))?;
+    // The address the server sees: a test checks that no NAT sat between.
+    println!("peer {peer}");
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
     conn.set_read_timeout(Some(IO_TIMEOUT))
         .map_err(|e| e.to_string())?;
     let (mut count, mut hash) = (0u64, Fnv::default());
