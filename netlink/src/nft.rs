@@ -43,7 +43,9 @@ const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_EXPR_NAME: u16 = 1;
 const NFTA_EXPR_DATA: u16 = 2;
 const NFTA_DATA_VALUE: u16 = 1;
+const NFT_REG_VERDICT: u32 = 0;
 const NFT_REG_1: u32 = 1;
+const NF_ACCEPT: u32 = 1;
 const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
 const NFT_CMP_EQ: u32 = 0;
 const NFT_CMP_NEQ: u32 = 1;
@@ -96,6 +98,8 @@ pub enum Expr<'a> {
         data: &'a [u8],
     },
     Masquerade,
+    /// Verdict accept: the rest of this chain is skipped.
+    Accept,
 }
 
 impl Expr<'_> {
@@ -130,6 +134,16 @@ impl Expr<'_> {
                 });
             }
             Expr::Masquerade => attr_str(e, NFTA_EXPR_NAME, "masq"),
+            Expr::Accept => {
+                attr_str(e, NFTA_EXPR_NAME, "immediate");
+                nested(e, NFTA_EXPR_DATA, |d| {
+                    attr_u32(d, 1, NFT_REG_VERDICT); // DREG
+                    nested(d, 2, |data| {
+                        // NFTA_DATA_VERDICT { NFTA_VERDICT_CODE }
+                        nested(data, 2, |v| attr_u32(v, 1, NF_ACCEPT));
+                    });
+                });
+            }
         });
     }
 }
@@ -255,6 +269,29 @@ impl Nft {
         chain: &str,
         rules: &[(Vec<Expr>, String)],
     ) -> io::Result<()> {
+        self.put_rules(family, table, chain, rules, NLM_F_APPEND)
+    }
+
+    /// As [`Nft::add_rules`], but the rules go to the head of the chain
+    /// (before every rule already there).
+    pub fn insert_rules(
+        &mut self,
+        family: u8,
+        table: &str,
+        chain: &str,
+        rules: &[(Vec<Expr>, String)],
+    ) -> io::Result<()> {
+        self.put_rules(family, table, chain, rules, 0)
+    }
+
+    fn put_rules(
+        &mut self,
+        family: u8,
+        table: &str,
+        chain: &str,
+        rules: &[(Vec<Expr>, String)],
+        position: u16,
+    ) -> io::Result<()> {
         self.transaction(|nft, out| {
             nft.msg(
                 out,
@@ -284,7 +321,7 @@ impl Nft {
                 nft.msg(
                     out,
                     NFT_MSG_NEWRULE,
-                    NLM_F_CREATE | NLM_F_APPEND | NLM_F_ACK,
+                    NLM_F_CREATE | position | NLM_F_ACK,
                     family,
                     |b| {
                         attr_str(b, NFTA_RULE_TABLE, table);
