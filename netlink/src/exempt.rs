@@ -14,7 +14,7 @@ use std::net::IpAddr;
 
 use ipnetwork::IpNetwork;
 
-use crate::nft::{Expr, Nft, NFPROTO_IPV4, NFPROTO_IPV6};
+use crate::nft::{At, Expr, Nft, NFPROTO_IPV4, NFPROTO_IPV6};
 
 /// flowlane's nat table (both families) and its postrouting chain.
 pub const TABLE: &str = "flowlane";
@@ -134,7 +134,7 @@ pub fn sync(owner: Owner, want: &[IpNetwork], keep_others: bool) -> io::Result<(
             })
             .collect();
         let family = if v4 { NFPROTO_IPV4 } else { NFPROTO_IPV6 };
-        nft.insert_rules(family, TABLE, CHAIN, &rules)?;
+        nft.add_rules(family, TABLE, CHAIN, &rules, At::Head)?;
         added += rules.len();
     }
     Ok((added, removed))

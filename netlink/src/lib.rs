@@ -5,6 +5,7 @@
 
 pub mod exempt;
 pub mod nft;
+pub mod route;
 pub mod rt;
 
 pub use rt::RtNetlink;

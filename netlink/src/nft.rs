@@ -148,6 +148,15 @@ impl Expr<'_> {
     }
 }
 
+/// Where [`Nft::add_rules`] puts its rules in the chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum At {
+    /// After every rule already there.
+    Tail,
+    /// Before every rule already there.
+    Head,
+}
+
 /// A rule found by a dump.
 #[derive(Debug, Clone)]
 pub struct FoundRule {
@@ -260,38 +269,20 @@ impl Nft {
         }
     }
 
-    /// Creates (if needed) `table` with a nat postrouting `chain` and
-    /// appends one rule per entry of `rules`, atomically.
+    /// Creates (if needed) `table` with a nat postrouting `chain` and adds
+    /// one rule per entry of `rules` at its end or its head, atomically.
     pub fn add_rules(
         &mut self,
         family: u8,
         table: &str,
         chain: &str,
         rules: &[(Vec<Expr>, String)],
+        at: At,
     ) -> io::Result<()> {
-        self.put_rules(family, table, chain, rules, NLM_F_APPEND)
-    }
-
-    /// As [`Nft::add_rules`], but the rules go to the head of the chain
-    /// (before every rule already there).
-    pub fn insert_rules(
-        &mut self,
-        family: u8,
-        table: &str,
-        chain: &str,
-        rules: &[(Vec<Expr>, String)],
-    ) -> io::Result<()> {
-        self.put_rules(family, table, chain, rules, 0)
-    }
-
-    fn put_rules(
-        &mut self,
-        family: u8,
-        table: &str,
-        chain: &str,
-        rules: &[(Vec<Expr>, String)],
-        position: u16,
-    ) -> io::Result<()> {
+        let position = match at {
+            At::Tail => NLM_F_APPEND,
+            At::Head => 0,
+        };
         self.transaction(|nft, out| {
             nft.msg(
                 out,

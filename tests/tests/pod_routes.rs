@@ -168,6 +168,27 @@ fn seen_by_server(ns: &Netns, dst: Ipv4Addr) -> Result<String, String> {
     })
 }
 
+/// `from` reaches `to`'s server, which sees `from`'s own address.
+fn assert_no_nat(from: &(Netns, Ipv4Addr), to: &(Netns, Ipv4Addr), what: &str) {
+    assert_eq!(
+        seen_by_server(&from.0, to.1),
+        Ok(from.1.to_string()),
+        "{what}"
+    );
+}
+
+/// The route the test made itself is still there, untouched.
+fn assert_foreign_route(node: &Node, when: &str) {
+    let out = node
+        .ns
+        .ip(&["route", "show", "10.231.77.0/24"])
+        .expect_ok("ip route");
+    assert!(
+        out.stdout.contains("via 10.236.1.2"),
+        "{when}: the foreign route was touched"
+    );
+}
+
 fn write_table(path: &Path, nodes: &[&Node]) {
     let nodes: Vec<_> = nodes
         .iter()
@@ -274,16 +295,8 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
         .own_routes()
         .iter()
         .any(|r| r.contains("via 10.236.1.2")));
-    assert_eq!(
-        seen_by_server(&pods[0].0, pods[1].1),
-        Ok(pods[0].1.to_string()),
-        "pod1 -> pod2"
-    );
-    assert_eq!(
-        seen_by_server(&pods[1].0, pods[0].1),
-        Ok(pods[1].1.to_string()),
-        "pod2 -> pod1"
-    );
+    assert_no_nat(&pods[0], &pods[1], "pod1 -> pod2");
+    assert_no_nat(&pods[1], &pods[0], "pod2 -> pod1");
     // 2. Leaving the cluster: masqueraded to the node's underlay address.
     assert_eq!(
         seen_by_server(&pods[0].0, "10.236.200.1".parse().unwrap()),
@@ -320,16 +333,8 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
             .any(|r| r.starts_with("10.231.2.0/24") && r.contains("via 10.236.1.2")),
         "auto keeps host-gw on the shared link"
     );
-    assert_eq!(
-        seen_by_server(&pods[0].0, pods[2].1),
-        Ok(pods[0].1.to_string()),
-        "pod1 -> pod3 over vxlan"
-    );
-    assert_eq!(
-        seen_by_server(&pods[2].0, pods[1].1),
-        Ok(pods[2].1.to_string()),
-        "pod3 -> pod2 over vxlan"
-    );
+    assert_no_nat(&pods[0], &pods[2], "pod1 -> pod3 over vxlan");
+    assert_no_nat(&pods[2], &pods[1], "pod3 -> pod2 over vxlan");
 
     // 4. Node 2 leaves: its routes go, the others stay.
     write_table(&table, &[&nodes[0], &nodes[2]]);
@@ -340,14 +345,7 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
         nodes[0].own_routes()
     );
     assert!(nodes[0].has_route_to("10.231.3.0/24"));
-    let foreign = nodes[0]
-        .ns
-        .ip(&["route", "show", "10.231.77.0/24"])
-        .expect_ok("ip route");
-    assert!(
-        foreign.stdout.contains("via 10.236.1.2"),
-        "the foreign route was touched"
-    );
+    assert_foreign_route(&nodes[0], "the foreign route was touched");
 
     // 5. A daemon stopping leaves its routes (pods keep connectivity).
     if let Some(mut d) = nodes[0].daemon.take() {
@@ -357,9 +355,10 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
         nodes[0].has_route_to("10.231.3.0/24"),
         "routes went with the daemon"
     );
-    assert_eq!(
-        seen_by_server(&pods[0].0, pods[2].1),
-        Ok(pods[0].1.to_string())
+    assert_no_nat(
+        &pods[0],
+        &pods[2],
+        "pod1 -> pod3 with node1's daemon stopped",
     );
 
     // 6. Uninstall: nothing of flowlane's is left, the foreign route stays.
@@ -393,13 +392,6 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
         rules.stdout.contains("masquerade"),
         "the plugin's pod rule went too"
     );
-    let foreign = nodes[0]
-        .ns
-        .ip(&["route", "show", "10.231.77.0/24"])
-        .expect_ok("ip route");
-    assert!(
-        foreign.stdout.contains("via 10.236.1.2"),
-        "uninstall removed a foreign route"
-    );
+    assert_foreign_route(&nodes[0], "uninstall removed a foreign route");
     eprintln!("pod_routes: {:?}", t0.elapsed());
 }

@@ -16,7 +16,7 @@ use super::config::{AttachmentRef, NetConf};
 use super::error::{code, CniError, CniResult};
 use super::names::fnv1a64;
 use flowlane_netlink::exempt::Owner;
-use flowlane_netlink::nft::{Expr, Nft, NFPROTO_IPV4, NFPROTO_IPV6};
+use flowlane_netlink::nft::{At, Expr, Nft, NFPROTO_IPV4, NFPROTO_IPV6};
 
 pub use flowlane_netlink::exempt::{CHAIN, TABLE};
 
@@ -124,7 +124,7 @@ pub fn add(conf: &NetConf, container_id: &str, ifname: &str, addrs: &[IpNetwork]
                 )
             })
             .collect();
-        nft.add_rules(family(v4), TABLE, CHAIN, &rules)
+        nft.add_rules(family(v4), TABLE, CHAIN, &rules, At::Tail)
             .map_err(|e| err("adding rule", e))?;
     }
     // The conflist's clusterCIDRs are never masqueraded (flowlaned keeps

@@ -118,34 +118,16 @@ pub struct Installed {
 pub fn own_routes(nl: &mut RtNetlink) -> io::Result<Vec<Installed>> {
     let mut out = Vec::new();
     for v4 in [true, false] {
-        let mut m = RouteMessage::default();
-        m.header.address_family = family(v4);
-        for msg in nl.dump(RouteNetlinkMessage::GetRoute(m))? {
-            let RouteNetlinkMessage::NewRoute(r) = msg else {
-                continue;
-            };
-            if r.header.protocol != RouteProtocol::Other(RTPROT_FLOWLANE)
-                || r.header.table != RT_TABLE_MAIN
-            {
-                continue;
-            }
-            let (mut dst, mut gw, mut oif) = (None, None, None);
-            for a in &r.attributes {
-                match a {
-                    RouteAttribute::Destination(RouteAddress::Inet(a)) => dst = Some((*a).into()),
-                    RouteAttribute::Destination(RouteAddress::Inet6(a)) => dst = Some((*a).into()),
-                    RouteAttribute::Gateway(RouteAddress::Inet(a)) => gw = Some((*a).into()),
-                    RouteAttribute::Gateway(RouteAddress::Inet6(a)) => gw = Some((*a).into()),
-                    RouteAttribute::Oif(i) => oif = Some(*i),
-                    _ => {}
-                }
-            }
-            if let Some(Ok(dst)) =
-                dst.map(|d: IpAddr| IpNetwork::new(d, r.header.destination_prefix_length))
-            {
-                out.push(Installed { dst, gw, oif });
-            }
-        }
+        out.extend(
+            flowlane_netlink::route::list(nl, v4)?
+                .into_iter()
+                .filter(|r| r.protocol == RTPROT_FLOWLANE && r.table == RT_TABLE_MAIN)
+                .map(|r| Installed {
+                    dst: r.dst,
+                    gw: r.gw,
+                    oif: r.oif,
+                }),
+        );
     }
     Ok(out)
 }
