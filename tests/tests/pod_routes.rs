@@ -111,6 +111,9 @@ impl Node {
             "isGateway": true,
             "isDefaultGateway": true,
             "ipMasq": true,
+            // Exempted by the plugin at ADD (a range no node has: the daemon's
+            // own exemptions are what the no-NAT checks below rely on).
+            "clusterCIDRs": ["10.231.250.0/24"],
             "stateDir": self.dir.join("state").display().to_string(),
             "daemonSocket": self.dir.join("flowlaned.sock").display().to_string(),
             "ipam": {
@@ -297,6 +300,21 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
         .any(|r| r.contains("via 10.236.1.2")));
     assert_no_nat(&pods[0], &pods[1], "pod1 -> pod2");
     assert_no_nat(&pods[1], &pods[0], "pod2 -> pod1");
+    let rules = nodes[0]
+        .ns
+        .exec(&["nft", "list", "table", "ip", "flowlane"])
+        .expect_ok("nft");
+    for c in [
+        "node 10.231.1.0/24",
+        "node 10.231.2.0/24",
+        "conf 10.231.250.0/24",
+    ] {
+        assert!(
+            rules.stdout.contains(&format!("flowlane cluster {c}")),
+            "{c}: {}",
+            rules.stdout
+        );
+    }
     // 2. Leaving the cluster: masqueraded to the node's underlay address.
     assert_eq!(
         seen_by_server(&pods[0].0, "10.236.200.1".parse().unwrap()),
