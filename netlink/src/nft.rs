@@ -223,29 +223,21 @@ impl Nft {
         seq
     }
 
+    /// A batch's begin or end message.
+    fn batch_marker(&mut self, out: &mut Vec<u8>, ty: u16) {
+        let (s, _) = self.header(out, ty, NLM_F_REQUEST, 0, NFNL_SUBSYS_NFTABLES);
+        Self::finish(out, s);
+    }
+
     /// Sends one transaction and waits for every message's ack.
     fn transaction(
         &mut self,
         build: impl FnOnce(&mut Self, &mut Vec<u8>) -> usize,
     ) -> io::Result<()> {
         let mut out = Vec::new();
-        let (s, _) = self.header(
-            &mut out,
-            NFNL_MSG_BATCH_BEGIN,
-            NLM_F_REQUEST,
-            0,
-            NFNL_SUBSYS_NFTABLES,
-        );
-        Self::finish(&mut out, s);
+        self.batch_marker(&mut out, NFNL_MSG_BATCH_BEGIN);
         let expected = build(self, &mut out);
-        let (s, _) = self.header(
-            &mut out,
-            NFNL_MSG_BATCH_END,
-            NLM_F_REQUEST,
-            0,
-            NFNL_SUBSYS_NFTABLES,
-        );
-        Self::finish(&mut out, s);
+        self.batch_marker(&mut out, NFNL_MSG_BATCH_END);
         self.sock.send_to(&out, &SocketAddr::new(0, 0), 0)?;
         let mut acks = 0;
         let mut first_err = None;

@@ -171,6 +171,19 @@ fn seen_by_server(ns: &Netns, dst: Ipv4Addr) -> Result<String, String> {
     })
 }
 
+/// Waits until `a` routes `to_b` and `b` routes `to_a` (flowlane's routes).
+fn await_routes(a: &Node, to_b: &str, b: &Node, to_a: &str, what: &str) {
+    assert!(
+        wait::until(ROUTES, || a.has_route_to(to_b) && b.has_route_to(to_a)),
+        "no {what} routes: {} {:?}, {} {:?}\n{}",
+        a.name,
+        a.own_routes(),
+        b.name,
+        b.own_routes(),
+        a.log()
+    );
+}
+
 /// `from` reaches `to`'s server, which sees `from`'s own address.
 fn assert_no_nat(from: &(Netns, Ipv4Addr), to: &(Netns, Ipv4Addr), what: &str) {
     assert_eq!(
@@ -287,12 +300,12 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
         .expect_ok("foreign route");
 
     // 1. host-gw between nodes 1 and 2; no NAT between pods.
-    assert!(
-        wait::until(ROUTES, || nodes[0].has_route_to("10.231.2.0/24")
-            && nodes[1].has_route_to("10.231.1.0/24")),
-        "no host-gw routes: node1 {:?}\n{}",
-        nodes[0].own_routes(),
-        nodes[0].log()
+    await_routes(
+        &nodes[0],
+        "10.231.2.0/24",
+        &nodes[1],
+        "10.231.1.0/24",
+        "host-gw",
     );
     assert!(nodes[0]
         .own_routes()
@@ -329,12 +342,12 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
 
     // 3. Node 3 joins (another underlay subnet: VXLAN).
     write_table(&table, &[&nodes[0], &nodes[1], &nodes[2]]);
-    assert!(
-        wait::until(ROUTES, || nodes[0].has_route_to("10.231.3.0/24")
-            && nodes[2].has_route_to("10.231.1.0/24")),
-        "no route to the new node: {:?}\n{}",
-        nodes[0].own_routes(),
-        nodes[0].log()
+    await_routes(
+        &nodes[0],
+        "10.231.3.0/24",
+        &nodes[2],
+        "10.231.1.0/24",
+        "vxlan",
     );
     assert!(
         nodes[0].ns.link("flowlane.1").is_some(),
