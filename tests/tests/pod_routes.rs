@@ -9,7 +9,8 @@
 //! - no route is added by the test: pods reach each other across nodes
 //!   only through the daemons' routes, the server sees the client pod's own
 //!   address (no NAT), traffic to an address outside the cluster is still
-//!   masqueraded, a foreign route survives every reconcile, routes stay
+//!   masqueraded, a foreign route survives every reconcile, a table that
+//!   does not list the node changes nothing there, routes stay
 //!   when a daemon stops, and `flowlaned --remove-pod-routes` leaves none
 //!   of flowlane's routes, device or exemptions behind.
 
@@ -377,6 +378,22 @@ fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster()
     );
     assert!(nodes[0].has_route_to("10.231.3.0/24"));
     assert_foreign_route(&nodes[0], "the foreign route was touched");
+
+    // A table that does not list this node (being rewritten) cuts nothing.
+    write_table(&table, &[&nodes[2]]);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        nodes[0].has_route_to("10.231.3.0/24"),
+        "a table without this node removed its routes"
+    );
+    write_table(&table, &[&nodes[0], &nodes[2]]);
+    await_routes(
+        &nodes[0],
+        "10.231.3.0/24",
+        &nodes[2],
+        "10.231.1.0/24",
+        "vxlan",
+    );
 
     // 5. A daemon stopping leaves its routes (pods keep connectivity).
     if let Some(mut d) = nodes[0].daemon.take() {

@@ -419,7 +419,12 @@ impl Refresher {
         };
         let view = match self.nodes.directory.view() {
             Ok(v) => {
-                self.nodes.views.send_replace(Some(v.clone()));
+                // Only a table this round read (not Kubernetes' empty one
+                // before its first list, nor a stale one): pod routes must
+                // not follow an API outage.
+                if fresh {
+                    self.nodes.views.send_replace(Some(v.clone()));
+                }
                 v
             }
             Err(e) => {

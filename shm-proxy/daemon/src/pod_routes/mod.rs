@@ -29,10 +29,19 @@ pub use plan::Mode;
 
 /// Makes the kernel match the plan for `view` (one round, blocking).
 pub fn reconcile(view: &ClusterView, me: &str, mode: Mode) -> anyhow::Result<()> {
+    let Some(my_underlay) = view.node(me).map(|n| n.underlay) else {
+        // Without this node's entry there is no underlay address to plan
+        // from; what is installed stays (a table being rewritten must not
+        // cut the pods off).
+        tracing::warn!(
+            node = me,
+            "this node is not in the node table; pod routes left as they are"
+        );
+        return Ok(());
+    };
     let mut nl = RtNetlink::open()?;
     let vx_index = kernel::link_index(&mut nl, kernel::VXLAN_DEV)?;
-    let my_underlay = view.node(me).map(|n| n.underlay);
-    let (connected, mtu) = kernel::connected(&mut nl, vx_index.as_slice(), my_underlay)?;
+    let (connected, mtu) = kernel::connected(&mut nl, vx_index.as_slice(), Some(my_underlay))?;
     // Addresses inside a pod CIDR (the pod bridges) are not the underlay.
     let connected: Vec<_> = connected
         .into_iter()
