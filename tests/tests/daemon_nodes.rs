@@ -52,6 +52,8 @@ impl Daemon {
             .arg("--socket")
             .arg(dir.join("flowlaned.sock"))
             .args(["--log-level", "info,flowlaned=debug"])
+            // In the host's namespace: no pod routes (tests/tests/pod_routes.rs has them).
+            .args(["--pod-routes", "off"])
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -34,6 +34,9 @@ struct RawConf {
     force_address: Option<bool>,
     #[serde(default)]
     ip_masq: Option<bool>,
+    /// Destinations `ipMasq` never masquerades (the cluster's pod CIDRs).
+    #[serde(default, rename = "clusterCIDRs")]
+    cluster_cidrs: Vec<ipnetwork::IpNetwork>,
     #[serde(default)]
     mtu: Option<u32>,
     #[serde(default)]
@@ -78,6 +81,7 @@ pub struct NetConf {
     pub is_default_gateway: bool,
     pub force_address: bool,
     pub ip_masq: bool,
+    pub cluster_cidrs: Vec<ipnetwork::IpNetwork>,
     pub mtu: Option<u32>,
     pub hairpin_mode: bool,
     pub promisc_mode: bool,
@@ -187,6 +191,7 @@ pub fn parse(stdin: &[u8]) -> CniResult<NetConf> {
         is_default_gateway,
         force_address: raw.force_address.unwrap_or(false),
         ip_masq: raw.ip_masq.unwrap_or(false),
+        cluster_cidrs: raw.cluster_cidrs,
         mtu: raw.mtu,
         hairpin_mode,
         promisc_mode,

@@ -16,6 +16,8 @@ use crate::status::{ClusterState, NodeState, PodState, NODES_FILE, SPEC_FILE};
 
 /// How long a node daemon may take to open its socket.
 const DAEMON_START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long `up` waits for the daemons' pod routes.
+const ROUTE_WAIT: Duration = Duration::from_secs(10);
 
 /// Why `up` failed. The cluster is then partly built: run `down`.
 #[derive(Debug, thiserror::Error)]
@@ -78,12 +80,12 @@ pub fn up(
     for n in 0..spec.nodes {
         nodes.push(make_node(spec, &mut journal, n, progress)?);
     }
-    add_routes(spec)?;
     write_node_table(spec)?;
 
     for node in &mut nodes {
         start_daemon(spec, bins, &mut journal, node, progress)?;
     }
+    await_routes(spec, &nodes, progress)?;
 
     let mut state = ClusterState {
         spec: spec.clone(),
@@ -173,21 +175,39 @@ fn make_node(
     })
 }
 
-/// host-gw: every node routes each other node's pod CIDR via that node's
-/// underlay address.
-fn add_routes(spec: &ClusterSpec) -> Result<(), UpError> {
-    for n in 0..spec.nodes {
+/// The routes between the nodes' pod CIDRs are made by each node's
+/// flowlaned (`--pod-routes`, default auto: host-gw on this shared
+/// underlay; docs/daemon.md "Pod routes"). A node whose daemon is not
+/// running, or has not routed a peer within [`ROUTE_WAIT`], gets the
+/// host-gw route from here instead, so that its pods are reachable anyway.
+fn await_routes(
+    spec: &ClusterSpec,
+    nodes: &[NodeState],
+    progress: &dyn Fn(&str),
+) -> Result<(), UpError> {
+    let deadline = Instant::now() + ROUTE_WAIT;
+    for (n, node) in (0..spec.nodes).zip(nodes) {
+        let daemon = node.daemon_problem.is_none() && node.daemon_pid.is_some();
+        let netns = spec.node_netns(n);
         for m in (0..spec.nodes).filter(|&m| m != n) {
-            sh::ip_in(
-                &spec.node_netns(n),
-                &[
-                    "route",
-                    "add",
-                    &spec.pod_cidr(m),
-                    "via",
-                    &spec.node_ip(m).to_string(),
-                ],
-            )?;
+            let cidr = spec.pod_cidr(m);
+            let routed = || {
+                sh::ip_in(&netns, &["route", "show", &cidr])
+                    .is_ok_and(|o| !o.stdout.iter().all(u8::is_ascii_whitespace))
+            };
+            while daemon && !routed() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !routed() {
+                progress(&format!(
+                    "node {}: no route to {cidr} from its flowlaned; adding it",
+                    node.name
+                ));
+                sh::ip_in(
+                    &netns,
+                    &["route", "add", &cidr, "via", &spec.node_ip(m).to_string()],
+                )?;
+            }
         }
     }
     Ok(())

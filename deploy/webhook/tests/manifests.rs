@@ -590,6 +590,12 @@ fn the_node_agent_is_complete_and_runs_the_rdma_lane() {
     );
     let env = container_env(daemon, &objects);
     assert_eq!(env["FLOWLANE_LANE_TRANSPORT"], "rdma");
+    // Pod routes (docs/daemon.md "Pod routes"): on by default, from the ConfigMap.
+    assert!(
+        args.contains(&"--pod-routes=$(FLOWLANE_POD_ROUTES)"),
+        "{args:?}"
+    );
+    assert_eq!(env["FLOWLANE_POD_ROUTES"], "auto");
     let lane_port = daemon
         .ports
         .iter()
@@ -752,7 +758,7 @@ fn every_component_patches_exactly_its_files() {
 /// the resulting arguments.
 #[test]
 fn the_components_drop_privilege_and_the_lane_as_documented() {
-    // No relay: SYS_PTRACE only, no device, the daemon says the relay is off.
+    // No relay: SYS_PTRACE (+ NET_ADMIN for the pod routes), no device, the daemon says the relay is off.
     let objects = render(Some("no-rdma-lane"));
     let spec = node_agent(&objects);
     check_pod_references(spec, &objects, "no-rdma-lane");
@@ -765,9 +771,9 @@ fn the_components_drop_privilege_and_the_lane_as_documented() {
         capabilities(daemon),
         (
             Some(vec!["ALL".to_string()]),
-            Some(vec!["SYS_PTRACE".to_string()])
+            Some(vec!["SYS_PTRACE".to_string(), "NET_ADMIN".to_string()])
         ),
-        "only SYS_PTRACE"
+        "only SYS_PTRACE and NET_ADMIN"
     );
     assert!(!mount_paths(daemon).contains("/dev/infiniband"));
     assert!(!spec.volumes.iter().flatten().any(|v| v
@@ -795,7 +801,11 @@ fn the_components_drop_privilege_and_the_lane_as_documented() {
     assert_eq!(drop, Some(vec!["ALL".to_string()]));
     assert_eq!(
         add.unwrap_or_default().into_iter().collect::<BTreeSet<_>>(),
-        BTreeSet::from(["SYS_PTRACE".to_string(), "IPC_LOCK".to_string()])
+        BTreeSet::from([
+            "SYS_PTRACE".to_string(),
+            "IPC_LOCK".to_string(),
+            "NET_ADMIN".to_string()
+        ])
     );
     let limits = daemon
         .resources

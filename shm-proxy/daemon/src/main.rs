@@ -14,6 +14,7 @@ mod listener_store;
 mod memfd;
 mod metrics;
 mod nodes;
+mod pod_routes;
 mod pods;
 mod rdma_lane;
 mod relay;
@@ -83,6 +84,16 @@ struct Args {
     /// diag, the registry poke) without being root.
     #[arg(long)]
     admin_gid: Option<u32>,
+    /// Cross-node pod routes and masquerade exemptions from the node table:
+    /// `auto` (per peer: host-gw on a shared link, else vxlan), `host-gw`,
+    /// `vxlan`, or `off` (no routes; the exemptions stay). Needs
+    /// CAP_NET_ADMIN. See docs/daemon.md "Pod routes".
+    #[arg(long, default_value = "auto")]
+    pod_routes: pod_routes::Mode,
+    /// Remove this node's pod routes, the VXLAN device and the masquerade
+    /// exemptions flowlaned made, then exit (uninstall).
+    #[arg(long)]
+    remove_pod_routes: bool,
     /// Check the flags (as the daemon would at start) and exit: 0 and a
     /// summary on stdout when they are valid, else 2 and the reason.
     #[arg(long)]
@@ -169,6 +180,17 @@ async fn shutdown_signal() -> anyhow::Result<&'static str> {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.remove_pod_routes {
+        init_logging(args.log_level.as_deref());
+        let r = pod_routes::remove_all()?;
+        println!(
+            "flowlaned: removed {} pod routes, {} VXLAN device, {} masquerade exemptions",
+            r.routes,
+            u8::from(r.vxlan),
+            r.exemptions
+        );
+        return Ok(());
+    }
     if args.check_config {
         if let Err(e) = args.check() {
             eprintln!("flowlaned: {e:#}");
@@ -306,6 +328,13 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         shared
             .lock()
             .set_nodes_view(Box::new(move || n.view_json()));
+    }
+    match (&nodes, args.pod_routes) {
+        (_, pod_routes::Mode::Off) => {
+            tracing::info!("--pod-routes off: no pod routes, no masquerade exemptions")
+        }
+        (Some(n), mode) => pod_routes::start(n.clone(), mode),
+        (None, _) => {}
     }
     let relay = start_relay(&args, &shared, nodes.clone())?;
     if let (Some(n), None) = (&nodes, &relay) {

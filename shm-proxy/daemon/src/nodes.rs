@@ -160,6 +160,8 @@ pub struct Nodes {
     lane_port: AtomicU32,
     /// Runs a round now (instead of at the next tick).
     wake: tokio::sync::Notify,
+    /// Each round's table, when it could be read (pod routes follow it).
+    views: tokio::sync::watch::Sender<Option<Arc<ClusterView>>>,
 }
 
 impl Nodes {
@@ -231,6 +233,16 @@ impl Nodes {
             .clone()
     }
 
+    /// This node's name in the table.
+    pub fn node_name(&self) -> &str {
+        &self.node_name
+    }
+
+    /// Each round's table (`None` before the first readable one).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Option<Arc<ClusterView>>> {
+        self.views.subscribe()
+    }
+
     /// The last round's view (JSON, as in `<state-dir>/daemon/nodes.json`);
     /// `null` before the first round.
     pub fn view_json(&self) -> serde_json::Value {
@@ -294,6 +306,7 @@ pub async fn start(
         last_view: RwLock::new(serde_json::Value::Null),
         lane_port: AtomicU32::new(lane_port.map_or(0, u32::from)),
         wake: tokio::sync::Notify::new(),
+        views: tokio::sync::watch::Sender::new(None),
     });
     tracing::info!(
         node = %nodes.node_name,
@@ -405,7 +418,15 @@ impl Refresher {
             None => true,
         };
         let view = match self.nodes.directory.view() {
-            Ok(v) => v,
+            Ok(v) => {
+                // Only a table this round read (not Kubernetes' empty one
+                // before its first list, nor a stale one): pod routes must
+                // not follow an API outage.
+                if fresh {
+                    self.nodes.views.send_replace(Some(v.clone()));
+                }
+                v
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "node table unreadable; peers are unknown until it is fixed");
                 error.get_or_insert(e.to_string());

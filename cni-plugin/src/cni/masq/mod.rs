@@ -1,12 +1,11 @@
 //! Masquerade for `ipMasq`: traffic from a pod address to anything outside
-//! its subnet (and not multicast) is source-NATed, like the reference
+//! its subnet, the cluster's pod CIDRs (`flowlane_netlink::exempt`) and
+//! multicast is source-NATed, like the reference
 //! plugin's per-container rule. One nf_tables rule per pod address in
 //! tables `ip flowlane` / `ip6 flowlane`, chain `postrouting`
 //! (nat, srcnat priority), tagged with a comment naming the network and
 //! attachment so DEL and GC find their rules. Talks netlink directly: no
 //! `nft` or `iptables` process.
-
-mod nft;
 
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -16,10 +15,10 @@ use ipnetwork::IpNetwork;
 use super::config::{AttachmentRef, NetConf};
 use super::error::{code, CniError, CniResult};
 use super::names::fnv1a64;
-use nft::{Expr, Nft, NFPROTO_IPV4, NFPROTO_IPV6};
+use flowlane_netlink::exempt::Owner;
+use flowlane_netlink::nft::{At, Expr, Nft, NFPROTO_IPV4, NFPROTO_IPV6};
 
-pub const TABLE: &str = "flowlane";
-pub const CHAIN: &str = "postrouting";
+pub use flowlane_netlink::exempt::{CHAIN, TABLE};
 
 fn err(what: &str, e: std::io::Error) -> CniError {
     CniError::new(code::MASQUERADE, format!("masquerade: {what}")).with_details(e)
@@ -125,8 +124,14 @@ pub fn add(conf: &NetConf, container_id: &str, ifname: &str, addrs: &[IpNetwork]
                 )
             })
             .collect();
-        nft.add_rules(family(v4), TABLE, CHAIN, &rules)
+        nft.add_rules(family(v4), TABLE, CHAIN, &rules, At::Tail)
             .map_err(|e| err("adding rule", e))?;
+    }
+    // The conflist's clusterCIDRs are never masqueraded (flowlaned keeps
+    // every node's pod CIDR exempt too; docs/cni.md).
+    if !conf.cluster_cidrs.is_empty() {
+        flowlane_netlink::exempt::sync(Owner::Conf, &conf.cluster_cidrs, true)
+            .map_err(|e| err("cluster exemptions", e))?;
     }
     Ok(())
 }

@@ -78,40 +78,14 @@ pub struct KernelRoute {
     pub oif: Option<u32>,
 }
 
-/// Routes of the main table of one family.
+/// Routes of one family (every table).
 pub fn list(nl: &mut RtNetlink, v4: bool) -> io::Result<Vec<KernelRoute>> {
-    let mut m = RouteMessage::default();
-    m.header.address_family = if v4 {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let mut out = Vec::new();
-    for msg in nl.dump(RouteNetlinkMessage::GetRoute(m))? {
-        let RouteNetlinkMessage::NewRoute(r) = msg else {
-            continue;
-        };
-        let mut dst_ip: Option<IpAddr> = None;
-        let mut gw = None;
-        let mut oif = None;
-        for a in &r.attributes {
-            match a {
-                RouteAttribute::Destination(RouteAddress::Inet(a)) => dst_ip = Some((*a).into()),
-                RouteAttribute::Destination(RouteAddress::Inet6(a)) => dst_ip = Some((*a).into()),
-                RouteAttribute::Gateway(RouteAddress::Inet(a)) => gw = Some((*a).into()),
-                RouteAttribute::Gateway(RouteAddress::Inet6(a)) => gw = Some((*a).into()),
-                RouteAttribute::Oif(i) => oif = Some(*i),
-                _ => {}
-            }
-        }
-        let dst_ip = dst_ip.unwrap_or(if v4 {
-            IpAddr::from([0u8; 4])
-        } else {
-            IpAddr::from([0u16; 8])
-        });
-        if let Ok(dst) = ipnetwork::IpNetwork::new(dst_ip, r.header.destination_prefix_length) {
-            out.push(KernelRoute { dst, gw, oif });
-        }
-    }
-    Ok(out)
+    Ok(flowlane_netlink::route::list(nl, v4)?
+        .into_iter()
+        .map(|r| KernelRoute {
+            dst: r.dst,
+            gw: r.gw,
+            oif: r.oif,
+        })
+        .collect())
 }

@@ -43,7 +43,9 @@ const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_EXPR_NAME: u16 = 1;
 const NFTA_EXPR_DATA: u16 = 2;
 const NFTA_DATA_VALUE: u16 = 1;
+const NFT_REG_VERDICT: u32 = 0;
 const NFT_REG_1: u32 = 1;
+const NF_ACCEPT: u32 = 1;
 const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
 const NFT_CMP_EQ: u32 = 0;
 const NFT_CMP_NEQ: u32 = 1;
@@ -96,6 +98,8 @@ pub enum Expr<'a> {
         data: &'a [u8],
     },
     Masquerade,
+    /// Verdict accept: the rest of this chain is skipped.
+    Accept,
 }
 
 impl Expr<'_> {
@@ -130,8 +134,27 @@ impl Expr<'_> {
                 });
             }
             Expr::Masquerade => attr_str(e, NFTA_EXPR_NAME, "masq"),
+            Expr::Accept => {
+                attr_str(e, NFTA_EXPR_NAME, "immediate");
+                nested(e, NFTA_EXPR_DATA, |d| {
+                    attr_u32(d, 1, NFT_REG_VERDICT); // DREG
+                    nested(d, 2, |data| {
+                        // NFTA_DATA_VERDICT { NFTA_VERDICT_CODE }
+                        nested(data, 2, |v| attr_u32(v, 1, NF_ACCEPT));
+                    });
+                });
+            }
         });
     }
+}
+
+/// Where [`Nft::add_rules`] puts its rules in the chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum At {
+    /// After every rule already there.
+    Tail,
+    /// Before every rule already there.
+    Head,
 }
 
 /// A rule found by a dump.
@@ -200,29 +223,21 @@ impl Nft {
         seq
     }
 
+    /// A batch's begin or end message.
+    fn batch_marker(&mut self, out: &mut Vec<u8>, ty: u16) {
+        let (s, _) = self.header(out, ty, NLM_F_REQUEST, 0, NFNL_SUBSYS_NFTABLES);
+        Self::finish(out, s);
+    }
+
     /// Sends one transaction and waits for every message's ack.
     fn transaction(
         &mut self,
         build: impl FnOnce(&mut Self, &mut Vec<u8>) -> usize,
     ) -> io::Result<()> {
         let mut out = Vec::new();
-        let (s, _) = self.header(
-            &mut out,
-            NFNL_MSG_BATCH_BEGIN,
-            NLM_F_REQUEST,
-            0,
-            NFNL_SUBSYS_NFTABLES,
-        );
-        Self::finish(&mut out, s);
+        self.batch_marker(&mut out, NFNL_MSG_BATCH_BEGIN);
         let expected = build(self, &mut out);
-        let (s, _) = self.header(
-            &mut out,
-            NFNL_MSG_BATCH_END,
-            NLM_F_REQUEST,
-            0,
-            NFNL_SUBSYS_NFTABLES,
-        );
-        Self::finish(&mut out, s);
+        self.batch_marker(&mut out, NFNL_MSG_BATCH_END);
         self.sock.send_to(&out, &SocketAddr::new(0, 0), 0)?;
         let mut acks = 0;
         let mut first_err = None;
@@ -246,15 +261,20 @@ impl Nft {
         }
     }
 
-    /// Creates (if needed) `table` with a nat postrouting `chain` and
-    /// appends one rule per entry of `rules`, atomically.
+    /// Creates (if needed) `table` with a nat postrouting `chain` and adds
+    /// one rule per entry of `rules` at its end or its head, atomically.
     pub fn add_rules(
         &mut self,
         family: u8,
         table: &str,
         chain: &str,
         rules: &[(Vec<Expr>, String)],
+        at: At,
     ) -> io::Result<()> {
+        let position = match at {
+            At::Tail => NLM_F_APPEND,
+            At::Head => 0,
+        };
         self.transaction(|nft, out| {
             nft.msg(
                 out,
@@ -284,7 +304,7 @@ impl Nft {
                 nft.msg(
                     out,
                     NFT_MSG_NEWRULE,
-                    NLM_F_CREATE | NLM_F_APPEND | NLM_F_ACK,
+                    NLM_F_CREATE | position | NLM_F_ACK,
                     family,
                     |b| {
                         attr_str(b, NFTA_RULE_TABLE, table);
