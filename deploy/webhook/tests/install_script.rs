@@ -12,14 +12,7 @@ use std::sync::{Arc, Mutex};
 use tokio_rustls::rustls;
 
 mod common;
-use common::{release_dir, TempDir};
-
-fn config_data() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kubernetes/configmap.yaml");
-    let cm: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    serde_json::to_value(cm).unwrap()["data"].clone()
-}
+use common::{config_data, release_dir, TempDir};
 
 /// A one-connection-at-a-time HTTPS server on 127.0.0.1 answering GET requests from
 /// `nodes` (path -> Node JSON); records (path, authorization header) of each request.

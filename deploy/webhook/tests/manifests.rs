@@ -727,7 +727,10 @@ fn every_component_patches_exactly_its_files() {
         .iter()
         .map(|d| d.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names, ["no-rdma-lane", "rdma-shared-device-plugin"]);
+    assert_eq!(
+        names,
+        ["chained", "no-rdma-lane", "rdma-shared-device-plugin"]
+    );
     for dir in &dirs {
         let kz = &documents(&dir.join("kustomization.yaml"))[0];
         assert_eq!(kz["apiVersion"], "kustomize.config.k8s.io/v1alpha1");
@@ -816,6 +819,25 @@ fn the_components_drop_privilege_and_the_lane_as_documented() {
         summary.contains("relay: rdma on 192.0.2.10:7471"),
         "{summary}"
     );
+
+    // Chained: the init container runs install.sh in chained mode, every key
+    // it references exists, flowlaned is the base's.
+    let objects = render(Some("chained"));
+    let spec = node_agent(&objects);
+    check_pod_references(spec, &objects, "chained");
+    let init = &spec.init_containers.as_ref().unwrap()[0];
+    let env = container_env(init, &objects);
+    assert_eq!(env["FLOWLANE_MODE"], "chained");
+    assert_eq!(env["CHAINED_CONFLIST"], "");
+    let cm = objects
+        .config_maps
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("flowlane-config"))
+        .unwrap();
+    let data = cm.data.as_ref().unwrap();
+    assert!(data["install.sh"].contains("/etc/flowlane/chain.sh"));
+    let entry: serde_json::Value = serde_json::from_str(&data["chained-entry.json"]).unwrap();
+    assert_eq!(entry["mode"], "chained");
 
     // The base is unchanged by rendering without a component.
     let base = render(None);
