@@ -246,7 +246,7 @@ fn chained_gc_status_and_bad_input() {
         .into_iter()
         .map(|e| e.container_id)
         .collect();
-    assert_eq!(left, [keep.id.clone()]);
+    assert_eq!(left, std::slice::from_ref(&keep.id));
     Invocation::new(flowlane_e2e::binaries::flowlane(), "STATUS")
         .cni_path(&chain.cni_path)
         .config(&flowlane_conf(&chain, "1.1.0", None))
