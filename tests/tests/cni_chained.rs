@@ -6,8 +6,6 @@
 //!
 //! Names start with `ch`, addresses come from 10.232.0.0/16.
 
-use std::time::Duration;
-
 use serde_json::{json, Value};
 
 use flowlane_e2e::binaries::{PluginUnderTest, REFERENCE_CNI_DIR};
@@ -16,8 +14,7 @@ use flowlane_e2e::fsutil::TempDir;
 use flowlane_e2e::host::LinkGuard;
 use flowlane_e2e::netns::Netns;
 use flowlane_e2e::process::sh;
-use flowlane_e2e::shm::{self, run_ok, wait_listening, Bg, Node};
-use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PYTHON};
+use flowlane_e2e::shm::{self, Node};
 
 /// `ch<tag><pid digits>`, at most 15 bytes, unique per test and process.
 fn ch_name(tag: &str) -> String {
@@ -310,22 +307,7 @@ fn chained_pods_get_the_shared_memory_lane() {
     };
     let (client, server) = (shm_pod(&pc, ac.result()), shm_pod(&ps, as_.result()));
 
-    let t = Duration::from_secs(120);
-    let srv = Bg::spawn(node.cmd(&server, true, &[PYTHON, "-c", ECHO_SERVER, "7101"]));
-    wait_listening(&server, 7101);
-    let ip = server.ip.to_string();
-    let out = run_ok(
-        node.cmd(
-            &client,
-            true,
-            &[PYTHON, "-c", ECHO_CLIENT, &ip, "7101", "20000000", "1"],
-        ),
-        t,
-        "echo client",
-    );
-    assert!(out.starts_with("ok 20000000"), "{out}");
-    let (st, _, err) = srv.finish(t);
-    assert!(st.is_some_and(|s| s.success()), "server: {err}");
+    node.python_echo(&client, &server, 7101, 20_000_000);
     assert_eq!(
         node.shm_opened(),
         1,

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{config_data, kubernetes_file, release_dir, uninstall_script, TempDir};
+use common::{config_data, install_tree, kubernetes_file, uninstall_script, TempDir};
 
 /// `value` of each `add /data/<key>` operation of the component's ConfigMap patch.
 fn component_data(key: &str) -> String {
@@ -37,20 +37,15 @@ impl Node {
     fn new(tag: &str) -> Node {
         let root = TempDir::new(&format!("chained-{tag}"));
         let r = root.0.clone();
-        for d in [
-            "src",
-            "opt/cni/bin",
-            "etc/cni/net.d",
-            "opt/flowlane/lib",
-            "etc/flowlane",
-        ] {
-            std::fs::create_dir_all(r.join(d)).unwrap();
-        }
-        for bin in ["flowlane", "flowlaned", "libflowlane_preload.so"] {
-            let from = release_dir().join(bin);
-            std::fs::copy(&from, r.join("src").join(bin))
-                .unwrap_or_else(|e| panic!("{}: {e} (build the workspace first)", from.display()));
-        }
+        install_tree(
+            &r,
+            &[
+                "opt/cni/bin",
+                "etc/cni/net.d",
+                "opt/flowlane/lib",
+                "etc/flowlane",
+            ],
+        );
         let etc = r.join("etc/flowlane");
         let install = config_data()["install.sh"].as_str().unwrap().to_string();
         std::fs::write(etc.join("install.sh"), install).unwrap();

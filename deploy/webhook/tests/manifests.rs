@@ -354,6 +354,16 @@ fn render(component: Option<&str>) -> Objects {
     load_documents(docs)
 }
 
+/// The data of the ConfigMap flowlane-config.
+fn flowlane_config(objects: &Objects) -> &BTreeMap<String, String> {
+    let cm = objects
+        .config_maps
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("flowlane-config"))
+        .expect("ConfigMap flowlane-config");
+    cm.data.as_ref().expect("flowlane-config has data")
+}
+
 fn node_agent(objects: &Objects) -> &PodSpec {
     let ds = objects
         .daemon_sets
@@ -829,12 +839,7 @@ fn the_components_drop_privilege_and_the_lane_as_documented() {
     let env = container_env(init, &objects);
     assert_eq!(env["FLOWLANE_MODE"], "chained");
     assert_eq!(env["CHAINED_CONFLIST"], "");
-    let cm = objects
-        .config_maps
-        .iter()
-        .find(|c| c.metadata.name.as_deref() == Some("flowlane-config"))
-        .unwrap();
-    let data = cm.data.as_ref().unwrap();
+    let data = flowlane_config(&objects);
     assert!(data["install.sh"].contains("/etc/flowlane/chain.sh"));
     let entry: serde_json::Value = serde_json::from_str(&data["chained-entry.json"]).unwrap();
     assert_eq!(entry["mode"], "chained");
@@ -861,12 +866,7 @@ fn kubelet_expansion_follows_the_kubelet_rules() {
 #[test]
 fn the_conflist_template_is_a_flowlane_network() {
     let objects = load(&deploy_dir());
-    let cm = objects
-        .config_maps
-        .iter()
-        .find(|c| c.metadata.name.as_deref() == Some("flowlane-config"))
-        .unwrap();
-    let data = cm.data.as_ref().unwrap();
+    let data = flowlane_config(&objects);
     let conf: Value =
         serde_json::from_str(&data["10-flowlane.conflist.tmpl"]).expect("template is JSON");
     assert_eq!(conf["plugins"][0]["type"], "flowlane");

@@ -58,6 +58,19 @@ impl Drop for TempDir {
     }
 }
 
+/// A node's host tree for running install.sh below `r`: the directories
+/// `dirs` and the built binaries in `r/src` (install.sh's FLOWLANE_SRC_DIR).
+pub fn install_tree(r: &Path, dirs: &[&str]) {
+    for d in std::iter::once(&"src").chain(dirs) {
+        std::fs::create_dir_all(r.join(d)).unwrap();
+    }
+    for bin in ["flowlane", "flowlaned", "libflowlane_preload.so"] {
+        let from = release_dir().join(bin);
+        std::fs::copy(&from, r.join("src").join(bin))
+            .unwrap_or_else(|e| panic!("{}: {e} (build the workspace first)", from.display()));
+    }
+}
+
 /// `<target>/release` (or debug): where the workspace's binaries are, one
 /// level above the test executable's `deps/`.
 pub fn release_dir() -> PathBuf {
