@@ -537,6 +537,17 @@ fn chained_pods_ride_the_relay_between_nodes() {
 fn checksummed_echo(zero_copy: bool, chained: bool) {
     let _g = serial();
     let c = Cluster::build(1, zero_copy, chained);
+    if chained {
+        // The reference bridge wired the pods; flowlane's own bridge is absent.
+        for node in &c.nodes {
+            let has = |br: &str| {
+                sh(&["ip", "-n", &node.netns, "link", "show", br])
+                    .status
+                    .success()
+            };
+            assert!(has("chbr0") && !has("rrbr0"), "{}", node.netns);
+        }
+    }
     let bytes = 8_000_000u64;
     echo_across(&c, 0, 1, 7501, 3, bytes);
     echo_across(&c, 1, 0, 7502, 2, bytes);
