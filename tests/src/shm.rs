@@ -368,6 +368,30 @@ impl Node {
             .unwrap_or(0)
     }
 
+    /// The Python echo pair with the preload library: the server in
+    /// `server`, the client in `client` sending `bytes` to `port` (both
+    /// directions at once, half-close); panics unless both succeed.
+    pub fn python_echo(&self, client: &Pod, server: &Pod, port: u16, bytes: u64) {
+        use crate::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PYTHON};
+        let t = Duration::from_secs(120);
+        let port = port.to_string();
+        let srv = Bg::spawn(self.cmd(server, true, &[PYTHON, "-c", ECHO_SERVER, &port]));
+        wait_listening(server, port.parse().unwrap());
+        let (ip, n) = (server.ip.to_string(), bytes.to_string());
+        let out = run_ok(
+            self.cmd(
+                client,
+                true,
+                &[PYTHON, "-c", ECHO_CLIENT, &ip, &port, &n, "1"],
+            ),
+            t,
+            "echo client",
+        );
+        assert!(out.starts_with(&format!("ok {n}")), "{out}");
+        let (st, _, err) = srv.finish(t);
+        assert!(st.is_some_and(|s| s.success()), "server: {err}");
+    }
+
     /// A command run inside `pod`, with the preload library if `preload`.
     pub fn cmd(&self, pod: &Pod, preload: bool, argv: &[&str]) -> Command {
         let mut c = Command::new("ip");

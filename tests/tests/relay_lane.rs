@@ -49,6 +49,9 @@ struct Node {
     /// The relay moves bytes by (emulated) placement into the remote ring:
     /// the zero-copy protocol of the RDMA transport, over tcp-test.
     zero_copy: bool,
+    /// Pods wired by the reference `bridge` + `host-local`, then flowlane
+    /// in chained mode (the cluster's routes stand in for the other CNI's).
+    chained: bool,
 }
 
 impl Node {
@@ -90,11 +93,65 @@ impl Node {
 
     /// The real plugin, run inside the node's namespace as a runtime would.
     fn cni(&self, command: &str, pod_ns: &str, id: &str) -> std::process::Output {
+        if self.chained {
+            return self.cni_chained(command, pod_ns, id);
+        }
+        self.run_plugin(
+            &build_dir().join("flowlane"),
+            &self.cni_conf(),
+            command,
+            pod_ns,
+            id,
+        )
+    }
+
+    fn run_plugin(
+        &self,
+        binary: &std::path::Path,
+        conf: &str,
+        command: &str,
+        pod_ns: &str,
+        id: &str,
+    ) -> std::process::Output {
         let mut plugin = Command::new("ip");
-        plugin
-            .args(["netns", "exec", &self.netns])
-            .arg(build_dir().join("flowlane"));
-        run_cni(plugin, &self.cni_conf(), command, pod_ns, id).expect("run flowlane")
+        plugin.args(["netns", "exec", &self.netns]).arg(binary);
+        run_cni(plugin, conf, command, pod_ns, id).expect("run plugin")
+    }
+
+    /// The conflist bridge → flowlane (chained) as libcni runs it: ADD in
+    /// order with bridge's result as flowlane's prevResult, DEL in reverse.
+    fn cni_chained(&self, command: &str, pod_ns: &str, id: &str) -> std::process::Output {
+        let bridge = serde_json::json!({
+            "cniVersion": "1.0.0", "name": "chnet", "type": "bridge", "bridge": "chbr0",
+            "isGateway": true, "isDefaultGateway": true,
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": self.cidr}]],
+                     "dataDir": self.dir.join("ipam")},
+        })
+        .to_string();
+        let flowlane = |prev: Option<serde_json::Value>| {
+            serde_json::json!({
+                "cniVersion": "1.0.0", "name": "chnet", "type": "flowlane", "mode": "chained",
+                "stateDir": self.state_dir(), "daemonSocket": self.socket(), "prevResult": prev,
+            })
+            .to_string()
+        };
+        let (bridge_bin, flowlane_bin) = (
+            std::path::Path::new("/usr/lib/cni/bridge"),
+            build_dir().join("flowlane"),
+        );
+        if command == "ADD" {
+            let out = self.run_plugin(bridge_bin, &bridge, command, pod_ns, id);
+            if !out.status.success() {
+                return out;
+            }
+            let prev = serde_json::from_slice(&out.stdout).expect("bridge result");
+            return self.run_plugin(&flowlane_bin, &flowlane(Some(prev)), command, pod_ns, id);
+        }
+        let out = self.run_plugin(&flowlane_bin, &flowlane(None), command, pod_ns, id);
+        if !out.status.success() {
+            return out;
+        }
+        self.run_plugin(bridge_bin, &bridge, command, pod_ns, id)
     }
 
     fn add_pod(&mut self) {
@@ -216,26 +273,37 @@ struct Cluster {
 
 impl Cluster {
     fn new(pods: usize) -> Cluster {
-        Cluster::build(pods, false)
+        Cluster::build(pods, false, false)
     }
 
     /// `zero_copy`: the daemons' relay places bytes into the remote pod's
     /// ring (the RDMA transport's zero-copy protocol, emulated by tcp-test).
-    fn build(pods: usize, zero_copy: bool) -> Cluster {
+    /// `chained`: pods wired by bridge + flowlane chained (names `ch…`,
+    /// pod CIDRs from 10.232.100.0/24 up, underlay 10.232.200.0/24 up).
+    fn build(pods: usize, zero_copy: bool, chained: bool) -> Cluster {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tag = format!("{:x}{n:x}", std::process::id() % 0xfff);
+        let prefix = if chained { "ch" } else { "rr" };
+        let tag = format!("{prefix}{:x}{n:x}", std::process::id() % 0xfff);
         let slot = ((std::process::id() + n * 7) % 120) as u8;
-        let dir = std::env::temp_dir().join(format!("rr-{tag}"));
+        let cidr = |i: u8| match chained {
+            true => format!("10.232.{}.0/24", 100 + 2 * (slot % 50) + i),
+            false => format!("10.173.{}.0/24", 2 * slot + i),
+        };
+        let underlay = |i: u8| match chained {
+            true => Ipv4Addr::new(10, 232, 200 + slot % 50, 1 + i),
+            false => Ipv4Addr::new(10, 174, slot, 1 + i),
+        };
+        let dir = std::env::temp_dir().join(format!("{tag}-relay"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let link = format!("rr{tag}u");
+        let link = format!("{tag}u");
         let mut c = Cluster {
             nodes: Vec::new(),
             dir: dir.clone(),
             link: link.clone(),
         };
         for i in 0..2u8 {
-            let netns = format!("rr{tag}n{i}");
+            let netns = format!("{tag}n{i}");
             fresh_netns(&netns);
             sh_ok(&[
                 "ip",
@@ -251,12 +319,13 @@ impl Cluster {
             c.nodes.push(Node {
                 name: format!("n{i}"),
                 netns,
-                cidr: format!("10.173.{}.0/24", 2 * slot + i),
-                underlay: Ipv4Addr::new(10, 174, slot, 1 + i),
+                cidr: cidr(i),
+                underlay: underlay(i),
                 dir: ndir,
                 pods: Vec::new(),
                 daemon: None,
                 zero_copy,
+                chained,
             });
         }
         // The underlay: one veth between the two node namespaces.
@@ -446,7 +515,7 @@ fn wait_closed(c: &Cluster, n: u64) {
 /// daemons prove the relay lane carried it (and the shm lane did not).
 #[test]
 fn relay_carries_checksummed_echo_both_ways_between_nodes() {
-    checksummed_echo(false);
+    checksummed_echo(false, false);
 }
 
 /// The same over the zero-copy protocol (RING/PLACED/ROOM: bytes land in
@@ -454,12 +523,31 @@ fn relay_carries_checksummed_echo_both_ways_between_nodes() {
 /// remote ring's free room), with random sizes across ring wraps.
 #[test]
 fn zero_copy_relay_carries_checksummed_echo_both_ways_between_nodes() {
-    checksummed_echo(true);
+    checksummed_echo(true, false);
 }
 
-fn checksummed_echo(zero_copy: bool) {
+/// Chained pods (the reference `bridge` + `host-local` wire them, flowlane
+/// in chained mode records them; the cluster's host-gw routes stand in for
+/// the other CNI's routing): the same echo rides the relay.
+#[test]
+fn chained_pods_ride_the_relay_between_nodes() {
+    checksummed_echo(false, true);
+}
+
+fn checksummed_echo(zero_copy: bool, chained: bool) {
     let _g = serial();
-    let c = Cluster::build(1, zero_copy);
+    let c = Cluster::build(1, zero_copy, chained);
+    if chained {
+        // The reference bridge wired the pods; flowlane's own bridge is absent.
+        for node in &c.nodes {
+            let has = |br: &str| {
+                sh(&["ip", "-n", &node.netns, "link", "show", br])
+                    .status
+                    .success()
+            };
+            assert!(has("chbr0") && !has("rrbr0"), "{}", node.netns);
+        }
+    }
     let bytes = 8_000_000u64;
     echo_across(&c, 0, 1, 7501, 3, bytes);
     echo_across(&c, 1, 0, 7502, 2, bytes);
@@ -522,7 +610,7 @@ os.rename(out + ".tmp", out)
 fn a_forked_child_keeps_a_relayed_connection_after_its_parent_exits() {
     for zero_copy in [false, true] {
         let _g = serial();
-        let c = Cluster::build(1, zero_copy);
+        let c = Cluster::build(1, zero_copy, false);
         let (n0, n1, a, b) = c.first_pods();
         let port = 7591u16;
         let _srv = n1.serve(
@@ -583,7 +671,7 @@ fn socket_semantics_hold_across_the_zero_copy_relay() {
 
 fn socket_semantics(zero_copy: bool) {
     let _g = serial();
-    let c = Cluster::build(1, zero_copy);
+    let c = Cluster::build(1, zero_copy, false);
     let (n0, n1, a, b) = c.first_pods();
     let ip = b.ip.to_string();
     let mut expected = 0;
@@ -825,7 +913,7 @@ fn peer_killed_mid_stream_over_the_zero_copy_relay_ends_the_other_side() {
 
 fn peer_killed(zero_copy: bool) {
     let _g = serial();
-    let c = Cluster::build(1, zero_copy);
+    let c = Cluster::build(1, zero_copy, false);
     let (n0, n1, a, b) = c.first_pods();
     for (round, kill_server) in [(0u16, true), (1, false)] {
         let port = 7521 + round;
@@ -1062,7 +1150,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 fn an_idle_relayed_connection_costs_the_daemons_no_cpu() {
     for zero_copy in [false, true] {
         let _g = serial();
-        let c = Cluster::build(1, zero_copy);
+        let c = Cluster::build(1, zero_copy, false);
         let (n0, n1, a, b) = c.first_pods();
         let port = 7592u16;
         let _srv = n1.serve(

@@ -54,6 +54,8 @@ struct RawConf {
     #[serde(default)]
     log_file: Option<String>,
     #[serde(default)]
+    mode: Option<String>,
+    #[serde(default)]
     prev_result: Option<Value>,
     #[serde(default, rename = "cni.dev/valid-attachments")]
     valid_attachments: Option<Vec<AttachmentRef>>,
@@ -67,6 +69,17 @@ pub struct AttachmentRef {
     #[serde(rename = "containerID")]
     pub container_id: String,
     pub ifname: String,
+}
+
+/// How the plugin takes part in the network (`"mode"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// flowlane wires the pod (bridge, veth, IPAM, routes, masquerade).
+    #[default]
+    Primary,
+    /// A later plugin of a conflist: another CNI wired the pod; flowlane
+    /// records it from `prevResult` and wires nothing.
+    Chained,
 }
 
 /// A validated network configuration.
@@ -90,6 +103,7 @@ pub struct NetConf {
     pub state_dir: String,
     pub daemon_socket: String,
     pub log_file: Option<String>,
+    pub mode: Mode,
     pub prev_result: Option<Value>,
     /// GC's list of attachments still in use, when given.
     pub valid_attachments: Option<Vec<AttachmentRef>>,
@@ -181,6 +195,15 @@ pub fn parse(stdin: &[u8]) -> CniResult<NetConf> {
         Some(f) if f.is_empty() => None,
         Some(f) => Some(path_key("logFile", Some(f), "")?),
     };
+    let mode = match raw.mode.as_deref() {
+        None | Some("primary") => Mode::Primary,
+        Some("chained") => Mode::Chained,
+        Some(other) => {
+            return Err(CniError::config(format!(
+                "invalid mode {other:?}: \"primary\" or \"chained\""
+            )))
+        }
+    };
     Ok(NetConf {
         cni_version,
         version,
@@ -200,6 +223,7 @@ pub fn parse(stdin: &[u8]) -> CniResult<NetConf> {
         state_dir,
         daemon_socket,
         log_file,
+        mode,
         prev_result: raw.prev_result.filter(|v| !v.is_null()),
         valid_attachments: raw.valid_attachments.or(raw.attachments),
         raw: stdin.to_vec(),
@@ -238,6 +262,8 @@ mod tests {
         assert_eq!(c.mtu, Some(1400));
         assert_eq!(c.state_dir, "/var/lib/flowlane");
         assert_eq!(c.daemon_socket, "/run/flowlane/flowlaned.sock");
+        assert_eq!(c.mode, Mode::Primary);
+        assert_eq!(with(r#"{"mode": "chained"}"#).unwrap().mode, Mode::Chained);
         let c = with(r#"{"bridge": null, "isGateway": null, "isDefaultGateway": true}"#).unwrap();
         assert_eq!(c.bridge, "cni0");
         assert!(c.is_gateway, "isDefaultGateway implies isGateway");
@@ -319,6 +345,8 @@ mod tests {
                 7,
             ),
             (r#"{"ipam": {"type": "../../bin/sh"}}"#, 7),
+            (r#"{"mode": "sidecar"}"#, 7),
+            (r#"{"mode": true}"#, 7),
         ];
         for (patch, want) in cases {
             let got = with(patch).map(|_| ()).unwrap_err();

@@ -80,6 +80,9 @@ fn run(cmd: &str, stdin: &[u8]) -> CniResult<Option<serde_json::Value>> {
     let _g = span.enter();
     let start = std::time::Instant::now();
     let out = match command {
+        Command::Add if conf.mode == config::Mode::Chained => {
+            Some(commands::chained::add(&conf, &env)?)
+        }
         Command::Add => {
             let r = commands::add::run(&conf, &env)?;
             Some(r.to_json(&conf.cni_version, conf.version))

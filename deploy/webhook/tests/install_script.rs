@@ -12,14 +12,7 @@ use std::sync::{Arc, Mutex};
 use tokio_rustls::rustls;
 
 mod common;
-use common::{release_dir, TempDir};
-
-fn config_data() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kubernetes/configmap.yaml");
-    let cm: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    serde_json::to_value(cm).unwrap()["data"].clone()
-}
+use common::{config_data, install_tree, release_dir, TempDir};
 
 /// A one-connection-at-a-time HTTPS server on 127.0.0.1 answering GET requests from
 /// `nodes` (path -> Node JSON); records (path, authorization header) of each request.
@@ -118,21 +111,16 @@ fn run_install(api: &FakeApi, node_name: &str, tag: &str) -> (bool, String, Node
     let root = TempDir::new(&format!("install-{tag}"));
     let r = root.0.clone();
     let data = config_data();
-    for d in [
-        "src",
-        "opt/cni/bin",
-        "etc/cni/net.d",
-        "opt/flowlane/lib",
-        "sa",
-        "etc/flowlane",
-    ] {
-        std::fs::create_dir_all(r.join(d)).unwrap();
-    }
-    for bin in ["flowlane", "flowlaned", "libflowlane_preload.so"] {
-        let from = release_dir().join(bin);
-        std::fs::copy(&from, r.join("src").join(bin))
-            .unwrap_or_else(|e| panic!("{}: {e} (build the workspace first)", from.display()));
-    }
+    install_tree(
+        &r,
+        &[
+            "opt/cni/bin",
+            "etc/cni/net.d",
+            "opt/flowlane/lib",
+            "sa",
+            "etc/flowlane",
+        ],
+    );
     std::fs::write(r.join("sa/token"), "test-token-123").unwrap();
     std::fs::write(r.join("sa/ca.crt"), &api.ca_pem).unwrap();
     let template = r.join("etc/flowlane/10-flowlane.conflist.tmpl");

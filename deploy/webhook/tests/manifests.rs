@@ -354,6 +354,16 @@ fn render(component: Option<&str>) -> Objects {
     load_documents(docs)
 }
 
+/// The data of the ConfigMap flowlane-config.
+fn flowlane_config(objects: &Objects) -> &BTreeMap<String, String> {
+    let cm = objects
+        .config_maps
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("flowlane-config"))
+        .expect("ConfigMap flowlane-config");
+    cm.data.as_ref().expect("flowlane-config has data")
+}
+
 fn node_agent(objects: &Objects) -> &PodSpec {
     let ds = objects
         .daemon_sets
@@ -733,7 +743,10 @@ fn every_component_patches_exactly_its_files() {
         .iter()
         .map(|d| d.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names, ["no-rdma-lane", "rdma-shared-device-plugin"]);
+    assert_eq!(
+        names,
+        ["chained", "no-rdma-lane", "rdma-shared-device-plugin"]
+    );
     for dir in &dirs {
         let kz = &documents(&dir.join("kustomization.yaml"))[0];
         assert_eq!(kz["apiVersion"], "kustomize.config.k8s.io/v1alpha1");
@@ -827,6 +840,20 @@ fn the_components_drop_privilege_and_the_lane_as_documented() {
         "{summary}"
     );
 
+    // Chained: the init container runs install.sh in chained mode, every key
+    // it references exists, flowlaned is the base's.
+    let objects = render(Some("chained"));
+    let spec = node_agent(&objects);
+    check_pod_references(spec, &objects, "chained");
+    let init = &spec.init_containers.as_ref().unwrap()[0];
+    let env = container_env(init, &objects);
+    assert_eq!(env["FLOWLANE_MODE"], "chained");
+    assert_eq!(env["CHAINED_CONFLIST"], "");
+    let data = flowlane_config(&objects);
+    assert!(data["install.sh"].contains("/etc/flowlane/chain.sh"));
+    let entry: serde_json::Value = serde_json::from_str(&data["chained-entry.json"]).unwrap();
+    assert_eq!(entry["mode"], "chained");
+
     // The base is unchanged by rendering without a component.
     let base = render(None);
     let daemon = container(node_agent(&base), "flowlaned");
@@ -849,12 +876,7 @@ fn kubelet_expansion_follows_the_kubelet_rules() {
 #[test]
 fn the_conflist_template_is_a_flowlane_network() {
     let objects = load(&deploy_dir());
-    let cm = objects
-        .config_maps
-        .iter()
-        .find(|c| c.metadata.name.as_deref() == Some("flowlane-config"))
-        .unwrap();
-    let data = cm.data.as_ref().unwrap();
+    let data = flowlane_config(&objects);
     let conf: Value =
         serde_json::from_str(&data["10-flowlane.conflist.tmpl"]).expect("template is JSON");
     assert_eq!(conf["plugins"][0]["type"], "flowlane");

@@ -3,30 +3,11 @@
 //! a real bridge `fl0` and real nftables tables, over a temporary host tree: it removes
 //! flowlane's config, binaries, library, state, leases, bridge and tables, and nothing else.
 
-use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::TempDir;
-
-fn uninstall_script() -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kubernetes/uninstall/uninstall.yaml");
-    let text = std::fs::read_to_string(path).unwrap();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let v: Value = serde_json::to_value(
-            <serde_yaml::Value as serde::Deserialize>::deserialize(doc).unwrap(),
-        )
-        .unwrap();
-        if v["kind"] == "DaemonSet" {
-            let command = &v["spec"]["template"]["spec"]["initContainers"][0]["command"];
-            assert_eq!(command[0], "/bin/sh");
-            assert_eq!(command[1], "-c");
-            return command[2].as_str().unwrap().to_string();
-        }
-    }
-    panic!("no DaemonSet in uninstall.yaml")
-}
+use common::{uninstall_script, TempDir};
 
 fn touch(root: &Path, rel: &str) {
     let p = root.join(rel);

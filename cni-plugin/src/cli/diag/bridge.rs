@@ -16,6 +16,16 @@ pub fn check(net: Option<&FlowlaneNet>) -> Section {
         );
         return s;
     };
+    if net.chained {
+        s.info(
+            "bridge.chained",
+            format!(
+                "flowlane is chained after {}: links and routes are that plugin's",
+                net.plugin_types[0]
+            ),
+        );
+        return s;
+    }
     let br = &net.bridge;
     let link = netinfo::link_state(Path::new("/sys/class/net"), br);
     let addrs: Vec<IfAddr> = netinfo::addresses()

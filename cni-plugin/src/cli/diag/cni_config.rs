@@ -42,6 +42,9 @@ pub struct FlowlaneNet {
     pub ranges: Vec<Range>,
     pub state_dir: Option<PathBuf>,
     pub daemon_socket: Option<PathBuf>,
+    /// `"mode": "chained"`: an earlier plugin wires the pods (its bridge,
+    /// IPAM and routes are not flowlane's to check).
+    pub chained: bool,
 }
 
 /// The default of both the built-in IPAM and host-local.
@@ -129,7 +132,9 @@ pub fn check(conf_dir: &Path) -> (Section, Option<FlowlaneNet>) {
                                 cfg.plugin_types.join(" -> ")
                             ),
                         );
-                            if i != 0 {
+                            if cfg.chained {
+                                chained_findings(&mut s, &cfg, i);
+                            } else if i != 0 {
                                 s.warn(
                                 "cni.flowlane_not_first_plugin",
                                 format!("flowlane is plugin #{} of the chain, not the first", i + 1),
@@ -137,7 +142,7 @@ pub fn check(conf_dir: &Path) -> (Section, Option<FlowlaneNet>) {
                                  (portmap, bandwidth, tuning) after it",
                             );
                             }
-                            if cfg.ipam_type.is_none() {
+                            if cfg.ipam_type.is_none() && !cfg.chained {
                                 s.warn(
                                 "cni.no_ipam",
                                 "the flowlane plugin has no ipam section: pods get no addresses",
@@ -279,6 +284,26 @@ fn describe(path: &Path, top: &Value, plugins: &[Value], idx: usize) -> Flowlane
         ranges: ipam.map(ranges).unwrap_or_default(),
         state_dir: s(p, "stateDir").map(PathBuf::from),
         daemon_socket: s(p, "daemonSocket").map(PathBuf::from),
+        chained: s(p, "mode").as_deref() == Some("chained"),
+    }
+}
+
+/// flowlane chained at plugin `i`: after the plugin that wires the pods.
+fn chained_findings(s: &mut Section, cfg: &FlowlaneNet, i: usize) {
+    if i == 0 {
+        s.error(
+            "cni.chained_first",
+            "flowlane is in chained mode but is the first plugin: nothing wires the pods (ADD fails without prevResult)",
+            "put the CNI that wires pods (bridge, calico, cilium, flannel) before flowlane, or drop \"mode\": \"chained\"",
+        );
+    } else {
+        s.ok(
+            "cni.chained",
+            format!(
+                "flowlane is chained after {}: that plugin wires the pods, flowlane records them",
+                cfg.plugin_types[..i].join(" -> ")
+            ),
+        );
     }
 }
 
@@ -400,6 +425,39 @@ mod tests {
         assert_eq!(s.findings[0].id, "cni.invalid_json");
         assert_eq!(s.findings[0].severity, Severity::Error);
         assert!(ids(&s).contains(&("cni.flowlane_shadowed", Severity::Error)));
+    }
+
+    #[test]
+    fn a_chained_flowlane_is_checked_as_chained() {
+        let d = Dir::new("chained");
+        d.write(
+            "10-bridge.conflist",
+            r#"{"cniVersion": "1.0.0", "name": "cbr", "plugins": [
+                {"type": "bridge", "bridge": "cbr0", "ipam": {"type": "host-local", "subnet": "10.232.7.0/24"}},
+                {"type": "portmap"},
+                {"type": "flowlane", "mode": "chained", "stateDir": "/srv/fl"}]}"#,
+        );
+        let (s, net) = check(&d.0);
+        assert_eq!(
+            ids(&s),
+            vec![
+                ("cni.config_ok", Severity::Ok),
+                ("cni.chained", Severity::Ok)
+            ]
+        );
+        let net = net.expect("chained config described");
+        assert!(net.chained);
+        let b = super::super::bridge::check(Some(&net));
+        assert_eq!(ids(&b), vec![("bridge.chained", Severity::Info)]);
+        let i = super::super::ipam::check(Some(&net), &[]);
+        assert_eq!(ids(&i), vec![("ipam.chained", Severity::Info)]);
+
+        d.write(
+            "00-alone.conflist",
+            r#"{"cniVersion": "1.0.0", "name": "x", "plugins": [{"type": "flowlane", "mode": "chained"}]}"#,
+        );
+        let (s, _) = check(&d.0);
+        assert!(ids(&s).contains(&("cni.chained_first", Severity::Error)));
     }
 
     #[test]

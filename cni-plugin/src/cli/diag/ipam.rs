@@ -35,6 +35,16 @@ pub fn check(net: Option<&FlowlaneNet>, pods: &[PodState]) -> Section {
         );
         return s;
     };
+    if net.chained {
+        s.info(
+            "ipam.chained",
+            format!(
+                "flowlane is chained after {}: addresses are that plugin's",
+                net.plugin_types[0]
+            ),
+        );
+        return s;
+    }
     let Some(dir) = &net.lease_dir else {
         s.info(
             "ipam.external",

@@ -2,7 +2,8 @@
 //! addresses, routes, host side), its IP is still reserved, and its
 //! masquerade rule is in place.
 
-use crate::cni::config::NetConf;
+use super::chained;
+use crate::cni::config::{Mode, NetConf};
 use crate::cni::env::CniEnv;
 use crate::cni::error::{code, CniError, CniResult};
 use crate::cni::ipam;
@@ -24,6 +25,9 @@ pub fn run(conf: &NetConf, env: &CniEnv) -> CniResult<()> {
             "config version does not allow CHECK",
         )
         .with_details(format!("cniVersion {} < 0.4.0", conf.cni_version)));
+    }
+    if conf.mode == Mode::Chained {
+        return chained::check(conf, env);
     }
     let prev = conf
         .prev_result

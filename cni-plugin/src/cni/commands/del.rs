@@ -1,7 +1,7 @@
 //! DEL: best effort and idempotent. Everything is attempted even when an
 //! earlier step fails; only failures that would leak state are reported.
 
-use crate::cni::config::NetConf;
+use crate::cni::config::{Mode, NetConf};
 use crate::cni::env::CniEnv;
 use crate::cni::error::{CniError, CniResult};
 use crate::cni::ipam;
@@ -12,6 +12,10 @@ use crate::cni::netns::Netns;
 use crate::cni::podreg;
 
 pub fn run(conf: &NetConf, env: &CniEnv) -> CniResult<()> {
+    if conf.mode == Mode::Chained {
+        // Another plugin owns the links and addresses: only our entry goes.
+        return podreg::remove(conf, &env.container_id, &env.ifname).map(drop);
+    }
     let mut errors: Vec<CniError> = Vec::new();
 
     // The host end's name is derived from (containerID, ifname): deleting it

@@ -2,7 +2,7 @@
 //! whose attachment is not in `cni.dev/valid-attachments`. Keeps going
 //! after errors and reports the first.
 
-use crate::cni::config::NetConf;
+use crate::cni::config::{Mode, NetConf};
 use crate::cni::env::CniEnv;
 use crate::cni::error::{code, CniError, CniResult};
 use crate::cni::ipam;
@@ -18,16 +18,22 @@ pub fn run(conf: &NetConf, env: &CniEnv) -> CniResult<()> {
         ));
     }
     let valid = conf.valid_attachments.clone().unwrap_or_default();
+    let chained = conf.mode == Mode::Chained;
     let mut errors = Vec::new();
-    if let Err(e) = ipam::gc(conf, env, &valid) {
-        errors.push(e);
+    // Chained: leases and rules belong to the plugin that wired the pods.
+    if !chained {
+        if let Err(e) = ipam::gc(conf, env, &valid) {
+            errors.push(e);
+        }
     }
     match podreg::gc(conf, &valid) {
         Ok(n) => tracing::info!(removed = n, "registry gc"),
         Err(e) => errors.push(e),
     }
-    if let Err(e) = masq::gc(conf, &valid) {
-        errors.push(e);
+    if !chained {
+        if let Err(e) = masq::gc(conf, &valid) {
+            errors.push(e);
+        }
     }
     match errors.into_iter().next() {
         None => Ok(()),

@@ -3,7 +3,7 @@
 //! but their bridge is gone or down (51: existing pods have limited
 //! connectivity).
 
-use crate::cni::config::NetConf;
+use crate::cni::config::{Mode, NetConf};
 use crate::cni::env::CniEnv;
 use crate::cni::error::{code, CniError, CniResult};
 use crate::cni::ipam;
@@ -29,6 +29,10 @@ pub fn run(conf: &NetConf, env: &CniEnv) -> CniResult<()> {
             )
             .with_details(e)
         })?;
+    if conf.mode == Mode::Chained {
+        // No IPAM and no bridge of ours: the first plugin reports on those.
+        return Ok(());
+    }
     ipam::status(conf, env).map_err(|e| {
         if e.code == code::NOT_AVAILABLE || e.code == code::LIMITED_CONNECTIVITY {
             e
