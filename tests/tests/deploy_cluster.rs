@@ -16,13 +16,16 @@
 //!   test: the installed conflist's plugins run in order with prevResult.
 //! - The ConfigMap is used as shipped except for two values an operator may
 //!   set: the node view refresh (2 s, so a joining node shows in seconds)
-//!   and the lane transport (`tcp-test`: no RDMA here; the relay path is the
-//!   same).
+//!   and the lane transport (`tcp-test`: no RDMA here).
 //!
 //! Shown: pod-to-pod across nodes with no route added by the test; the
 //! server sees the client pod's own address (no NAT between pods); the
-//! same-node pair on shared memory; cross-node connections on the relay; a
-//! node that joins later is reachable; `flowlane diag` on a node is healthy.
+//! same-node pair on shared memory; a node that joins later is reachable;
+//! `flowlane diag` on a node is healthy. Not shown here: cross-node
+//! connections on the relay. A daemon in Kubernetes mode publishes a lane
+//! only with a usable RDMA port, which this kernel cannot have; the relay
+//! between daemons is shown by relay_lane (node table from a file, the
+//! tcp-test transport) and relay_rdma (Soft-RoCE guests).
 //!
 //! Names: netns `dpu*` (underlay), `dpn*` (nodes); pods 10.234.(10+i).0/24.
 
@@ -519,14 +522,6 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
         "same-node pair not on shm\n{}",
         c.logs()
     );
-
-    // Cross-node with the relay on: the daemons carry the bytes.
-    let relay_before = c.opened(n1, "relay");
-    let relayed = wait::until(Duration::from_secs(20), || {
-        c.transfer((n1, "dpa"), (n2, "dpc", &cc), 18_602).is_ok()
-            && c.opened(n1, "relay") > relay_before
-    });
-    assert!(relayed, "cross-node connection not relayed\n{}", c.logs());
 
     // A node that joins later becomes reachable from the others.
     let n3 = c.join(3);
