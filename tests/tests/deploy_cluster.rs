@@ -158,18 +158,26 @@ struct Cluster {
     api: FakeApi,
     work: TempDir,
     nodes: Vec<Node>,
-    created_dirs: Vec<&'static str>,
+    created_dirs: Vec<PathBuf>,
 }
 
 impl Cluster {
     fn new() -> Cluster {
-        let created_dirs: Vec<&'static str> = NODE_DIRS
-            .iter()
-            .copied()
-            .filter(|d| !Path::new(d).exists())
-            .collect();
-        for d in &created_dirs {
-            std::fs::create_dir_all(d).unwrap();
+        // Every directory made on the host for a mount point, parents
+        // first (removed in reverse order afterwards).
+        let mut created_dirs = Vec::new();
+        for d in NODE_DIRS {
+            for a in Path::new(d)
+                .ancestors()
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+            {
+                if !a.exists() {
+                    std::fs::create_dir(a).unwrap();
+                    created_dirs.push(a.to_path_buf());
+                }
+            }
         }
         let underlay = Netns::new("dpu");
         underlay

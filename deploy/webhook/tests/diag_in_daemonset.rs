@@ -179,13 +179,21 @@ fn diag_in_container(tag: &str, mounts: &[(String, String, bool)]) -> (i32, Valu
         .collect();
     std::fs::write(work.0.join("mounts"), lines).unwrap();
 
-    let created: Vec<&str> = NODE_DIRS
-        .iter()
-        .copied()
-        .filter(|d| !Path::new(d).exists())
-        .collect();
-    for d in &created {
-        std::fs::create_dir_all(d).unwrap();
+    // Every directory made on the host for a mount point, parents first
+    // (removed in reverse order afterwards).
+    let mut created = Vec::new();
+    for d in NODE_DIRS {
+        for a in Path::new(d)
+            .ancestors()
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+        {
+            if !a.exists() {
+                std::fs::create_dir(a).unwrap();
+                created.push(a.to_path_buf());
+            }
+        }
     }
     let node = Node::new(tag);
     let out = Command::new("ip")
