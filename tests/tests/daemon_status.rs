@@ -134,16 +134,50 @@ fn check_histogram(lines: &[Line], types: &BTreeMap<String, String>, family: &st
     count
 }
 
-fn scrape(addr: &str) -> String {
+fn get(addr: &str, path: &str) -> String {
     let mut conn = std::net::TcpStream::connect(addr).expect("metrics endpoint");
-    conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    conn.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .unwrap();
     let mut text = String::new();
     conn.read_to_string(&mut text).unwrap();
+    text
+}
+
+fn scrape(addr: &str) -> String {
+    let text = get(addr, "/metrics");
     assert!(text.starts_with("HTTP/1.0 200 OK"), "{text}");
-    text.split_once("\r\n\r\n")
-        .expect("HTTP head")
-        .1
-        .to_string()
+    let body = text.split_once("\r\n\r\n").expect("HTTP head").1;
+    openmetrics_parse(body);
+    body.to_string()
+}
+
+/// Parses `text` with the Python `prometheus_client` OpenMetrics parser
+/// (strict: one block per family, `# EOF`) and returns `name{labels} value`
+/// per sample, as the parser saw them.
+fn openmetrics_parse(text: &str) -> String {
+    let mut child = std::process::Command::new("/usr/bin/python3")
+        .args([
+            "-c",
+            "import sys\nfrom prometheus_client.openmetrics.parser import text_string_to_metric_families as p\nfor f in p(sys.stdin.read()):\n  for s in f.samples: print(s.name, sorted(s.labels.items()), s.value)",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("/usr/bin/python3 (Debian python3-prometheus-client)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the OpenMetrics parser refused the scrape: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn free_port() -> u16 {
@@ -260,18 +294,28 @@ fn metrics_scrape_parses_and_histogram_counts_claimed_channels() {
     assert_eq!(opened.value, f64::from(CHANNELS));
     // Described, but nothing is invented for the transport that does not exist.
     assert_eq!(
-        types.get("flowlane_rdma_errors_total").map(String::as_str),
+        types.get("flowlane_rdma_errors").map(String::as_str),
         Some("counter")
     );
     assert!(!lines.iter().any(|l| l.name == "flowlane_rdma_errors_total"));
     // Every sample belongs to a described family.
     for l in &lines {
-        let family = ["_bucket", "_sum", "_count"]
+        let family = ["_bucket", "_sum", "_count", "_total"]
             .iter()
             .find_map(|s| l.name.strip_suffix(s).filter(|f| types.contains_key(*f)))
             .unwrap_or(&l.name);
         assert!(types.contains_key(family), "no TYPE for {}", l.name);
     }
+    // Build info, and the health endpoints on the same listener.
+    assert!(
+        text.contains(&format!(
+            "flowlane_build_info{{version=\"{}\"",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{text}"
+    );
+    assert!(get(&metrics, "/healthz").starts_with("HTTP/1.0 200 OK"));
+    assert!(get(&metrics, "/readyz").starts_with("HTTP/1.0 200 OK"));
     // The JSON carries the same histogram.
     let st = node.stats();
     assert_eq!(st.channel_setup.count, u64::from(CHANNELS));

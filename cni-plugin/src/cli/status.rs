@@ -253,6 +253,7 @@ mod tests {
                 connections_closed: 2,
                 bytes: 3 << 30,
                 channels_pending: 0,
+                ..LaneStats::default()
             },
         );
         s.fallbacks.insert("no-listener".into(), 4);

@@ -156,12 +156,24 @@ struct Active {
     server_report: Option<SideReport>,
     /// The daemon's view into the region (live bytes, both ends closed).
     watch: Option<RingWatch>,
+    /// The most bytes per direction `bytes` ever returned: the ring words
+    /// are the pods', and one that moves back must not make the node's
+    /// byte counters dip (counters are monotonic).
+    seen: std::cell::Cell<[u64; 2]>,
 }
 
 impl Active {
-    /// Bytes per direction: the larger of what the ends reported and what
-    /// the ring's counters show.
+    /// Bytes per direction: the larger of what the ends reported, what the
+    /// ring's counters show, and what this returned before.
     fn bytes(&self) -> (u64, u64) {
+        let (c2s, s2c) = self.bytes_now();
+        let [a, b] = self.seen.get();
+        let seen = [a.max(c2s), b.max(s2c)];
+        self.seen.set(seen);
+        (seen[0], seen[1])
+    }
+
+    fn bytes_now(&self) -> (u64, u64) {
         let c = self.client_report.unwrap_or_default();
         let s = self.server_report.unwrap_or_default();
         let live = self.progress();
@@ -241,6 +253,7 @@ pub type RelayStats = (
     LaneStats,
     Vec<ConnectionInfo>,
     Vec<(&'static str, u64)>,
+    flowlane_lane::proto::RelayMemory,
 );
 
 /// Reports the cross-node view (JSON) for stats answers.
@@ -1032,6 +1045,7 @@ impl Broker {
                 client_report: None,
                 server_report: None,
                 watch,
+                seen: Default::default(),
             },
         );
         Answer {
@@ -1171,7 +1185,8 @@ impl Broker {
             return Response::Ok.into();
         }
         // Each side counts what it sent: together, both directions.
-        self.counters.shm.bytes = self.counters.shm.bytes.saturating_add(report.sent);
+        let dir = usize::from(!is_client);
+        self.counters.shm.bytes[dir] = self.counters.shm.bytes[dir].saturating_add(report.sent);
         if rec.client_reported && rec.server_reported {
             self.inherited.remove(&channel_id);
             self.remember_closed(channel_id);
@@ -1226,12 +1241,9 @@ impl Broker {
             let (c2s, s2c) = conn.bytes();
             self.counters.shm.closed += 1;
             self.remember_closed(id);
-            self.counters.shm.bytes = self
-                .counters
-                .shm
-                .bytes
-                .saturating_add(c2s)
-                .saturating_add(s2c);
+            let total = &mut self.counters.shm.bytes;
+            total[0] = total[0].saturating_add(c2s);
+            total[1] = total[1].saturating_add(s2c);
             tracing::debug!(id, c2s, s2c, "connection closed");
         }
     }
@@ -1328,27 +1340,31 @@ impl Broker {
     pub fn stats(&self) -> Stats {
         let now = Instant::now();
         let mut lanes = BTreeMap::new();
+        let [c2s, s2c] = self
+            .active
+            .values()
+            .fold(self.counters.shm.bytes, |[a, b], c| {
+                let (x, y) = c.bytes();
+                [a.saturating_add(x), b.saturating_add(y)]
+            });
         lanes.insert(
             SHM_LANE.to_string(),
             LaneStats {
                 connections_opened: self.counters.shm.opened,
                 connections_active: self.active.len() as u64,
                 connections_closed: self.counters.shm.closed,
-                bytes: self
-                    .active
-                    .values()
-                    .map(|c| {
-                        let (a, b) = c.bytes();
-                        a.saturating_add(b)
-                    })
-                    .fold(self.counters.shm.bytes, u64::saturating_add),
+                bytes: c2s.saturating_add(s2c),
                 channels_pending: self.pending.len() as u64,
+                bytes_client_to_server: c2s,
+                bytes_server_to_client: s2c,
             },
         );
         let mut relayed = Vec::new();
         let mut lane_errors = BTreeMap::new();
+        let mut relay_memory = None;
         if let Some(relay) = &self.relay_stats {
-            let (name, st, mut conns, errors) = relay();
+            let (name, st, mut conns, errors, memory) = relay();
+            relay_memory = Some(memory);
             if !errors.is_empty() {
                 lane_errors.insert(
                     name.clone(),
@@ -1436,6 +1452,7 @@ impl Broker {
             listeners,
             nodes: self.nodes_view.as_ref().map(|f| f()),
             lane_errors,
+            relay_memory,
         }
     }
 }
@@ -1895,13 +1912,19 @@ mod tests {
         assert_eq!(st.connections[0].bytes_client_to_server, 5000);
         assert_eq!(st.connections[0].bytes_server_to_client, 70);
         assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
-        // A pod writing an absurd position into its ring moves no counter.
+        // A pod writing an absurd position into its ring moves no counter,
+        // and one moving its position back makes none dip.
         {
             use std::os::unix::fs::FileExt;
             let f = std::fs::File::from(fd.try_clone().unwrap());
             f.write_all_at(&(1u64 << 61).to_ne_bytes(), 512).unwrap();
-            assert_eq!(b.stats().connections[0].bytes_client_to_server, 0);
-            assert_eq!(b.stats().lanes[SHM_LANE].bytes, 70);
+            assert_eq!(b.stats().connections[0].bytes_client_to_server, 5000);
+            assert_eq!(b.stats().lanes[SHM_LANE].bytes, 5070);
+            f.write_all_at(&10u64.to_ne_bytes(), 512).unwrap();
+            let st = b.stats();
+            assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
+            assert_eq!(st.lanes[SHM_LANE].bytes_client_to_server, 5000);
+            assert_eq!(st.lanes[SHM_LANE].bytes_server_to_client, 70);
             f.write_all_at(&5000u64.to_ne_bytes(), 512).unwrap();
         }
         ctx.close();

@@ -94,6 +94,11 @@ struct Args {
     /// exemptions flowlaned made, then exit (uninstall).
     #[arg(long)]
     remove_pod_routes: bool,
+    /// Most bytes the relay may hold for relayed connections at once (about
+    /// 8 MiB each with zero copy); beyond it connections stay on TCP
+    /// (`relay-budget`). Default: the container's memory limit less 128 MiB.
+    #[arg(long)]
+    relay_memory_budget: Option<u64>,
     /// Check the flags (as the daemon would at start) and exit: 0 and a
     /// summary on stdout when they are valid, else 2 and the reason.
     #[arg(long)]
@@ -289,7 +294,10 @@ fn start_relay(
     };
     let router = relay::route::Router::new(nodes, transport.name() == "rdma");
     let name = transport.name();
-    let relay = relay::Relay::start(transport, router, shared.clone());
+    let budget = args
+        .relay_memory_budget
+        .unwrap_or_else(relay::budget::default_budget);
+    let relay = relay::Relay::start(transport, router, shared.clone(), budget);
     let r = relay.clone();
     shared
         .lock()
@@ -351,8 +359,12 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
     );
     if let Some(addr) = args.metrics_addr {
         let shared = shared.clone();
+        let ready = metrics::Readiness {
+            socket: args.socket.clone(),
+            nodes: nodes.clone(),
+        };
         tokio::spawn(async move {
-            if let Err(e) = metrics::serve(addr, shared).await {
+            if let Err(e) = metrics::serve(addr, shared, ready).await {
                 tracing::error!(%addr, error = %e, "metrics endpoint failed");
             }
         });

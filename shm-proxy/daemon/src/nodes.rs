@@ -245,6 +245,11 @@ impl Nodes {
 
     /// The last round's view (JSON, as in `<state-dir>/daemon/nodes.json`);
     /// `null` before the first round.
+    /// Whether a node table was loaded (`/readyz`).
+    pub fn view_loaded(&self) -> bool {
+        self.directory.view().is_ok()
+    }
+
     pub fn view_json(&self) -> serde_json::Value {
         self.last_view
             .read()

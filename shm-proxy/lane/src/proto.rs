@@ -46,11 +46,14 @@ pub enum FallbackReason {
     /// Not a fallback at set-up: the peer wrote a shared-memory word the
     /// ring protocol does not allow, and the connection was reset.
     RingViolation,
+    /// The relay's memory budget (`--relay-memory-budget`) had no room for
+    /// another relayed connection: it stayed on TCP.
+    RelayBudget,
 }
 
 impl FallbackReason {
     /// Stable name used in counters and `flowlane status`.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             FallbackReason::NoDaemon => "no-daemon",
             FallbackReason::NotLocalPod => "not-local-pod",
@@ -58,6 +61,7 @@ impl FallbackReason {
             FallbackReason::Unsupported => "unsupported",
             FallbackReason::InternalError => "internal-error",
             FallbackReason::RingViolation => "ring-violation",
+            FallbackReason::RelayBudget => "relay-budget",
         }
     }
 }
@@ -199,11 +203,17 @@ pub struct LaneStats {
     pub connections_opened: u64,
     pub connections_active: u64,
     pub connections_closed: u64,
-    /// Application bytes moved through the lane by closed connections (as
-    /// reported by the senders).
+    /// Application bytes moved through the lane, live connections
+    /// included (both directions; never decreases).
     pub bytes: u64,
     /// Channels announced by a client and not yet claimed by the server.
     pub channels_pending: u64,
+    /// `bytes` of the client-to-server direction (absent in older daemons).
+    #[serde(default)]
+    pub bytes_client_to_server: u64,
+    /// `bytes` of the server-to-client direction (absent in older daemons).
+    #[serde(default)]
+    pub bytes_server_to_client: u64,
 }
 
 /// One end of a connection in a stats answer.
@@ -290,6 +300,19 @@ pub struct Stats {
     /// transport that keeps none, and in older daemons.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub lane_errors: BTreeMap<String, BTreeMap<String, u64>>,
+    /// The relay's memory budget and what its connections pin now; absent
+    /// without a relay and in older daemons.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay_memory: Option<RelayMemory>,
+}
+
+/// Memory the relay holds for its connections (`--relay-memory-budget`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RelayMemory {
+    /// Most bytes the relay may hold for connections at once.
+    pub budget_bytes: u64,
+    /// Bytes held now by live relayed connections and their set-ups.
+    pub used_bytes: u64,
 }
 
 /// Upper bounds (nanoseconds) of the latency buckets the daemon uses:

@@ -156,6 +156,21 @@ impl Carried {
         !self.wait_attach
     }
 
+    /// Bytes carried so far: (client to server, server to client). Our pod
+    /// sends `bytes_out`: it is the client on the client's node. Both are
+    /// the daemon's own counts (never a pod's word).
+    pub fn directions(&self) -> (u64, u64) {
+        let (out, inn) = (
+            self.bytes_out.load(Ordering::Relaxed),
+            self.bytes_in.load(Ordering::Relaxed),
+        );
+        if self.serves_client() {
+            (out, inn)
+        } else {
+            (inn, out)
+        }
+    }
+
     pub fn region_len(&self) -> usize {
         self.region.len()
     }

@@ -27,6 +27,7 @@
 //! Then `carried.rs` pumps bytes (`placed.rs`: without copies, over a
 //! transport that can place them). Gated off unless `--lane-listen` is given.
 
+pub mod budget;
 mod carried;
 pub mod frames;
 mod os;
@@ -43,7 +44,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use flowlane_lane::proto::{
-    ConnectionInfo, Endpoint, ErrorCode, LaneStats, NoChannelReason, Request, Response,
+    ConnectionInfo, Endpoint, ErrorCode, FallbackReason, LaneStats, NoChannelReason, RelayMemory,
+    Request, Response,
 };
 use flowlane_lane::ring::{self, Side};
 use flowlane_rdma::{LaneStream, LaneTransport, StreamKey};
@@ -105,6 +107,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A connection the memory budget had no room for stayed on TCP.
+const RELAY_BUDGET: &str = FallbackReason::RelayBudget.as_str();
+
 /// A stream a peer daemon opened, and when it arrived.
 type Accepted = (Arc<dyn LaneStream>, Instant);
 
@@ -125,7 +130,8 @@ pub struct Relay {
     active: Mutex<HashMap<u64, Arc<Carried>>>,
     opened: AtomicU64,
     closed: AtomicU64,
-    closed_bytes: AtomicU64,
+    /// Bytes of ended connections: client to server, server to client.
+    closed_bytes: [AtomicU64; 2],
     refused_foreign: AtomicU64,
     refused_duplicate: AtomicU64,
     /// Move bytes without copies where the transport can (see `placed.rs`).
@@ -134,6 +140,11 @@ pub struct Relay {
     /// is buffered between the two pods' rings, so a ring is a direction's
     /// whole window (docs/relay.md, "Zero copy"); the daemon pins both.
     zero_copy_ring: usize,
+    /// Memory the relay may hold for its connections.
+    budget: Arc<budget::MemoryBudget>,
+    /// The reservation of each carried connection, by id (released when
+    /// its pumps end).
+    reserved: Mutex<HashMap<u64, budget::Reservation>>,
 }
 
 /// `FLOWLANE_RELAY_ZERO_COPY=0|1` overrides the default: zero copy over
@@ -166,6 +177,7 @@ impl Relay {
         transport: Arc<dyn LaneTransport>,
         router: route::Router,
         shared: Shared,
+        memory_budget: u64,
     ) -> Arc<Relay> {
         let lane = if transport.name() == "rdma" {
             "rdma"
@@ -178,6 +190,7 @@ impl Relay {
             transport = transport.name(),
             zero_copy,
             zero_copy_ring,
+            memory_budget,
             "relay: data path"
         );
         let relay = Arc::new(Relay {
@@ -191,11 +204,13 @@ impl Relay {
             active: Mutex::new(HashMap::new()),
             opened: AtomicU64::new(0),
             closed: AtomicU64::new(0),
-            closed_bytes: AtomicU64::new(0),
+            closed_bytes: Default::default(),
             refused_foreign: AtomicU64::new(0),
             refused_duplicate: AtomicU64::new(0),
             zero_copy,
             zero_copy_ring,
+            budget: budget::MemoryBudget::new(memory_budget),
+            reserved: Mutex::new(HashMap::new()),
         });
         let r = relay.clone();
         std::thread::Builder::new()
@@ -273,24 +288,17 @@ impl Relay {
     /// The relay's lane: counters and the carried connections (for stats
     /// answers; the broker fills in the pod names).
     pub fn lane_stats(&self) -> RelayStats {
+        // Closed totals are read under `active`, which `pump_ended` holds
+        // while it moves a connection's bytes there: no dip, no double count.
         let active = lock(&self.active);
-        let live: u64 = active
-            .values()
-            .map(|c| c.bytes_in.load(Ordering::Relaxed) + c.bytes_out.load(Ordering::Relaxed))
-            .sum();
+        let [mut c2s_total, mut s2c_total] =
+            [0, 1].map(|i| self.closed_bytes[i].load(Ordering::Relaxed));
         let connections = active
             .values()
             .map(|c| {
-                let (out, inn) = (
-                    c.bytes_out.load(Ordering::Relaxed),
-                    c.bytes_in.load(Ordering::Relaxed),
-                );
-                // Our pod sends `out`: it is the client on the client's node.
-                let (c2s, s2c) = if c.serves_client() {
-                    (out, inn)
-                } else {
-                    (inn, out)
-                };
+                let (c2s, s2c) = c.directions();
+                c2s_total += c2s;
+                s2c_total += s2c;
                 let endpoint = |addr| Endpoint {
                     pod: String::new(),
                     addr,
@@ -327,12 +335,33 @@ impl Relay {
                 connections_opened: self.opened.load(Ordering::Relaxed),
                 connections_active: active.len() as u64,
                 connections_closed: self.closed.load(Ordering::Relaxed),
-                bytes: self.closed_bytes.load(Ordering::Relaxed) + live,
+                bytes: c2s_total + s2c_total,
                 channels_pending: pending as u64,
+                bytes_client_to_server: c2s_total,
+                bytes_server_to_client: s2c_total,
             },
             connections,
             errors,
+            RelayMemory {
+                budget_bytes: self.budget.limit(),
+                used_bytes: self.budget.used(),
+            },
         )
+    }
+
+    /// Reserves a connection's memory (`None`: over the budget, logged).
+    fn reserve(&self, region_len: u64) -> Option<budget::Reservation> {
+        let cost = budget::connection_cost(region_len);
+        let r = self.budget.try_reserve(cost);
+        if r.is_none() {
+            tracing::info!(
+                cost,
+                used = self.budget.used(),
+                budget = self.budget.limit(),
+                "relay: memory budget exhausted; TCP"
+            );
+        }
+        r
     }
 
     /// True when the relay serves `req` (instead of the broker): a
@@ -482,6 +511,15 @@ impl Relay {
         let Some(peer_daemon) = self.router.lane_peer(dst.ip()) else {
             return self.fallback(NoChannelReason::NotLocalPod, reason::NOT_LOCAL_POD);
         };
+        // The library sizes its rings from our answer's length.
+        let region_len = if self.zero_copy {
+            region_len.max(ring::region_len_for(self.zero_copy_ring) as u64)
+        } else {
+            region_len
+        };
+        let Some(reservation) = self.reserve(region_len) else {
+            return self.fallback(NoChannelReason::NotLocalPod, RELAY_BUDGET);
+        };
         let (sock, pidfd, pid) = match Self::take_socket(caller, socket_fd, src, None) {
             Ok(t) => t,
             Err(e) => {
@@ -491,12 +529,6 @@ impl Relay {
         };
         let id = self.shared.lock().next_channel_id();
         let name = format!("flowlane-relay-{id}");
-        // The library sizes its rings from our answer's length.
-        let region_len = if self.zero_copy {
-            region_len.max(ring::region_len_for(self.zero_copy_ring) as u64)
-        } else {
-            region_len
-        };
         let made = memfd::create_sealed(&name, region_len).and_then(|fd| {
             let region = Region::map_memfd(fd.as_fd(), region_len as usize)?;
             Ok((fd, region))
@@ -540,7 +572,9 @@ impl Relay {
         let r = self.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("relay-setup-{id}"))
-            .spawn(move || r.client_setup(id, key, stream, region, sock, pidfd, pid, name));
+            .spawn(move || {
+                r.client_setup(id, key, stream, region, sock, pidfd, pid, name, reservation)
+            });
         if spawned.is_err() {
             if let Some((_, s)) = lock(&self.setups).remove(&id) {
                 s.reset();
@@ -570,6 +604,7 @@ impl Relay {
         pidfd: Option<OwnedFd>,
         pid: u32,
         memfd_name: String,
+        reservation: budget::Reservation,
     ) {
         let mut b = [0u8; 1];
         let claimed = matches!(stream.recv(&mut b), Ok(1)) && b[0] == frames::CLAIMED;
@@ -620,7 +655,7 @@ impl Relay {
             stream,
             self.zero_copy,
         );
-        self.run(c);
+        self.run(c, reservation);
     }
 
     fn claim(
@@ -654,6 +689,10 @@ impl Relay {
         } else {
             ring::DEFAULT_RING_SIZE
         });
+        let Some(reservation) = self.reserve(len as u64) else {
+            stream.reset();
+            return self.fallback(NoChannelReason::NoIntent, RELAY_BUDGET);
+        };
         let made = memfd::create_sealed(&format!("flowlane-relay-{id}"), len as u64)
             .and_then(|fd| Ok((Region::map_memfd(fd.as_fd(), len)?, fd)));
         let (region, memfd) = match made {
@@ -692,7 +731,7 @@ impl Relay {
                 stream,
                 zero_copy,
             );
-            r.run(c);
+            r.run(c, reservation);
             tracing::debug!(id, client = %peer, server = %local, "relay: connection carried");
         };
         // A failed spawn drops its closure: keep `carry` reachable for the
@@ -748,9 +787,10 @@ impl Relay {
     }
 
     /// Registers a carried connection and starts its two pumps.
-    fn run(self: &Arc<Self>, c: Carried) {
+    fn run(self: &Arc<Self>, c: Carried, reservation: budget::Reservation) {
         let c = Arc::new(c);
         self.opened.fetch_add(1, Ordering::Relaxed);
+        lock(&self.reserved).insert(c.id, reservation);
         lock(&self.active).insert(c.id, c.clone());
         // Zero copy: our rings' description goes first, before any data.
         if let Some(d) = &c.direct {
@@ -781,15 +821,21 @@ impl Relay {
         if c.pumps_left.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
-        lock(&self.active).remove(&c.id);
+        let (c2s, s2c) = c.directions();
+        {
+            let mut active = lock(&self.active);
+            active.remove(&c.id);
+            lock(&self.reserved).remove(&c.id);
+            self.closed_bytes[0].fetch_add(c2s, Ordering::Relaxed);
+            self.closed_bytes[1].fetch_add(s2c, Ordering::Relaxed);
+        }
         if c.ring_broken() {
             // Counted like the library counts its own (`ring-violation`).
-            let reason = flowlane_lane::proto::FallbackReason::RingViolation.as_str();
+            let reason = FallbackReason::RingViolation.as_str();
             self.shared.lock().count_fallback(reason);
         }
         self.closed.fetch_add(1, Ordering::Relaxed);
-        let bytes = c.bytes_in.load(Ordering::Relaxed) + c.bytes_out.load(Ordering::Relaxed);
-        self.closed_bytes.fetch_add(bytes, Ordering::Relaxed);
+        let bytes = c2s + s2c;
         tracing::debug!(
             id = c.id,
             bytes,
