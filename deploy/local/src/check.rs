@@ -140,10 +140,11 @@ fn move_bytes(
         .stderr(Stdio::null());
     let mut child = Reaped(serve.spawn().map_err(|e| format!("start server: {e}"))?);
     // The server prints one line once it listens.
+    // Kept open until the client is done: the server prints the peer it
+    // accepted, and a closed pipe would kill it mid-transfer.
     let mut ready = String::new();
-    let out = child.0.stdout.take().ok_or("server has no stdout")?;
-    BufReader::new(out)
-        .read_line(&mut ready)
+    let mut out = BufReader::new(child.0.stdout.take().ok_or("server has no stdout")?);
+    out.read_line(&mut ready)
         .map_err(|e| format!("server: {e}"))?;
     if ready.trim() != "listening" {
         return Err(format!("server in {} did not start", server.name));
