@@ -8,14 +8,12 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
-
-use crate::fsutil::TempDir;
 
 /// The annotation a node's daemon publishes its RDMA lane in.
 pub const ANNOTATION: &str = "flowlane.io/rdma-lane";
@@ -164,7 +162,8 @@ impl FakeApi {
             .count()
     }
 
-    pub fn kubeconfig(&self, dir: &TempDir) -> PathBuf {
+    /// A kubeconfig (and the CA it names) written in `dir`.
+    pub fn kubeconfig(&self, dir: &Path) -> PathBuf {
         let path = dir.join("kubeconfig");
         let ca = dir.join("ca.pem");
         std::fs::write(&ca, &self.ca_pem).unwrap();

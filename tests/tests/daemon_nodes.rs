@@ -487,7 +487,7 @@ fn kubernetes_view_publishes_lanes_and_survives_api_errors() {
     // The first patch fails: it must be retried.
     api.state.lock().unwrap().fail_patches = 1;
     let tmp = TempDir::new("kbkube");
-    let kubeconfig = api.kubeconfig(&tmp);
+    let kubeconfig = api.kubeconfig(tmp.path());
     let no_rdma = tmp.join("empty-sysfs");
     std::fs::create_dir_all(&no_rdma).unwrap();
     let env = [("KUBECONFIG", kubeconfig.display().to_string())];
@@ -762,7 +762,7 @@ fn an_api_server_with_another_ca_is_refused_and_the_daemon_keeps_serving() {
         None,
     )]);
     let tmp = TempDir::new("kbca");
-    let kubeconfig = api.kubeconfig(&tmp);
+    let kubeconfig = api.kubeconfig(tmp.path());
     // The kubeconfig names a CA that did not sign the server's certificate.
     let (_, other_ca) = flowlane_e2e::fake_api::tls_config("127.0.0.1");
     std::fs::write(tmp.join("ca.pem"), other_ca).unwrap();

@@ -293,15 +293,7 @@ impl Cluster {
         let argv = daemon_command(&env);
         // The image's path for the binaries is the build directory here.
         let exe = binaries::build_dir().join("flowlaned");
-        let kc_dir = TempDir::new(&format!("dpk{}", node.name));
-        let kc = dir.join("kubeconfig");
-        std::fs::copy(self.api.kubeconfig(&kc_dir), &kc).unwrap();
-        std::fs::copy(kc_dir.join("ca.pem"), dir.join("ca.pem")).unwrap();
-        let kc_text = std::fs::read_to_string(&kc).unwrap().replace(
-            &kc_dir.join("ca.pem").display().to_string(),
-            &dir.join("ca.pem").display().to_string(),
-        );
-        std::fs::write(&kc, kc_text).unwrap();
+        let kc = self.api.kubeconfig(&dir);
         let log = std::fs::File::create(&node.log).unwrap();
         let mut d = node.command(exe.to_str().unwrap());
         d.args(&argv[1..])
