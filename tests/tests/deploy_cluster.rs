@@ -18,14 +18,22 @@
 //!   set: the node view refresh (2 s, so a joining node shows in seconds)
 //!   and the lane transport (`tcp-test`: no RDMA here).
 //!
+//! - Nodes 1 and 2 have an RDMA port: a Soft-RoCE-like sysfs tree (the
+//!   `rxe` fixture, its RoCE v2 GID rewritten to the node's own address) is
+//!   mounted on the node's `/sys`, so each daemon discovers it, selects the
+//!   GID and publishes its lane on its Node object exactly as on RDMA
+//!   hardware; the bytes then go over the `tcp-test` transport, since this
+//!   kernel has no verbs device to open (the second fake: RDMA hardware).
+//! - Node 4 runs components/chained: a reference `bridge` + `host-local` +
+//!   `portmap` conflist is there first, and the DaemonSet's init script (with
+//!   the component's ConfigMap and environment) chains flowlane into it.
+//!
 //! Shown: pod-to-pod across nodes with no route added by the test; the
 //! server sees the client pod's own address (no NAT between pods); the
-//! same-node pair on shared memory; a node that joins later is reachable;
-//! `flowlane diag` on a node is healthy. Not shown here: cross-node
-//! connections on the relay. A daemon in Kubernetes mode publishes a lane
-//! only with a usable RDMA port, which this kernel cannot have; the relay
-//! between daemons is shown by relay_lane (node table from a file, the
-//! tcp-test transport) and relay_rdma (Soft-RoCE guests).
+//! cross-node connection rides the relay between the two RDMA nodes' daemons;
+//! the same-node pair on shared memory; a node that joins later is
+//! reachable; pods wired by the chained conflist get the shared-memory lane;
+//! `flowlane diag` on a node is healthy.
 //!
 //! Names: netns `dpu*` (underlay), `dpn*` (nodes); pods 10.234.(10+i).0/24.
 
@@ -63,13 +71,67 @@ fn deploy_doc(name: &str) -> serde_yaml::Value {
     serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
-/// The ConfigMap's data, with the operator's two settings of this test.
-fn config_data() -> BTreeMap<String, String> {
+/// The ConfigMap's data, with the operator's two settings of this test;
+/// with components/chained's ConfigMap patch applied for a chained node.
+fn config_data(kind: NodeKind) -> BTreeMap<String, String> {
     let cm = deploy_doc("configmap.yaml");
     let mut data: BTreeMap<String, String> = serde_yaml::from_value(cm["data"].clone()).unwrap();
+    if kind == NodeKind::Chained {
+        let patch = deploy_doc("components/chained/configmap-patch.yaml");
+        for op in patch.as_sequence().unwrap() {
+            let key = op["path"].as_str().unwrap().strip_prefix("/data/").unwrap();
+            let value = op["value"].as_str().unwrap().to_string();
+            data.insert(key.to_string(), value);
+        }
+    }
     data.insert("FLOWLANE_NODES_REFRESH".into(), "2".into());
     data.insert("FLOWLANE_LANE_TRANSPORT".into(), "tcp-test".into());
     data
+}
+
+/// What a node brings before the DaemonSet runs on it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum NodeKind {
+    /// flowlane is the cluster's CNI (the shipped manifests as they are).
+    Primary,
+    /// The same, on a node with an RDMA port.
+    PrimaryRdma,
+    /// Another CNI's conflist is there; components/chained joins it.
+    Chained,
+}
+
+/// The node's `/sys` as the daemon reads it for RDMA discovery: the `rxe`
+/// fixture (a Soft-RoCE device on netdev `vA`), moved onto the node's
+/// `eth0`, its IPv4 RoCE v2 GID set to the node's underlay address, as the
+/// kernel derives it from that address.
+fn rdma_sysfs(dst: &Path, node_ip: &str) {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rdma/tests/fixtures/rxe");
+    let cp = Command::new("cp")
+        .arg("-a")
+        .arg(&fixture)
+        .arg(dst)
+        .status()
+        .unwrap();
+    assert!(cp.success(), "copying the rxe fixture");
+    let o: Vec<u8> = node_ip.split('.').map(|x| x.parse().unwrap()).collect();
+    let gid = format!(
+        "0000:0000:0000:0000:0000:ffff:{:02x}{:02x}:{:02x}{:02x}",
+        o[0], o[1], o[2], o[3]
+    );
+    let port = dst.join("devices/virtual/infiniband/rxe0/ports/1");
+    std::fs::write(port.join("gids/1"), format!("{gid}\n")).unwrap();
+    for f in ["gid_attrs/ndevs/0", "gid_attrs/ndevs/1"] {
+        std::fs::write(port.join(f), "eth0\n").unwrap();
+    }
+    std::fs::write(dst.join("devices/virtual/infiniband/rxe0/parent"), "eth0\n").unwrap();
+    std::fs::rename(
+        dst.join("devices/virtual/net/vA"),
+        dst.join("devices/virtual/net/eth0"),
+    )
+    .unwrap();
+    std::fs::remove_file(dst.join("class/net/vA")).unwrap();
+    std::os::unix::fs::symlink("../../devices/virtual/net/eth0", dst.join("class/net/eth0"))
+        .unwrap();
 }
 
 /// `$(VAR)` expanded as the kubelet expands container args.
@@ -203,7 +265,7 @@ impl Cluster {
     /// Provisions node `i` (what a machine has before the DaemonSet: a
     /// link to the underlay, the CNI reference plugins, a registered Node),
     /// then runs the DaemonSet's init script and daemon on it.
-    fn join(&mut self, i: u32) -> usize {
+    fn join(&mut self, i: u32, kind: NodeKind) -> usize {
         let name = format!("dp-n{i}");
         let ip = format!("10.235.0.{}", 10 + i);
         let cidr = format!("10.234.{}.0/24", 10 + i);
@@ -229,12 +291,20 @@ impl Cluster {
         net.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])
             .expect_ok("node addr");
         net.ip(&["link", "set", "eth0", "up"]).expect_ok("eth0 up");
+        let sysfs = match kind {
+            NodeKind::PrimaryRdma => {
+                let tree = self.work.join(format!("{name}-sys"));
+                rdma_sysfs(&tree, &ip);
+                format!("mount --bind {} /sys; ", tree.display())
+            }
+            NodeKind::Primary | NodeKind::Chained => String::new(),
+        };
         let mut holder = Command::new("ip");
         holder
             .args(["netns", "exec", net.name(), "unshare", "--mount"])
             .args(["--propagation", "private", "sh", "-c"])
             .arg(format!(
-                "set -e; for d in {}; do mount -t tmpfs tmpfs $d; done; echo ready; exec sleep 100000",
+                "set -e; for d in {}; do mount -t tmpfs tmpfs $d; done; {sysfs}echo ready; exec sleep 100000",
                 NODE_DIRS.join(" ")
             ))
             .stdout(Stdio::piped());
@@ -258,14 +328,32 @@ impl Cluster {
         // cluster's lane key (the Secret, mode 0400).
         node.sh("cp /usr/lib/cni/portmap /opt/cni/bin/ && printf 'deploy_cluster: a lane key of 32 bytes or more' > /etc/flowlane-lane/key && chmod 0400 /etc/flowlane-lane/key")
             .expect_ok("provision");
+        if kind == NodeKind::Chained {
+            // The cluster's own CNI, there before flowlane: the reference
+            // bridge with host-local IPAM on the node's pod CIDR.
+            let other = json!({
+                "cniVersion": "1.0.0",
+                "name": "cluster-net",
+                "plugins": [
+                    {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": true,
+                     "ipam": {"type": "host-local", "ranges": [[{"subnet": cidr}]],
+                              "routes": [{"dst": "0.0.0.0/0"}]}},
+                    {"type": "portmap", "capabilities": {"portMappings": true}}
+                ]
+            });
+            node.sh(&format!(
+                "cp /usr/lib/cni/bridge /usr/lib/cni/host-local /opt/cni/bin/ && printf '%s' '{other}' > /etc/cni/net.d/10-cluster.conflist"
+            ))
+            .expect_ok("the cluster's CNI");
+        }
         self.api.put_node(node_object(&name, &[&cidr], &ip, None));
-        self.install(&mut node);
+        self.install(&mut node, kind);
         self.nodes.push(node);
         self.nodes.len() - 1
     }
 
-    fn install(&self, node: &mut Node) {
-        let data = config_data();
+    fn install(&self, node: &mut Node, kind: NodeKind) {
+        let data = config_data(kind);
         let dir = self.work.join(&node.name);
         std::fs::create_dir_all(dir.join("sa")).unwrap();
         std::fs::write(dir.join("install.sh"), &data["install.sh"]).unwrap();
@@ -283,6 +371,19 @@ impl Cluster {
             .env("HOST_LIB_DIR", "/opt/flowlane/lib")
             .env("SERVICE_ACCOUNT_DIR", dir.join("sa"))
             .env("KUBERNETES_API", format!("https://{}", self.api.addr));
+        if kind == NodeKind::Chained {
+            // components/chained's DaemonSet patch: FLOWLANE_MODE and
+            // CHAINED_CONFLIST; chain.sh and its entry where the ConfigMap
+            // volume puts them.
+            for key in ["chain.sh", "chained-entry.json"] {
+                std::fs::write(dir.join(key), &data[key]).unwrap();
+            }
+            c.env("FLOWLANE_MODE", "chained")
+                .env("CHAINED_CONFLIST", &data["CHAINED_CONFLIST"])
+                .env("CHAIN_SCRIPT", dir.join("chain.sh"))
+                .env("CHAINED_ENTRY", dir.join("chained-entry.json"))
+                .env("CHAINED_WAIT_SECONDS", "5");
+        }
         process::run(&mut c, Duration::from_secs(120))
             .unwrap()
             .expect_ok("install.sh");
@@ -321,9 +422,10 @@ impl Cluster {
         let netns = format!("/run/netns/{tag}");
         node.sh(&format!("touch {netns} && unshare --net={netns} true"))
             .expect_ok("pod netns");
+        // The runtime's choice: the lexically first config file.
         let conflist: Value = serde_json::from_str(
             &node
-                .sh("cat /etc/cni/net.d/10-flowlane.conflist")
+                .sh("cat \"$(ls /etc/cni/net.d/*.conflist | sort | head -n1)\"")
                 .expect_ok("conflist")
                 .stdout,
         )
@@ -345,7 +447,8 @@ impl Cluster {
                 .env("CNI_PATH", "/opt/cni/bin")
                 .env(
                     "CNI_ARGS",
-                    format!("K8S_POD_NAMESPACE=train;K8S_POD_NAME={tag}"),
+                    // As containerd and CRI-O pass them.
+                    format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=train;K8S_POD_NAME={tag}"),
                 );
             let out = process::run_with_input(
                 &mut c,
@@ -476,8 +579,8 @@ impl Drop for Cluster {
 #[test]
 fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
     let mut c = Cluster::new();
-    let n1 = c.join(1);
-    let n2 = c.join(2);
+    let n1 = c.join(1, NodeKind::PrimaryRdma);
+    let n2 = c.join(2, NodeKind::PrimaryRdma);
 
     // install.sh wrote each node's conflist from its own Node's podCIDRs.
     for n in [n1, n2] {
@@ -513,6 +616,38 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
         "the server saw a NATed client"
     );
 
+    // Both RDMA nodes published their lanes on their Node objects; once
+    // each daemon's view has the other's, a cross-node connection rides
+    // the relay (the client's daemon counts it), bytes checked end to end,
+    // and the server still sees the client pod's own address.
+    for n in [n1, n2] {
+        let published = wait::until(Duration::from_secs(30), || {
+            c.api.nodes().iter().any(|o| {
+                o["metadata"]["name"] == c.nodes[n].name.as_str()
+                    && o["metadata"]["annotations"]["flowlane.io/rdma-lane"].is_string()
+            })
+        });
+        assert!(
+            published,
+            "{} published no lane\n{}",
+            c.nodes[n].name,
+            c.logs()
+        );
+    }
+    let mut port = 18_610;
+    let rode = wait::until(Duration::from_secs(30), || {
+        let before = c.opened(n1, "relay");
+        port += 1;
+        let seen = c.transfer((n1, "dpa"), (n2, "dpc", &cc), port);
+        assert_eq!(seen.as_deref(), Ok(a.as_str()), "over the relay");
+        c.opened(n1, "relay") > before
+    });
+    assert!(rode, "cross-node connection not on the relay\n{}", c.logs());
+    assert!(
+        c.opened(n2, "relay") > 0,
+        "the server's daemon relayed nothing"
+    );
+
     // Same node: shared memory.
     let shm_before = c.opened(n1, "shm");
     let b_ip = c.pod_ip(n1, "dpb");
@@ -523,8 +658,8 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
         c.logs()
     );
 
-    // A node that joins later becomes reachable from the others.
-    let n3 = c.join(3);
+    // A node that joins later (no RDMA) becomes reachable from the others.
+    let n3 = c.join(3, NodeKind::Primary);
     let d = c.pod(n3, "dpd");
     let mut last = Err(String::new());
     let reached = wait::until(Duration::from_secs(30), || {
@@ -537,10 +672,71 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
         c.logs()
     );
 
-    // diag on a node, with the DaemonSet's paths: healthy.
-    let out = c.nodes[n1].sh("/opt/cni/bin/flowlane diag --json");
-    let report: Value = serde_json::from_str(&out.stdout).unwrap_or(Value::Null);
-    assert_eq!(report["healthy"], true, "{}", out.stdout);
+    // A node whose pods another CNI wires (reference bridge + host-local),
+    // with flowlane chained into that conflist by components/chained: its
+    // co-located pods get the shared-memory lane.
+    let n4 = c.join(4, NodeKind::Chained);
+    // The cluster CNI's routes to the other nodes' pods, as flannel's
+    // host-gw backend installs them (the reference bridge routes nothing
+    // between nodes; flowlaned does not in chained mode).
+    for n in [n1, n2, n3] {
+        let (cidr, via) = (c.nodes[n].cidr.clone(), c.nodes[n].ip.clone());
+        c.nodes[n4]
+            .sh(&format!("ip route add {cidr} via {via}"))
+            .expect_ok("the cluster CNI's route");
+    }
+    let conf: Value = serde_json::from_str(
+        &c.nodes[n4]
+            .sh("cat /etc/cni/net.d/10-cluster.conflist")
+            .expect_ok("chained conflist")
+            .stdout,
+    )
+    .unwrap();
+    let types: Vec<&str> = conf["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["type"].as_str())
+        .collect();
+    assert_eq!(types, ["bridge", "portmap", "flowlane"], "{conf}");
+    let _e = c.pod(n4, "dpe");
+    let f = c.pod(n4, "dpf");
+    let shm_before = c.opened(n4, "shm");
+    c.transfer((n4, "dpe"), (n4, "dpf", &f), 18_604).unwrap();
+    assert!(
+        c.opened(n4, "shm") > shm_before,
+        "chained pods not on shm\n{}",
+        c.logs()
+    );
+
+    // diag with the DaemonSet's paths, on a primary and a chained node:
+    // healthy. (The RDMA nodes' /sys is the fixture tree, without their
+    // bridge: diag there would rightly miss it.)
+    for n in [n3, n4] {
+        let out = c.nodes[n].sh("/opt/cni/bin/flowlane diag --json");
+        let report: Value = serde_json::from_str(&out.stdout).unwrap_or(Value::Null);
+        assert_eq!(
+            report["healthy"], true,
+            "{}: {}",
+            c.nodes[n].name, out.stdout
+        );
+        // It knows which node it is on, also where another CNI's config
+        // holds the pod subnet.
+        let nodes = report["sections"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["name"] == "nodes"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let ids: Vec<&str> = nodes["findings"]
+            .as_array()
+            .map(|f| f.iter().filter_map(|f| f["id"].as_str()).collect())
+            .unwrap_or_default();
+        assert!(
+            ids.contains(&"nodes.self") && !ids.contains(&"nodes.self_unknown"),
+            "{}: {nodes}",
+            c.nodes[n].name
+        );
+    }
 }
 
 impl Cluster {

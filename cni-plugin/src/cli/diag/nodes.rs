@@ -23,6 +23,10 @@ pub fn check(
     net: Option<&FlowlaneNet>,
     local_gid: Option<&SelectedGid>,
 ) -> Section {
+    // The daemon's own node name, when its view says it: in chained mode
+    // the pod subnet comes from another CNI's config, which diag does not
+    // read.
+    let mut self_name: Option<String> = None;
     let (mut s, view) = match file {
         Some(file) => {
             let mut s = Section::new("nodes", format!("Cluster nodes ({})", file.display()));
@@ -63,7 +67,9 @@ pub fn check(
                 view,
                 source,
                 error,
+                node,
             } => {
+                self_name = node;
                 let mut s = Section::new(
                     "nodes",
                     format!("Cluster nodes (flowlaned's view, from {source})"),
@@ -80,10 +86,15 @@ pub fn check(
         },
     };
     s.data = serde_json::to_value(view.nodes()).unwrap_or_default();
-    // This node is the one whose pod CIDR holds our pod subnet.
-    let me = net
-        .and_then(|n| n.ranges.first())
-        .and_then(|r| view.owner_of(r.subnet.network()));
+    // This node is the daemon's own, else the one whose pod CIDR holds our
+    // pod subnet.
+    let me = self_name
+        .as_deref()
+        .and_then(|name| view.nodes().iter().find(|n| n.name == name))
+        .or_else(|| {
+            net.and_then(|n| n.ranges.first())
+                .and_then(|r| view.owner_of(r.subnet.network()))
+        });
     match me {
         Some(me) => s.ok(
             "nodes.self",
@@ -201,10 +212,13 @@ enum DaemonTable {
         view: Arc<ClusterView>,
         source: String,
         error: Option<String>,
+        /// The daemon's own node name.
+        node: Option<String>,
     },
 }
 
-/// The `nodes`, `source` and `error` fields of the daemon's view file.
+/// The `nodes`, `source`, `error` and `node` fields of the daemon's view
+/// file.
 fn daemon_table(path: &Path) -> DaemonTable {
     #[derive(serde::Deserialize)]
     struct DaemonView {
@@ -212,6 +226,8 @@ fn daemon_table(path: &Path) -> DaemonTable {
         source: String,
         #[serde(default)]
         error: Option<String>,
+        #[serde(default)]
+        node: Option<String>,
         nodes: Vec<NodeEntry>,
     }
     let bytes = match std::fs::read(path) {
@@ -232,6 +248,7 @@ fn daemon_table(path: &Path) -> DaemonTable {
                 parsed.source
             },
             error: parsed.error,
+            node: parsed.node.filter(|n| !n.is_empty()),
         },
         Err(e) => DaemonTable::Unusable(e.to_string()),
     }

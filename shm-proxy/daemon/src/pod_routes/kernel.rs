@@ -114,6 +114,17 @@ pub struct Installed {
     pub oif: Option<u32>,
 }
 
+impl Installed {
+    /// Whether this route, as the kernel lists it, is the planned `want`
+    /// ([`installed_form`]). A host-gw route is planned without a device,
+    /// but the kernel lists the device it resolved the gateway to: any
+    /// device then matches (comparing it exactly would delete and re-add
+    /// every route on every round).
+    pub fn satisfies(&self, want: &Installed) -> bool {
+        self.dst == want.dst && self.gw == want.gw && (want.oif.is_none() || self.oif == want.oif)
+    }
+}
+
 /// flowlane's routes (protocol [`RTPROT_FLOWLANE`]) in the main table.
 pub fn own_routes(nl: &mut RtNetlink) -> io::Result<Vec<Installed>> {
     let mut out = Vec::new();

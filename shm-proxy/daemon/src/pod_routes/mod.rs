@@ -85,11 +85,17 @@ pub fn reconcile(view: &ClusterView, me: &str, mode: Mode) -> anyhow::Result<()>
         .iter()
         .map(|r| (r, kernel::installed_form(r, vx_index)))
         .collect();
-    for h in have.iter().filter(|h| !forms.iter().any(|(_, f)| f == *h)) {
+    for h in have
+        .iter()
+        .filter(|h| !forms.iter().any(|(_, f)| h.satisfies(f)))
+    {
         kernel::del_route(&mut nl, h)?;
         tracing::info!(dst = %h.dst, gw = ?h.gw, "pod route removed");
     }
-    for (r, _) in forms.iter().filter(|(_, f)| !have.contains(f)) {
+    for (r, _) in forms
+        .iter()
+        .filter(|(_, f)| !have.iter().any(|h| h.satisfies(f)))
+    {
         match kernel::add_route(&mut nl, r, vx_index) {
             Ok(()) => tracing::info!(dst = %r.dst, via = ?r.via, "pod route added"),
             Err(e) if flowlane_netlink::errno(&e) == libc::EEXIST => {
