@@ -52,6 +52,8 @@ struct Node {
     /// Pods wired by the reference `bridge` + `host-local`, then flowlane
     /// in chained mode (the cluster's routes stand in for the other CNI's).
     chained: bool,
+    /// More flags for this node's flowlaned.
+    daemon_args: Vec<String>,
 }
 
 impl Node {
@@ -195,6 +197,7 @@ impl Node {
             .arg("--nodes-file")
             .arg(nodes_file)
             .args(["--node-name", &self.name])
+            .args(&self.daemon_args)
             .env(
                 "FLOWLANE_RELAY_ZERO_COPY",
                 if self.zero_copy { "1" } else { "0" },
@@ -281,6 +284,17 @@ impl Cluster {
     /// `chained`: pods wired by bridge + flowlane chained (names `ch…`,
     /// pod CIDRs from 10.232.100.0/24 up, underlay 10.232.200.0/24 up).
     fn build(pods: usize, zero_copy: bool, chained: bool) -> Cluster {
+        Cluster::build_with(pods, zero_copy, chained, |_| Vec::new())
+    }
+
+    /// `daemon_args(underlay)`: more flags for the daemon of the node with
+    /// that underlay address.
+    fn build_with(
+        pods: usize,
+        zero_copy: bool,
+        chained: bool,
+        daemon_args: impl Fn(Ipv4Addr) -> Vec<String>,
+    ) -> Cluster {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let prefix = if chained { "ch" } else { "rr" };
         let tag = format!("{prefix}{:x}{n:x}", std::process::id() % 0xfff);
@@ -326,6 +340,7 @@ impl Cluster {
                 daemon: None,
                 zero_copy,
                 chained,
+                daemon_args: daemon_args(underlay(i)),
             });
         }
         // The underlay: one veth between the two node namespaces.
@@ -1582,4 +1597,240 @@ fn a_hostile_pod_cannot_crash_its_daemon_through_the_relay() {
     assert!(failed >= 1, "no relayed connection failed:\n{}", n0.log());
     assert!(counted >= failed, "{counted} counted, {failed} failed");
     drop(srv);
+}
+
+/// A server that keeps every connection until its client half-closes, then
+/// answers the byte count and sha256 of what it read.
+const HOLD_SERVER: &str = r#"
+import hashlib, socket, sys, threading
+port = int(sys.argv[1])
+ls = socket.socket(); ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.bind(("0.0.0.0", port)); ls.listen(16)
+def serve(c):
+    h, n = hashlib.sha256(), 0
+    while True:
+        b = c.recv(1 << 16)
+        if not b: break
+        h.update(b); n += len(b)
+    c.sendall(f"{n} {h.hexdigest()}\n".encode()); c.close()
+while True:
+    c, _ = ls.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// Driven line by line on stdin: `open` connects and sends `bytes` bytes
+/// (seeded by the connection's number) and keeps the connection open;
+/// `close K` half-closes connection K and checks the server's count and
+/// sha256 of it.
+const HOLD_CLIENT: &str = r#"
+import hashlib, random, socket, sys
+ip, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+conns = []
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "open":
+        k = len(conns)
+        data = random.Random(k).randbytes(size)
+        s = socket.create_connection((ip, port)); s.sendall(data)
+        conns.append((s, data)); print("sent", k, flush=True)
+    elif cmd[0] == "close":
+        k = int(cmd[1]); s, data = conns[k]
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            b = s.recv(256)
+            if not b: break
+            reply += b
+        s.close()
+        want = f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+        print("ok" if reply.decode().strip() == want else f"bad {reply!r}", k, flush=True)
+"#;
+
+/// The client's driver: one line in, one line out.
+struct HoldClient {
+    child: Child,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl HoldClient {
+    fn say(&mut self, line: &str) -> String {
+        use std::io::{BufRead, Write};
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+        let mut reply = String::new();
+        self.out.read_line(&mut reply).unwrap();
+        reply.trim().to_string()
+    }
+}
+
+impl Drop for HoldClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `flowlane_bytes_total{lane, direction}` from node `n`'s metrics endpoint.
+fn scraped_bytes(node: &Node, metrics: std::net::SocketAddr, direction: &str) -> u64 {
+    let text = in_netns(&node.netns, move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(metrics).expect("metrics endpoint");
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text
+    });
+    let key = format!("flowlane_bytes_total{{lane=\"relay\",direction=\"{direction}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(key.as_str()))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or_else(|| panic!("no {key} in\n{text}"))
+}
+
+/// The relay's memory budget: connections that fit ride the relay, the
+/// first one that does not stays on TCP (fallback `relay-budget`) with its
+/// bytes intact, and a closed connection gives its room back. The metrics
+/// count a relayed connection's bytes while it is open, and keep them once
+/// it has closed.
+#[test]
+fn the_relay_budget_keeps_extra_connections_on_tcp_and_metrics_count_live_bytes() {
+    const BUDGET: u64 = 6 << 20;
+    const BYTES: u64 = 300_000;
+    const PORT: u16 = 7590;
+    const METRICS_PORT: u16 = 9470;
+    let _g = serial();
+    let c = Cluster::build_with(1, false, false, |underlay| {
+        vec![
+            format!("--relay-memory-budget={BUDGET}"),
+            format!("--metrics-addr={underlay}:{METRICS_PORT}"),
+        ]
+    });
+    let (n0, n1, a, b) = c.first_pods();
+    let metrics = std::net::SocketAddr::new(n0.underlay.into(), METRICS_PORT);
+    let _srv = n1.serve(
+        b,
+        true,
+        PORT,
+        &[PYTHON, "-c", HOLD_SERVER, &PORT.to_string()],
+    );
+    let mut cmd = n0.cmd(
+        a,
+        true,
+        &[
+            PYTHON,
+            "-c",
+            HOLD_CLIENT,
+            &b.ip.to_string(),
+            &PORT.to_string(),
+            &BYTES.to_string(),
+        ],
+    );
+    let mut child = cmd
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut client = HoldClient { child, out };
+    let budget_fallbacks = || -> u64 {
+        c.nodes
+            .iter()
+            .map(|n| {
+                n.stats()
+                    .fallbacks
+                    .get("relay-budget")
+                    .copied()
+                    .unwrap_or(0)
+            })
+            .sum()
+    };
+
+    // Open connections, one at a time and all kept open, until one does
+    // not get the relay.
+    let mut relayed = 0u64;
+    loop {
+        let k = relayed;
+        assert_eq!(client.say("open"), format!("sent {k}"), "{}", c.logs());
+        let t0 = Instant::now();
+        loop {
+            if n0.relay().0 > relayed || budget_fallbacks() > 0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "connection {k}: neither relayed nor over the budget\n{}",
+                c.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if budget_fallbacks() > 0 {
+            break;
+        }
+        relayed += 1;
+        assert!(relayed < 64, "a 6 MiB budget took {relayed} connections");
+    }
+    assert!(relayed >= 1, "not even one connection fit\n{}", c.logs());
+    let over = relayed; // connection number `over` is on TCP
+    println!("relay memory budget {BUDGET}: {relayed} connections relayed, the next one on TCP");
+    for n in &c.nodes {
+        let m = n.stats().relay_memory.expect("relay memory in stats");
+        assert!(m.used_bytes <= m.budget_bytes, "{m:?}");
+        assert_eq!(m.budget_bytes, BUDGET);
+    }
+
+    // Live bytes: the relayed connections' bytes are counted while they are
+    // open (nothing has closed yet).
+    assert_eq!(n0.relay().1, 0);
+    let t0 = Instant::now();
+    let live = loop {
+        let v = scraped_bytes(n0, metrics, "client_to_server");
+        if v >= relayed * BYTES {
+            break v;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "live relay bytes {v} < {}\n{}",
+            relayed * BYTES,
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        live,
+        relayed * BYTES,
+        "bytes of the TCP connection counted as relayed"
+    );
+
+    // The connection over the budget has its bytes intact on TCP; closing
+    // a relayed one gives its room back to the next connection.
+    assert_eq!(client.say(&format!("close {over}")), format!("ok {over}"));
+    assert_eq!(client.say("close 0"), "ok 0");
+    wait_closed(&c, 1);
+    let before = n0.relay().0;
+    assert_eq!(client.say("open"), format!("sent {}", over + 1));
+    let t0 = Instant::now();
+    while n0.relay().0 == before {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "room given back, yet the next connection did not ride the relay\n{}",
+            c.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for k in (1..over).chain([over + 1]) {
+        assert_eq!(client.say(&format!("close {k}")), format!("ok {k}"));
+    }
+    wait_closed(&c, relayed + 1);
+    // After close: every relayed byte still counted, once.
+    assert_eq!(
+        scraped_bytes(n0, metrics, "client_to_server"),
+        (relayed + 1) * BYTES
+    );
+    assert!(scraped_bytes(n0, metrics, "server_to_client") > 0);
+    for n in &c.nodes {
+        let m = n.stats().relay_memory.expect("relay memory in stats");
+        assert_eq!(m.used_bytes, 0, "room not given back");
+    }
 }
