@@ -28,10 +28,28 @@ pub fn build_dir() -> PathBuf {
 /// A workspace binary (`flowlane`, `flowlaned`, ...) or library next to the
 /// tests. Panics with a hint when it has not been built.
 pub fn workspace_artifact(name: &str) -> PathBuf {
+    if name == PRELOAD {
+        return shipped_preload();
+    }
     let path = build_dir().join(name);
     assert!(
         path.exists(),
         "{} not found: build the workspace first (cargo build --release --workspace)",
+        path.display()
+    );
+    path
+}
+
+const PRELOAD: &str = "libflowlane_preload.so";
+
+/// The preload library as flowlane ships it (`shm-proxy/preload/ship.sh`:
+/// linked against glibc 2.17's symbol versions), which every test loads
+/// into its pods, not the build machine's `cargo build` output.
+pub fn shipped_preload() -> PathBuf {
+    let path = build_dir().join("shipped").join(PRELOAD);
+    assert!(
+        path.exists(),
+        "{} not found: build the shipped preload library (bash shm-proxy/preload/ship.sh; tests/run does)",
         path.display()
     );
     path

@@ -34,6 +34,10 @@ pub fn build_dir() -> PathBuf {
 
 /// The preload library under test.
 pub fn preload_lib() -> PathBuf {
+    // A benchmark may compare another build of the library.
+    if let Some(lib) = std::env::var_os("FLOWLANE_PRELOAD_LIB") {
+        return PathBuf::from(lib);
+    }
     crate::binaries::workspace_artifact("libflowlane_preload.so")
 }
 

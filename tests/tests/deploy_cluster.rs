@@ -363,7 +363,7 @@ impl Cluster {
         let mut c = node.command("/bin/sh");
         c.arg(dir.join("install.sh"))
             .env("NODE_NAME", &node.name)
-            .env("FLOWLANE_SRC_DIR", binaries::build_dir())
+            .env("FLOWLANE_SRC_DIR", self.image_dir())
             .env("CONFLIST_TEMPLATE", dir.join("tmpl"))
             .env("CONFLIST_NAME", &data["CONFLIST_NAME"])
             .env("HOST_CNI_BIN_DIR", "/opt/cni/bin")
@@ -740,6 +740,24 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
 }
 
 impl Cluster {
+    /// What the image's /usr/local/lib/flowlane holds (the Dockerfile's
+    /// COPY): the release binaries and the shipped preload library.
+    fn image_dir(&self) -> PathBuf {
+        let dir = self.work.join("image");
+        if !dir.exists() {
+            std::fs::create_dir_all(&dir).unwrap();
+            for bin in ["flowlane", "flowlaned"] {
+                std::os::unix::fs::symlink(binaries::build_dir().join(bin), dir.join(bin)).unwrap();
+            }
+            std::os::unix::fs::symlink(
+                binaries::shipped_preload(),
+                dir.join("libflowlane_preload.so"),
+            )
+            .unwrap();
+        }
+        dir
+    }
+
     fn pod_ip(&self, n: usize, tag: &str) -> String {
         let out = self.nodes[n].sh(&format!(
             "nsenter --net=/run/netns/{tag} ip -4 -o addr show dev eth0"

@@ -216,7 +216,13 @@ impl Binaries {
     pub fn flowlaned(&self) -> PathBuf {
         self.dir.join("flowlaned")
     }
+    /// The shipped library (`shm-proxy/preload/ship.sh`: glibc 2.17
+    /// floor) when it was built, else the workspace build's.
     pub fn preload(&self) -> PathBuf {
+        let shipped = self.dir.join("shipped/libflowlane_preload.so");
+        if shipped.exists() {
+            return shipped;
+        }
         self.dir.join("libflowlane_preload.so")
     }
     pub fn train(&self) -> PathBuf {
