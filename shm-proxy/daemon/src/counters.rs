@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use flowlane_lane::proto::LatencyHistogram;
+use flowlane_lane::proto::{FallbackReason, LatencyHistogram};
 
 /// Counters of one lane.
 #[derive(Debug, Default, Clone)]
@@ -20,7 +20,7 @@ pub struct LaneCounters {
 pub struct Counters {
     pub shm: LaneCounters,
     /// Connections left on TCP, by reason (daemon-decided and reported).
-    pub fallbacks: BTreeMap<&'static str, u64>,
+    pub fallbacks: BTreeMap<FallbackReason, u64>,
     pub auth_failures: u64,
     pub bad_requests: u64,
     pub connections_refused: u64,
@@ -49,36 +49,11 @@ impl Default for Counters {
 }
 
 impl Counters {
-    pub fn fallback(&mut self, reason: &'static str) {
+    pub fn fallback(&mut self, reason: FallbackReason) {
         *self.fallbacks.entry(reason).or_default() += 1;
     }
 
     pub fn request(&mut self, op: &'static str) {
         *self.requests.entry(op).or_default() += 1;
     }
-}
-
-/// Daemon-decided fallback reasons (client-reported ones use
-/// `FallbackReason::as_str`).
-pub mod reason {
-    /// The intent's destination is not a pod on this node.
-    pub const NOT_LOCAL_POD: &str = "not-local-pod";
-    /// The destination pod has no flowlane listener on that port.
-    pub const NO_LISTENER: &str = "no-listener";
-    /// A server accepted a connection nobody announced (peer without the
-    /// library, another node, or an expired intent).
-    pub const CLAIM_WITHOUT_INTENT: &str = "claim-without-intent";
-    /// The server never claimed the channel in time.
-    pub const INTENT_EXPIRED: &str = "intent-expired";
-    /// The client's connect failed after the intent.
-    pub const INTENT_CANCELLED: &str = "intent-cancelled";
-    /// The answer to an intent could not be sent: the client had stopped
-    /// waiting for it (see `Broker::intent_undelivered`).
-    pub const INTENT_UNDELIVERED: &str = "intent-undelivered";
-    /// The caller was not allowed (unknown pod, foreign address).
-    pub const AUTH_FAILED: &str = "auth-failed";
-    /// The requested region exceeded the daemon's bound.
-    pub const REGION_TOO_LARGE: &str = "region-too-large";
-    /// The daemon failed to create the channel.
-    pub const DAEMON_ERROR: &str = "daemon-error";
 }

@@ -21,6 +21,7 @@ mod relay;
 mod ring_watch;
 mod server;
 mod sockets;
+mod stats;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -298,10 +299,6 @@ fn start_relay(
         .relay_memory_budget
         .unwrap_or_else(relay::budget::default_budget);
     let relay = relay::Relay::start(transport, router, shared.clone(), budget);
-    let r = relay.clone();
-    shared
-        .lock()
-        .set_relay_stats(Box::new(move || r.lane_stats()));
     tracing::info!(%listen, transport = name, "cross-node relay enabled");
     Ok(Some(relay))
 }
@@ -331,12 +328,6 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         args.relay_listen().map(|a| a.port()),
     )
     .await?;
-    if let Some(n) = &nodes {
-        let n = n.clone();
-        shared
-            .lock()
-            .set_nodes_view(Box::new(move || n.view_json()));
-    }
     match (&nodes, args.pod_routes) {
         (_, pod_routes::Mode::Off) => {
             tracing::info!("--pod-routes off: no pod routes, no masquerade exemptions")
@@ -350,6 +341,10 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         // port, or peers would keep trying a lane nobody serves.
         n.set_lane_port(None);
     }
+    let lanes = stats::Lanes {
+        relay,
+        nodes: nodes.clone(),
+    };
     let listener = server::bind(&args.socket)?;
     tracing::info!(
         socket = %args.socket.display(),
@@ -358,13 +353,13 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         "flowlaned serving"
     );
     if let Some(addr) = args.metrics_addr {
-        let shared = shared.clone();
+        let (shared, lanes) = (shared.clone(), lanes.clone());
         let ready = metrics::Readiness {
             socket: args.socket.clone(),
             nodes: nodes.clone(),
         };
         tokio::spawn(async move {
-            if let Err(e) = metrics::serve(addr, shared, ready).await {
+            if let Err(e) = metrics::serve(addr, shared, lanes, ready).await {
                 tracing::error!(%addr, error = %e, "metrics endpoint failed");
             }
         });
@@ -392,7 +387,7 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         listener,
         args.socket.clone(),
         shared.clone(),
-        relay,
+        lanes,
         async {
             let _ = stop_rx.await;
         },

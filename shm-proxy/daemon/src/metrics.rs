@@ -17,6 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use crate::server::Shared;
+use crate::stats::Lanes;
 
 /// Labels of one sample.
 type Labels = Vec<(&'static str, String)>;
@@ -270,7 +271,12 @@ impl Readiness {
 }
 
 /// The answer to one request head: status line, content type, body.
-fn answer(head: &[u8], shared: &Shared, ready: &Readiness) -> (&'static str, &'static str, String) {
+fn answer(
+    head: &[u8],
+    shared: &Shared,
+    lanes: &Lanes,
+    ready: &Readiness,
+) -> (&'static str, &'static str, String) {
     let path = std::str::from_utf8(head)
         .ok()
         .and_then(|h| h.split_whitespace().nth(1))
@@ -290,13 +296,18 @@ fn answer(head: &[u8], shared: &Shared, ready: &Readiness) -> (&'static str, &'s
         _ => (
             "200 OK",
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            prometheus_text(&shared.lock().stats()),
+            prometheus_text(&lanes.snapshot(&shared.lock())),
         ),
     }
 }
 
 /// Serves the metrics and health endpoints on `addr` forever.
-pub async fn serve(addr: SocketAddr, shared: Shared, ready: Readiness) -> std::io::Result<()> {
+pub async fn serve(
+    addr: SocketAddr,
+    shared: Shared,
+    lanes: Lanes,
+    ready: Readiness,
+) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "metrics endpoint listening (/metrics, /healthz, /readyz)");
     loop {
@@ -307,7 +318,7 @@ pub async fn serve(addr: SocketAddr, shared: Shared, ready: Readiness) -> std::i
                 continue;
             }
         };
-        let (shared, ready) = (shared.clone(), ready.clone());
+        let (shared, lanes, ready) = (shared.clone(), lanes.clone(), ready.clone());
         tokio::spawn(async move {
             // The request line is all we need.
             let mut buf = [0u8; 2048];
@@ -316,7 +327,7 @@ pub async fn serve(addr: SocketAddr, shared: Shared, ready: Readiness) -> std::i
                 .ok()
                 .and_then(Result::ok)
                 .unwrap_or(0);
-            let (status, kind, body) = answer(&buf[..n], &shared, &ready);
+            let (status, kind, body) = answer(&buf[..n], &shared, &lanes, &ready);
             let head = format!(
                 "HTTP/1.0 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                 body.len()
@@ -497,6 +508,7 @@ mod tests {
             answer(
                 format!("GET {p} HTTP/1.1\r\n\r\n").as_bytes(),
                 &shared,
+                &crate::stats::Lanes::default(),
                 &ready,
             )
         };

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use flowlane_lane::proto::{self, ErrorCode, Request, Response};
+use flowlane_lane::proto::{self, ErrorCode, FallbackReason, Request, Response};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
@@ -21,7 +21,7 @@ use tokio::sync::Semaphore;
 
 use crate::broker::{Answer, Broker, Caller};
 use crate::identity::{netns_inode_of_pid, ProcessId};
-use crate::relay::Relay;
+use crate::stats::Lanes;
 
 /// How long the rest of a frame may take once its first byte arrived.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
@@ -123,7 +123,7 @@ pub async fn serve(
     listener: UnixListener,
     socket_path: PathBuf,
     shared: Shared,
-    relay: Option<Arc<Relay>>,
+    lanes: Lanes,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
@@ -148,9 +148,9 @@ pub async fn serve(
                         continue;
                     };
                     let shared = shared.clone();
-                    let relay = relay.clone();
+                    let lanes = lanes.clone();
                     tokio::spawn(async move {
-                        serve_client(stream, caller, shared, relay).await;
+                        serve_client(stream, caller, shared, lanes).await;
                         drop((permit, netns_slot));
                     });
                 }
@@ -214,12 +214,7 @@ fn still_the_caller(caller: &Caller) -> bool {
     netns_inode_of_pid(process.pid).ok() == caller.netns
 }
 
-async fn serve_client(
-    mut stream: UnixStream,
-    caller: Caller,
-    shared: Shared,
-    relay: Option<Arc<Relay>>,
-) {
+async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared, lanes: Lanes) {
     tracing::trace!(?caller, "client connected");
     loop {
         let body = match read_frame(&mut stream).await {
@@ -248,9 +243,7 @@ async fn serve_client(
                 // Refused, then closed: a client reconnects and is
                 // identified afresh.
                 tracing::debug!(?caller, "caller changed namespace or exited; closing");
-                shared
-                    .lock()
-                    .count_fallback(crate::counters::reason::AUTH_FAILED);
+                shared.lock().count_fallback(FallbackReason::AuthFailed);
                 let resp = Response::error(
                     ErrorCode::Forbidden,
                     "the calling process changed network namespace or exited; reconnect",
@@ -264,7 +257,7 @@ async fn serve_client(
                     req,
                     Request::ConnectIntent { .. } | Request::RelayableIntent { .. }
                 );
-                match relay.as_ref().filter(|r| r.takes(&req)) {
+                match lanes.relay.as_ref().filter(|r| r.takes(&req)) {
                     // Cross-node set-ups block (lane open, handshake with
                     // the peer daemon): off the runtime's thread.
                     Some(r) => {
@@ -275,7 +268,13 @@ async fn serve_client(
                                 Response::error(ErrorCode::Internal, "relay task failed").into()
                             })
                     }
-                    None => shared.lock().handle(&caller, req),
+                    None => {
+                        let mut broker = shared.lock();
+                        let mut answer = broker.handle(&caller, req);
+                        // A stats answer: the other lanes add theirs.
+                        lanes.complete(&mut answer, &broker);
+                        answer
+                    }
                 }
             }
             Err(e) => {
@@ -450,9 +449,15 @@ mod tests {
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let view = shared.clone();
-        let daemon = rt.spawn(serve(listener, socket.clone(), shared, None, async {
-            let _ = stopped.await;
-        }));
+        let daemon = rt.spawn(serve(
+            listener,
+            socket.clone(),
+            shared,
+            Lanes::default(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
 
         let server: SocketAddr = "10.202.9.2:80".parse().unwrap();
         let client: SocketAddr = "10.202.9.1:5000".parse().unwrap();

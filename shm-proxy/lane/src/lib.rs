@@ -3,6 +3,7 @@
 
 pub mod client;
 pub mod copy;
+pub mod fallback;
 pub mod notify;
 pub mod proto;
 pub mod region;

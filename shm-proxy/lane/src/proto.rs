@@ -34,37 +34,7 @@ pub const MAX_RESPONSE_FRAME: usize = 16 * 1024 * 1024;
 /// Bytes of the length prefix.
 pub const HEADER_LEN: usize = 4;
 
-/// Why a connection stayed on TCP (counted by the daemon per reason).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum FallbackReason {
-    NoDaemon,
-    NotLocalPod,
-    NoPeerLibrary,
-    Unsupported,
-    InternalError,
-    /// Not a fallback at set-up: the peer wrote a shared-memory word the
-    /// ring protocol does not allow, and the connection was reset.
-    RingViolation,
-    /// The relay's memory budget (`--relay-memory-budget`) had no room for
-    /// another relayed connection: it stayed on TCP.
-    RelayBudget,
-}
-
-impl FallbackReason {
-    /// Stable name used in counters and `flowlane status`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            FallbackReason::NoDaemon => "no-daemon",
-            FallbackReason::NotLocalPod => "not-local-pod",
-            FallbackReason::NoPeerLibrary => "no-peer-library",
-            FallbackReason::Unsupported => "unsupported",
-            FallbackReason::InternalError => "internal-error",
-            FallbackReason::RingViolation => "ring-violation",
-            FallbackReason::RelayBudget => "relay-budget",
-        }
-    }
-}
+pub use crate::fallback::FallbackReason;
 
 /// A client's request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

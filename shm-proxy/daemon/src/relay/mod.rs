@@ -50,10 +50,10 @@ use flowlane_lane::proto::{
 use flowlane_lane::ring::{self, Side};
 use flowlane_rdma::{LaneStream, LaneTransport, StreamKey};
 
-use crate::broker::{Answer, Caller, RelayStats};
-use crate::counters::reason;
+use crate::broker::{Answer, Caller};
 use crate::memfd;
 use crate::server::Shared;
+use crate::stats::RelayReport;
 use carried::Carried;
 use flowlane_lane::region::Region;
 
@@ -79,19 +79,6 @@ const LINGER: Duration = Duration::from_secs(5);
 /// Accepted streams nobody claimed are dropped after this long.
 const UNCLAIMED_TTL: Duration = Duration::from_secs(30);
 
-/// Fallback reasons the relay decides.
-pub mod relay_reason {
-    /// The peer daemon's lane could not be opened.
-    pub const LANE_UNREACHABLE: &str = "relay-lane-unreachable";
-    /// The daemon could not take the pod's socket or map its channel.
-    pub const SETUP_FAILED: &str = "relay-setup-failed";
-    /// The client pod gave up (or never mapped its channel) before the claim.
-    pub const REFUSED: &str = "relay-refused";
-    /// The server daemon refused the stream (STREAM_REFUSED: see
-    /// `stream_foreign_client`/`stream_duplicate` in its lane errors).
-    pub const STREAM_REFUSED: &str = "relay-stream-refused";
-}
-
 /// Streams the relay refused, in `lane_errors` next to the transport's
 /// (`peer_unknown`, `peer_auth_failed`, ...).
 pub mod refusal {
@@ -106,9 +93,6 @@ pub mod refusal {
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
-
-/// A connection the memory budget had no room for stayed on TCP.
-const RELAY_BUDGET: &str = FallbackReason::RelayBudget.as_str();
 
 /// A stream a peer daemon opened, and when it arrived.
 type Accepted = (Arc<dyn LaneStream>, Instant);
@@ -287,7 +271,7 @@ impl Relay {
 
     /// The relay's lane: counters and the carried connections (for stats
     /// answers; the broker fills in the pod names).
-    pub fn lane_stats(&self) -> RelayStats {
+    pub fn lane_stats(&self) -> RelayReport {
         // Closed totals are read under `active`, which `pump_ended` holds
         // while it moves a connection's bytes there: no dip, no double count.
         let active = lock(&self.active);
@@ -329,9 +313,9 @@ impl Relay {
                 errors.push((kind, n));
             }
         }
-        (
-            self.lane.to_string(),
-            LaneStats {
+        RelayReport {
+            lane: self.lane.to_string(),
+            stats: LaneStats {
                 connections_opened: self.opened.load(Ordering::Relaxed),
                 connections_active: active.len() as u64,
                 connections_closed: self.closed.load(Ordering::Relaxed),
@@ -342,11 +326,11 @@ impl Relay {
             },
             connections,
             errors,
-            RelayMemory {
+            memory: RelayMemory {
                 budget_bytes: self.budget.limit(),
                 used_bytes: self.budget.used(),
             },
-        )
+        }
     }
 
     /// Reserves a connection's memory (`None`: over the budget, logged).
@@ -416,7 +400,9 @@ impl Relay {
                 drop(setups);
                 if let Some((_, s)) = cancelled {
                     s.reset();
-                    self.shared.lock().count_fallback(reason::INTENT_CANCELLED);
+                    self.shared
+                        .lock()
+                        .count_fallback(FallbackReason::IntentCancelled);
                 }
                 Response::Ok.into()
             }
@@ -424,7 +410,7 @@ impl Relay {
         }
     }
 
-    fn fallback(&self, why: NoChannelReason, counter: &'static str) -> Answer {
+    fn fallback(&self, why: NoChannelReason, counter: FallbackReason) -> Answer {
         self.shared.lock().count_fallback(counter);
         Response::NoChannel { reason: why }.into()
     }
@@ -500,16 +486,18 @@ impl Relay {
         region_len: u64,
         socket_fd: i32,
     ) -> Answer {
-        let src = match self
+        // The same admission as a same-node intent (broker/admission.rs).
+        let admitted = match self
             .shared
             .lock()
-            .relay_client_check(caller, src, dst, region_len)
+            .admit_intent(caller, src, dst, region_len)
         {
-            Ok(s) => s,
-            Err(a) => return a,
+            Ok(admitted) => admitted,
+            Err(refused) => return refused,
         };
+        let src = admitted.src;
         let Some(peer_daemon) = self.router.lane_peer(dst.ip()) else {
-            return self.fallback(NoChannelReason::NotLocalPod, reason::NOT_LOCAL_POD);
+            return self.fallback(NoChannelReason::NotLocalPod, FallbackReason::NotLocalPod);
         };
         // The library sizes its rings from our answer's length.
         let region_len = if self.zero_copy {
@@ -518,13 +506,16 @@ impl Relay {
             region_len
         };
         let Some(reservation) = self.reserve(region_len) else {
-            return self.fallback(NoChannelReason::NotLocalPod, RELAY_BUDGET);
+            return self.fallback(NoChannelReason::NotLocalPod, FallbackReason::RelayBudget);
         };
         let (sock, pidfd, pid) = match Self::take_socket(caller, socket_fd, src, None) {
             Ok(t) => t,
             Err(e) => {
                 tracing::debug!(%src, %dst, error = %e, "relay: cannot take the client's socket");
-                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::SETUP_FAILED);
+                return self.fallback(
+                    NoChannelReason::NotLocalPod,
+                    FallbackReason::RelaySetupFailed,
+                );
             }
         };
         let id = self.shared.lock().next_channel_id();
@@ -537,7 +528,10 @@ impl Relay {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(error = %e, "relay: cannot create a channel");
-                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::SETUP_FAILED);
+                return self.fallback(
+                    NoChannelReason::NotLocalPod,
+                    FallbackReason::RelaySetupFailed,
+                );
             }
         };
         let key = StreamKey {
@@ -548,26 +542,34 @@ impl Relay {
             Ok(s) => s,
             Err(e) => {
                 tracing::info!(%peer_daemon, error = %e, "relay: lane not open in time; TCP");
-                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::LANE_UNREACHABLE);
+                return self.fallback(
+                    NoChannelReason::NotLocalPod,
+                    FallbackReason::RelayLaneUnreachable,
+                );
             }
         };
         match recv_byte_within(&stream, REGISTER_WAIT) {
             Ok(frames::REGISTERED) => {}
             Ok(frames::NO_LISTENER) => {
-                return self.fallback(NoChannelReason::NoListener, reason::NO_LISTENER);
+                return self.fallback(NoChannelReason::NoListener, FallbackReason::NoListener);
             }
             Ok(frames::STREAM_REFUSED) => {
                 tracing::info!(%peer_daemon, %src, %dst, "relay: the peer daemon refused the stream; TCP");
-                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::STREAM_REFUSED);
+                return self.fallback(
+                    NoChannelReason::NotLocalPod,
+                    FallbackReason::RelayStreamRefused,
+                );
             }
             other => {
                 tracing::info!(%peer_daemon, answer = ?other, "relay: peer daemon did not register the stream; TCP");
                 stream.reset();
-                return self.fallback(NoChannelReason::NotLocalPod, relay_reason::LANE_UNREACHABLE);
+                return self.fallback(
+                    NoChannelReason::NotLocalPod,
+                    FallbackReason::RelayLaneUnreachable,
+                );
             }
         }
-        // relay_client_check found the caller's pod: its namespace.
-        let pod = caller.netns.unwrap_or_default();
+        let pod = admitted.client_pod;
         lock(&self.setups).insert(id, (pod, stream.clone()));
         let r = self.clone();
         let spawned = std::thread::Builder::new()
@@ -579,7 +581,10 @@ impl Relay {
             if let Some((_, s)) = lock(&self.setups).remove(&id) {
                 s.reset();
             }
-            return self.fallback(NoChannelReason::NotLocalPod, relay_reason::SETUP_FAILED);
+            return self.fallback(
+                NoChannelReason::NotLocalPod,
+                FallbackReason::RelaySetupFailed,
+            );
         }
         tracing::debug!(id, %src, %dst, %peer_daemon, "relay: channel announced");
         Answer {
@@ -613,7 +618,9 @@ impl Relay {
             stream.reset();
             if still_ours {
                 // Not cancelled by the pod: the server never claimed.
-                self.shared.lock().count_fallback(reason::INTENT_EXPIRED);
+                self.shared
+                    .lock()
+                    .count_fallback(FallbackReason::IntentExpired);
             }
             return;
         }
@@ -641,7 +648,9 @@ impl Relay {
         }
         if !attached {
             tracing::debug!(id, "relay: client pod gave up; both stay on TCP");
-            self.shared.lock().count_fallback(relay_reason::REFUSED);
+            self.shared
+                .lock()
+                .count_fallback(FallbackReason::RelayRefused);
             let _ = stream.shutdown_send();
             return;
         }
@@ -665,22 +674,26 @@ impl Relay {
         peer: SocketAddr,
         socket_fd: i32,
     ) -> Answer {
-        if let Err(a) = self.shared.lock().relay_server_check(caller, local) {
-            return a;
+        // The same admission as a same-node claim (broker/admission.rs).
+        if let Err(refused) = self.shared.lock().admit_claim(caller, local) {
+            return refused;
         }
         let key = StreamKey {
             client: peer,
             server: local,
         };
         let Some(stream) = self.take_accepted(&key) else {
-            return self.fallback(NoChannelReason::NoIntent, reason::CLAIM_WITHOUT_INTENT);
+            return self.fallback(
+                NoChannelReason::NoIntent,
+                FallbackReason::ClaimWithoutIntent,
+            );
         };
         let (sock, pidfd, _pid) = match Self::take_socket(caller, socket_fd, local, Some(peer)) {
             Ok(t) => t,
             Err(e) => {
                 tracing::debug!(%local, %peer, error = %e, "relay: cannot take the server's socket");
                 stream.reset();
-                return self.fallback(NoChannelReason::NoIntent, relay_reason::SETUP_FAILED);
+                return self.fallback(NoChannelReason::NoIntent, FallbackReason::RelaySetupFailed);
             }
         };
         let id = self.shared.lock().next_channel_id();
@@ -691,7 +704,7 @@ impl Relay {
         });
         let Some(reservation) = self.reserve(len as u64) else {
             stream.reset();
-            return self.fallback(NoChannelReason::NoIntent, RELAY_BUDGET);
+            return self.fallback(NoChannelReason::NoIntent, FallbackReason::RelayBudget);
         };
         let made = memfd::create_sealed(&format!("flowlane-relay-{id}"), len as u64)
             .and_then(|fd| Ok((Region::map_memfd(fd.as_fd(), len)?, fd)));
@@ -700,19 +713,22 @@ impl Relay {
             Err(e) => {
                 tracing::warn!(error = %e, "relay: cannot create a channel");
                 stream.reset();
-                return self.fallback(NoChannelReason::NoIntent, relay_reason::SETUP_FAILED);
+                return self.fallback(NoChannelReason::NoIntent, FallbackReason::RelaySetupFailed);
             }
         };
         match handshake(&stream) {
             Ok(true) => {}
             Ok(false) => {
                 let _ = stream.shutdown_send();
-                return self.fallback(NoChannelReason::NoIntent, relay_reason::REFUSED);
+                return self.fallback(NoChannelReason::NoIntent, FallbackReason::RelayRefused);
             }
             Err(e) => {
                 tracing::info!(%local, %peer, error = %e, "relay: set-up handshake failed; TCP");
                 stream.reset();
-                return self.fallback(NoChannelReason::NoIntent, relay_reason::LANE_UNREACHABLE);
+                return self.fallback(
+                    NoChannelReason::NoIntent,
+                    FallbackReason::RelayLaneUnreachable,
+                );
             }
         }
         // The pod waits for this answer (500 ms): registering its rings with
@@ -831,8 +847,9 @@ impl Relay {
         }
         if c.ring_broken() {
             // Counted like the library counts its own (`ring-violation`).
-            let reason = FallbackReason::RingViolation.as_str();
-            self.shared.lock().count_fallback(reason);
+            self.shared
+                .lock()
+                .count_fallback(FallbackReason::RingViolation);
         }
         self.closed.fetch_add(1, Ordering::Relaxed);
         let bytes = c2s + s2c;

@@ -12,20 +12,22 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
-use flowlane_lane::proto::{
-    ConnectionInfo, DaemonInfo, Endpoint, ErrorCode, LaneStats, ListenerInfo, NoChannelReason,
-    Request, Response, Stats, PROTOCOL_VERSION,
-};
+use flowlane_lane::proto::{ErrorCode, FallbackReason, NoChannelReason, Request, Response};
 use flowlane_registry::Registry;
 
 use crate::channel_store::{ChannelRecord, ChannelStore};
-use crate::counters::{reason, Counters};
+use crate::counters::Counters;
 use crate::identity::ProcessId;
 use crate::listener_store::{ListenerRecord, ListenerStore};
 use crate::memfd;
 use crate::pods::{PodId, PodTable};
 use crate::ring_watch::{Progress, RingWatch};
 use crate::sockets;
+
+mod admission;
+mod snapshot;
+
+pub use admission::Admitted;
 
 /// A freshly registered listener is kept this long without checking that
 /// its socket listens (the library registers it just before `listen()`).
@@ -224,12 +226,8 @@ pub struct Broker {
     limits: Limits,
     facts: DaemonFacts,
     started: Instant,
-    /// The cross-node relay's lane counters (`relay/`), when it runs.
-    relay_stats: Option<RelayStatsFn>,
     /// When each listener was last registered (see `LISTENER_GRACE`).
     listener_since: HashMap<(PodId, SocketAddr), Instant>,
-    /// The cross-node view (`nodes.rs`) for stats answers, when it runs.
-    nodes_view: Option<NodesViewFn>,
     /// Network namespaces whose root (or admin-group) processes are the
     /// node's administrators: the daemon's own and the initial one.
     node_netns: Vec<u64>,
@@ -241,23 +239,6 @@ pub struct Broker {
     inherited: HashMap<u64, ChannelRecord>,
     channel_store: ChannelStore,
 }
-
-/// Reports the relay lane's name and counters for stats answers.
-pub type RelayStatsFn = Box<dyn Fn() -> RelayStats + Send>;
-
-/// The relay's lane name, counters, carried connections (their pod
-/// fields empty: the broker names the local pod, the remote one is shown
-/// as `remote`) and its transport's error counts by kind.
-pub type RelayStats = (
-    String,
-    LaneStats,
-    Vec<ConnectionInfo>,
-    Vec<(&'static str, u64)>,
-    flowlane_lane::proto::RelayMemory,
-);
-
-/// Reports the cross-node view (JSON) for stats answers.
-pub type NodesViewFn = Box<dyn Fn() -> serde_json::Value + Send>;
 
 impl Broker {
     /// A broker for the node whose registry lives in `facts.state_dir`;
@@ -301,9 +282,7 @@ impl Broker {
             counters: Counters::default(),
             limits,
             started: Instant::now(),
-            relay_stats: None,
             listener_since: HashMap::new(),
-            nodes_view: None,
             node_netns: crate::identity::own_netns_inode()
                 .into_iter()
                 .chain([crate::identity::INIT_NETNS_INODE])
@@ -416,7 +395,7 @@ impl Broker {
             .map(|p| p.key)
             .collect();
         for key in gone {
-            self.drop_pending(key, reason::INTENT_CANCELLED);
+            self.drop_pending(key, FallbackReason::IntentCancelled);
         }
         if self.listeners.len() != before {
             self.save_listeners();
@@ -473,7 +452,7 @@ impl Broker {
             } => self.report_closed(caller, channel_id, sent, received),
             Request::ReportFallback { reason } => match self.caller_pod(caller) {
                 Ok(_) => {
-                    self.counters.fallback(reason.as_str());
+                    self.counters.fallback(reason);
                     Response::Ok.into()
                 }
                 Err(a) => a,
@@ -495,14 +474,12 @@ impl Broker {
         }
     }
 
-    /// Lets stats answers include the relay lane's counters.
-    pub fn set_relay_stats(&mut self, f: RelayStatsFn) {
-        self.relay_stats = Some(f);
-    }
-
-    /// Lets stats answers include the cross-node view.
-    pub fn set_nodes_view(&mut self, f: NodesViewFn) {
-        self.nodes_view = Some(f);
+    /// The name of the local pod that owns `ip` (stats of the relay's
+    /// connections).
+    pub fn pod_name_at(&self, ip: IpAddr) -> Option<String> {
+        self.pods
+            .owner_of(ip.to_canonical())
+            .map(|p| self.pods.name_of(p.id))
     }
 
     /// A fresh channel id (the relay's connections share the id space).
@@ -513,7 +490,7 @@ impl Broker {
     }
 
     /// Counts a fallback decided outside the broker (the relay).
-    pub fn count_fallback(&mut self, reason: &'static str) {
+    pub fn count_fallback(&mut self, reason: FallbackReason) {
         self.counters.fallback(reason);
     }
 
@@ -529,20 +506,25 @@ impl Broker {
             || (self.reload_if_changed() && self.pods.owner_of(ip).is_some())
     }
 
+    /// The pod of this node that owns `ip`, rereading the registry once
+    /// if none does (a pod added a moment ago may not be in our view yet).
+    fn local_pod_of(&mut self, ip: IpAddr) -> Option<PodId> {
+        match self.pods.owner_of(ip) {
+            Some(p) => Some(p.id),
+            None => {
+                self.reload_if_changed();
+                self.pods.owner_of(ip).map(|p| p.id)
+            }
+        }
+    }
+
     /// True when `dst` is a pod of this node with a live flowlane listener
     /// accepting it (the relay's server side asks before it registers a
     /// stream, so clients of pods without the library stay on TCP at once).
     pub fn has_flowlane_listener(&mut self, dst: SocketAddr) -> bool {
         let dst = canonical(dst);
-        let pod = match self.pods.owner_of(dst.ip()) {
-            Some(p) => p.id,
-            None => {
-                self.reload_if_changed();
-                match self.pods.owner_of(dst.ip()) {
-                    Some(p) => p.id,
-                    None => return false,
-                }
-            }
+        let Some(pod) = self.local_pod_of(dst.ip()) else {
+            return false;
         };
         let found = self.has_listener(pod, dst);
         if !found {
@@ -555,64 +537,6 @@ impl Broker {
             tracing::debug!(%dst, pod, listeners = ?mine, "no flowlane listener for a relayed stream");
         }
         found
-    }
-
-    /// The relay's client-side checks (the same rules as an intent): the
-    /// caller is a pod, owns `src` (or `src` is unspecified and the pod has
-    /// an address facing `dst`), the region is within bounds. Returns the
-    /// source address with the pod's IP filled in.
-    pub fn relay_client_check(
-        &mut self,
-        caller: &Caller,
-        src: SocketAddr,
-        dst: SocketAddr,
-        region_len: u64,
-    ) -> Result<SocketAddr, Answer> {
-        let pod = self.caller_pod(caller).inspect_err(|_| {
-            self.counters.fallback(reason::AUTH_FAILED);
-        })?;
-        if src.port() == 0 || dst.port() == 0 {
-            return Err(Response::error(ErrorCode::BadRequest, "port 0 in an intent").into());
-        }
-        if region_len < self.limits.min_region || region_len > self.limits.max_region {
-            self.counters.fallback(reason::REGION_TOO_LARGE);
-            return Err(Response::error(
-                ErrorCode::TooLarge,
-                format!("region of {region_len} bytes is out of bounds"),
-            )
-            .into());
-        }
-        let ip = if src.ip().is_unspecified() {
-            self.pods.get(pod).and_then(|p| p.source_for(dst.ip()))
-        } else {
-            Some(src.ip()).filter(|ip| self.pod_owns(pod, *ip))
-        };
-        match ip {
-            Some(ip) => Ok(SocketAddr::new(ip, src.port())),
-            None => {
-                self.counters.fallback(reason::AUTH_FAILED);
-                Err(self.deny(
-                    ErrorCode::Forbidden,
-                    format!("{} is not an address of the calling pod", src.ip()),
-                ))
-            }
-        }
-    }
-
-    /// The relay's server-side check: the caller is a pod that owns `local`.
-    pub fn relay_server_check(&mut self, caller: &Caller, local: SocketAddr) -> Result<(), Answer> {
-        let pod = self.caller_pod(caller).inspect_err(|_| {
-            self.counters.fallback(reason::AUTH_FAILED);
-        })?;
-        if self.pod_owns(pod, local.ip()) {
-            Ok(())
-        } else {
-            self.counters.fallback(reason::AUTH_FAILED);
-            Err(self.deny(
-                ErrorCode::Forbidden,
-                format!("{} is not an address of the calling pod", local.ip()),
-            ))
-        }
     }
 
     /// Counts an undecodable frame.
@@ -809,72 +733,18 @@ impl Broker {
         dst: SocketAddr,
         region_len: u64,
     ) -> Answer {
-        let client_pod = match self.caller_pod(caller) {
-            Ok(p) => p,
-            Err(a) => {
-                self.counters.fallback(reason::AUTH_FAILED);
-                return a;
-            }
+        let Admitted {
+            client_pod,
+            src: client_addr,
+        } = match self.admit_intent(caller, src, dst, region_len) {
+            Ok(admitted) => admitted,
+            Err(refused) => return refused,
         };
-        if src.port() == 0 || dst.port() == 0 {
-            return Response::error(ErrorCode::BadRequest, "port 0 in an intent").into();
-        }
-        if region_len < self.limits.min_region {
-            return Response::error(
-                ErrorCode::BadRequest,
-                format!(
-                    "region of {region_len} bytes is below the minimum {}",
-                    self.limits.min_region
-                ),
-            )
-            .into();
-        }
-        if region_len > self.limits.max_region {
-            self.counters.fallback(reason::REGION_TOO_LARGE);
-            return Response::error(
-                ErrorCode::TooLarge,
-                format!(
-                    "region of {region_len} bytes exceeds the maximum {}",
-                    self.limits.max_region
-                ),
-            )
-            .into();
-        }
-        let src_ip = if src.ip().is_unspecified() {
-            match self
-                .pods
-                .get(client_pod)
-                .and_then(|p| p.source_for(dst.ip()))
-            {
-                Some(ip) => ip,
-                None => {
-                    return self.no_channel(NoChannelReason::NotLocalPod, reason::NOT_LOCAL_POD)
-                }
-            }
-        } else if self.pod_owns(client_pod, src.ip()) {
-            src.ip()
-        } else {
-            self.counters.fallback(reason::AUTH_FAILED);
-            return self.deny(
-                ErrorCode::Forbidden,
-                format!("{} is not an address of the calling pod", src.ip()),
-            );
-        };
-        let server_pod = match self.pods.owner_of(dst.ip()) {
-            Some(p) => p.id,
-            None => {
-                // A pod added a moment ago may not be in our view yet.
-                self.reload_if_changed();
-                match self.pods.owner_of(dst.ip()) {
-                    Some(p) => p.id,
-                    None => {
-                        return self.no_channel(NoChannelReason::NotLocalPod, reason::NOT_LOCAL_POD)
-                    }
-                }
-            }
+        let Some(server_pod) = self.local_pod_of(dst.ip()) else {
+            return self.no_channel(NoChannelReason::NotLocalPod, FallbackReason::NotLocalPod);
         };
         if !self.has_listener(server_pod, dst) {
-            return self.no_channel(NoChannelReason::NoListener, reason::NO_LISTENER);
+            return self.no_channel(NoChannelReason::NoListener, FallbackReason::NoListener);
         }
         let pending_of_pod = self
             .pending
@@ -882,7 +752,7 @@ impl Broker {
             .filter(|p| p.client_pod == client_pod)
             .count();
         if pending_of_pod >= self.limits.max_pending_per_pod {
-            self.counters.fallback(reason::REGION_TOO_LARGE);
+            self.counters.fallback(FallbackReason::TooManyPending);
             return Response::error(
                 ErrorCode::TooLarge,
                 "too many pending channels for this pod",
@@ -890,11 +760,11 @@ impl Broker {
             .into();
         }
         let key = IntentKey {
-            src: SocketAddr::new(src_ip, src.port()),
+            src: client_addr,
             dst_port: dst.port(),
         };
         // The same source port again means the earlier attempt is dead.
-        self.drop_pending(key, reason::INTENT_CANCELLED);
+        self.drop_pending(key, FallbackReason::IntentCancelled);
 
         let id = self.next_id;
         self.next_id += 1;
@@ -904,7 +774,7 @@ impl Broker {
             Ok(fds) => fds,
             Err(e) => {
                 tracing::warn!(error = %e, region_len, "cannot create a channel memfd");
-                self.counters.fallback(reason::DAEMON_ERROR);
+                self.counters.fallback(FallbackReason::DaemonError);
                 return Response::error(ErrorCode::Internal, format!("memfd: {e}")).into();
             }
         };
@@ -933,16 +803,16 @@ impl Broker {
         }
     }
 
-    fn no_channel(&mut self, why: NoChannelReason, counter: &'static str) -> Answer {
+    fn no_channel(&mut self, why: NoChannelReason, counter: FallbackReason) -> Answer {
         self.counters.fallback(counter);
         Response::NoChannel { reason: why }.into()
     }
 
-    fn drop_pending(&mut self, key: IntentKey, counter: &'static str) -> Option<Pending> {
+    fn drop_pending(&mut self, key: IntentKey, counter: FallbackReason) -> Option<Pending> {
         let p = self.pending.remove(&key)?;
         self.pending_ids.remove(&p.id);
         self.counters.fallback(counter);
-        tracing::debug!(id = p.id, reason = counter, "pending channel dropped");
+        tracing::debug!(id = p.id, reason = %counter, "pending channel dropped");
         Some(p)
     }
 
@@ -960,7 +830,7 @@ impl Broker {
                 "the channel was announced by another pod",
             );
         }
-        self.drop_pending(key, reason::INTENT_CANCELLED);
+        self.drop_pending(key, FallbackReason::IntentCancelled);
         Response::Ok.into()
     }
 
@@ -972,36 +842,29 @@ impl Broker {
     /// keeps both ends on TCP.
     pub fn intent_undelivered(&mut self, channel_id: u64) {
         if let Some(&key) = self.pending_ids.get(&channel_id) {
-            self.drop_pending(key, reason::INTENT_UNDELIVERED);
+            self.drop_pending(key, FallbackReason::IntentUndelivered);
         }
     }
 
     fn claim_accepted(&mut self, caller: &Caller, local: SocketAddr, peer: SocketAddr) -> Answer {
-        let pod = match self.caller_pod(caller) {
+        let pod = match self.admit_claim(caller, local) {
             Ok(p) => p,
-            Err(a) => {
-                self.counters.fallback(reason::AUTH_FAILED);
-                return a;
-            }
+            Err(refused) => return refused,
         };
-        if !self.pod_owns(pod, local.ip()) {
-            self.counters.fallback(reason::AUTH_FAILED);
-            return self.deny(
-                ErrorCode::Forbidden,
-                format!("{} is not an address of the calling pod", local.ip()),
-            );
-        }
         let key = IntentKey {
             src: peer,
             dst_port: local.port(),
         };
         match self.pending.get(&key) {
             None => {
-                return self.no_channel(NoChannelReason::NoIntent, reason::CLAIM_WITHOUT_INTENT)
+                return self.no_channel(
+                    NoChannelReason::NoIntent,
+                    FallbackReason::ClaimWithoutIntent,
+                )
             }
             Some(p) if p.server_pod != pod => {
                 // Leave the channel for its real server.
-                self.counters.fallback(reason::AUTH_FAILED);
+                self.counters.fallback(FallbackReason::AuthFailed);
                 return self.deny(ErrorCode::Forbidden, "the channel belongs to another pod");
             }
             Some(_) => {}
@@ -1259,7 +1122,7 @@ impl Broker {
             .map(|p| p.key)
             .collect();
         for key in expired {
-            self.drop_pending(key, reason::INTENT_EXPIRED);
+            self.drop_pending(key, FallbackReason::IntentExpired);
         }
         // The sweep below reads /proc and the rings of every connection:
         // at most every SWEEP_EVERY, and each process's liveness once.
@@ -1333,126 +1196,6 @@ impl Broker {
             .collect();
         if let Err(e) = self.store.save(&records) {
             tracing::warn!(error = %e, "cannot save the listener table");
-        }
-    }
-
-    /// A snapshot of counters, connections and listeners.
-    pub fn stats(&self) -> Stats {
-        let now = Instant::now();
-        let mut lanes = BTreeMap::new();
-        let [c2s, s2c] = self
-            .active
-            .values()
-            .fold(self.counters.shm.bytes, |[a, b], c| {
-                let (x, y) = c.bytes();
-                [a.saturating_add(x), b.saturating_add(y)]
-            });
-        lanes.insert(
-            SHM_LANE.to_string(),
-            LaneStats {
-                connections_opened: self.counters.shm.opened,
-                connections_active: self.active.len() as u64,
-                connections_closed: self.counters.shm.closed,
-                bytes: c2s.saturating_add(s2c),
-                channels_pending: self.pending.len() as u64,
-                bytes_client_to_server: c2s,
-                bytes_server_to_client: s2c,
-            },
-        );
-        let mut relayed = Vec::new();
-        let mut lane_errors = BTreeMap::new();
-        let mut relay_memory = None;
-        if let Some(relay) = &self.relay_stats {
-            let (name, st, mut conns, errors, memory) = relay();
-            relay_memory = Some(memory);
-            if !errors.is_empty() {
-                lane_errors.insert(
-                    name.clone(),
-                    errors
-                        .into_iter()
-                        .map(|(k, v)| (k.to_string(), v))
-                        .collect(),
-                );
-            }
-            lanes.insert(name, st);
-            for c in &mut conns {
-                for e in [&mut c.client, &mut c.server] {
-                    e.pod = self
-                        .pods
-                        .owner_of(e.addr.ip())
-                        .map(|p| self.pods.name_of(p.id))
-                        .unwrap_or_else(|| "remote".to_string());
-                }
-            }
-            relayed = conns;
-        }
-        let mut connections: Vec<ConnectionInfo> = self
-            .active
-            .values()
-            .map(|c| {
-                let (c2s, s2c) = c.bytes();
-                ConnectionInfo {
-                    id: c.id,
-                    lane: SHM_LANE.to_string(),
-                    client: Endpoint {
-                        pod: self.pods.name_of(c.client_pod),
-                        addr: c.client_addr,
-                    },
-                    server: Endpoint {
-                        pod: self.pods.name_of(c.server_pod),
-                        addr: c.server_addr,
-                    },
-                    region_len: c.len,
-                    bytes_client_to_server: c2s,
-                    bytes_server_to_client: s2c,
-                    age_secs: now.saturating_duration_since(c.opened).as_secs(),
-                }
-            })
-            .collect();
-        connections.extend(relayed);
-        let listeners = self
-            .listeners
-            .iter()
-            .map(|((pod, addr), procs)| ListenerInfo {
-                pod: self.pods.name_of(*pod),
-                addr: *addr,
-                processes: procs.len() as u32,
-            })
-            .collect();
-        Stats {
-            daemon: DaemonInfo {
-                version: env!("CARGO_PKG_VERSION").to_string(),
-                protocol: PROTOCOL_VERSION,
-                pid: std::process::id(),
-                uptime_secs: self.started.elapsed().as_secs(),
-                state_dir: self.facts.state_dir.display().to_string(),
-                socket: self.facts.socket.display().to_string(),
-                pods: self.pods.len() as u64,
-                registry_reloads: self.counters.registry_reloads,
-            },
-            lanes,
-            fallbacks: self
-                .counters
-                .fallbacks
-                .iter()
-                .map(|(k, v)| (k.to_string(), *v))
-                .collect(),
-            auth_failures: self.counters.auth_failures,
-            channel_setup: self.counters.channel_setup.clone(),
-            request_handling: self.counters.request_handling.clone(),
-            bad_requests: self.counters.bad_requests,
-            connections_refused: self.counters.connections_refused,
-            requests: self
-                .counters
-                .requests
-                .iter()
-                .map(|(k, v)| (k.to_string(), *v))
-                .collect(),
-            connections,
-            listeners,
-            nodes: self.nodes_view.as_ref().map(|f| f()),
-            lane_errors,
-            relay_memory,
         }
     }
 }
@@ -1538,843 +1281,4 @@ fn registry_stamp(root: &Path) -> Vec<(PathBuf, u64)> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use flowlane_lane::proto::FallbackReason;
-    use flowlane_registry::Attachment;
-
-    struct Node {
-        dir: PathBuf,
-        broker: Broker,
-    }
-
-    impl Drop for Node {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
-
-    /// Pods 1 (10.202.9.1), 2 (10.202.9.2), 3 (10.202.9.3); inodes are fake
-    /// here (the real-netns checks are in tests/tests/daemon_*.rs).
-    fn node(name: &str, limits: Limits) -> Node {
-        let dir = std::env::temp_dir().join(format!("fld-broker-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let reg = Registry::new(&dir);
-        for i in 1..=3u64 {
-            reg.put(&Attachment {
-                network: "n".into(),
-                container_id: format!("c{i}"),
-                ifname: "eth0".into(),
-                netns: String::new(),
-                netns_inode: i,
-                ips: vec![format!("10.202.9.{i}/24")],
-                mac: String::new(),
-                pod_namespace: Some("default".into()),
-                pod_name: Some(format!("pod{i}")),
-                pod_uid: None,
-                created_unix: 0,
-            })
-            .unwrap();
-        }
-        let broker = Broker::trusting_registry(
-            DaemonFacts {
-                state_dir: dir.clone(),
-                socket: dir.join("s.sock"),
-            },
-            limits,
-        );
-        Node { dir, broker }
-    }
-
-    /// A root process of pod `i` (pods run as any uid, root included).
-    fn pod(i: u64) -> Caller {
-        Caller {
-            netns: Some(i),
-            process: Some(ProcessId::of(std::process::id()).unwrap()),
-            uid: Some(0),
-            gid: Some(0),
-        }
-    }
-
-    /// A process of uid/gid in the daemon's own network namespace.
-    fn on_node(uid: u32, gid: u32) -> Caller {
-        Caller {
-            netns: Some(crate::identity::own_netns_inode().unwrap()),
-            process: Some(ProcessId::of(std::process::id()).unwrap()),
-            uid: Some(uid),
-            gid: Some(gid),
-        }
-    }
-
-    fn sa(s: &str) -> SocketAddr {
-        s.parse().unwrap()
-    }
-
-    /// A TCP socket bound to 0.0.0.0:`port` (0: any), SO_REUSEPORT, not listening.
-    fn bound_socket(port: u16) -> (std::os::fd::OwnedFd, u16) {
-        crate::sockets::tests::bound_socket([0, 0, 0, 0], port)
-    }
-
-    /// A port that no socket without SO_REUSEPORT can bind, so no other
-    /// test's listener takes it, while the returned socket (bound, never
-    /// listening) lives. A port taken from a listener that was closed again
-    /// can be handed to a concurrent test's bind(0) and be listening at the
-    /// next sweep (1 in ~5700 pairs of binds here).
-    fn reserved_port() -> (std::os::fd::OwnedFd, u16) {
-        bound_socket(0)
-    }
-
-    /// A socket listening on a port from `reserved_port`.
-    fn listen_on(port: u16) -> std::os::fd::OwnedFd {
-        use nix::sys::socket::{listen, Backlog};
-        let (fd, _) = bound_socket(port);
-        listen(&fd, Backlog::new(16).unwrap()).unwrap();
-        fd
-    }
-
-    #[test]
-    fn intent_then_claim_hands_the_same_memfd_to_both() {
-        let mut n = node("pair", Limits::default());
-        let b = &mut n.broker;
-        let r = b.handle(
-            &pod(2),
-            Request::RegisterListener {
-                addr: sa("0.0.0.0:80"),
-            },
-        );
-        assert_eq!(r.response, Response::Ok);
-        let a = b.handle(
-            &pod(1),
-            Request::ConnectIntent {
-                src: sa("0.0.0.0:40000"),
-                dst: sa("10.202.9.2:80"),
-                region_len: 8192,
-            },
-        );
-        let Response::Channel { id, len: 8192 } = a.response else {
-            panic!("{:?}", a.response)
-        };
-        let client_fd = a.fd.unwrap();
-        // A third pod cannot claim it, even naming the right peer.
-        let third = b.handle(
-            &pod(3),
-            Request::ClaimAccepted {
-                local: sa("10.202.9.2:80"),
-                peer: sa("10.202.9.1:40000"),
-            },
-        );
-        assert!(matches!(
-            third.response,
-            Response::Error {
-                code: ErrorCode::Forbidden,
-                ..
-            }
-        ));
-        let third = b.handle(
-            &pod(3),
-            Request::ClaimAccepted {
-                local: sa("10.202.9.3:80"),
-                peer: sa("10.202.9.1:40000"),
-            },
-        );
-        assert!(matches!(
-            third.response,
-            Response::Error {
-                code: ErrorCode::Forbidden,
-                ..
-            }
-        ));
-        assert!(third.fd.is_none());
-        let s = b.handle(
-            &pod(2),
-            Request::ClaimAccepted {
-                local: sa("10.202.9.2:80"),
-                peer: sa("10.202.9.1:40000"),
-            },
-        );
-        assert_eq!(s.response, Response::Channel { id, len: 8192 });
-        let server_fd = s.fd.unwrap();
-        // Same memfd: same inode.
-        use std::os::unix::fs::MetadataExt;
-        let ino = |fd: OwnedFd| std::fs::File::from(fd).metadata().unwrap().ino();
-        assert_eq!(ino(client_fd), ino(server_fd));
-        let st = b.stats();
-        assert_eq!(st.lanes[SHM_LANE].connections_active, 1);
-        assert_eq!(st.connections[0].client.pod, "default/pod1");
-        assert_eq!(st.connections[0].client.addr, sa("10.202.9.1:40000"));
-        // Second claim finds nothing.
-        let again = b.handle(
-            &pod(2),
-            Request::ClaimAccepted {
-                local: sa("10.202.9.2:80"),
-                peer: sa("10.202.9.1:40000"),
-            },
-        );
-        assert!(matches!(again.response, Response::NoChannel { .. }));
-        // Both sides report; bytes add up once per direction.
-        for (who, sent, recv) in [(1, 100, 7), (2, 7, 100)] {
-            let r = b.handle(
-                &pod(who),
-                Request::ReportClosed {
-                    channel_id: id,
-                    sent,
-                    received: recv,
-                },
-            );
-            assert_eq!(r.response, Response::Ok);
-        }
-        let st = b.stats();
-        assert_eq!(st.lanes[SHM_LANE].connections_closed, 1);
-        assert_eq!(st.lanes[SHM_LANE].connections_active, 0);
-        assert_eq!(st.lanes[SHM_LANE].bytes, 107);
-        // Reports for ids this daemon never issued do not inflate counters.
-        b.handle(
-            &pod(1),
-            Request::ReportClosed {
-                channel_id: u64::MAX,
-                sent: 1 << 40,
-                received: 0,
-            },
-        );
-        assert_eq!(b.stats().lanes[SHM_LANE].bytes, 107);
-    }
-
-    #[test]
-    fn foreign_addresses_and_unknown_pods_are_refused() {
-        let mut n = node("auth", Limits::default());
-        let b = &mut n.broker;
-        let r = b.handle(
-            &pod(1),
-            Request::RegisterListener {
-                addr: sa("10.202.9.2:80"),
-            },
-        );
-        assert!(matches!(
-            r.response,
-            Response::Error {
-                code: ErrorCode::Forbidden,
-                ..
-            }
-        ));
-        let r = b.handle(
-            &pod(99),
-            Request::RegisterListener {
-                addr: sa("0.0.0.0:80"),
-            },
-        );
-        assert!(matches!(
-            r.response,
-            Response::Error {
-                code: ErrorCode::UnknownPod,
-                ..
-            }
-        ));
-        let r = b.handle(
-            &pod(1),
-            Request::ConnectIntent {
-                src: sa("10.202.9.3:4000"),
-                dst: sa("10.202.9.2:80"),
-                region_len: 8192,
-            },
-        );
-        assert!(matches!(
-            r.response,
-            Response::Error {
-                code: ErrorCode::Forbidden,
-                ..
-            }
-        ));
-        let r = b.handle(&pod(1), Request::Stats);
-        assert!(matches!(
-            r.response,
-            Response::Error {
-                code: ErrorCode::Forbidden,
-                ..
-            }
-        ));
-        let Response::Stats { stats } = b.handle(&on_node(0, 0), Request::Stats).response else {
-            panic!()
-        };
-        assert_eq!(stats.auth_failures, 4);
-    }
-
-    #[test]
-    fn no_listener_not_local_too_large_and_expiry() {
-        let limits = Limits {
-            intent_ttl: Duration::from_millis(0),
-            ..Limits::default()
-        };
-        let mut n = node("misc", limits);
-        let b = &mut n.broker;
-        let intent = |b: &mut Broker, dst: &str, len: u64| {
-            b.handle(
-                &pod(1),
-                Request::ConnectIntent {
-                    src: sa("0.0.0.0:4000"),
-                    dst: sa(dst),
-                    region_len: len,
-                },
-            )
-            .response
-        };
-        assert_eq!(
-            intent(b, "10.202.9.2:80", 8192),
-            Response::NoChannel {
-                reason: NoChannelReason::NoListener
-            }
-        );
-        assert_eq!(
-            intent(b, "10.9.9.9:80", 8192),
-            Response::NoChannel {
-                reason: NoChannelReason::NotLocalPod
-            }
-        );
-        b.handle(
-            &pod(2),
-            Request::RegisterListener {
-                addr: sa("10.202.9.2:80"),
-            },
-        );
-        assert!(matches!(
-            intent(b, "10.202.9.2:80", 65 << 20),
-            Response::Error {
-                code: ErrorCode::TooLarge,
-                ..
-            }
-        ));
-        assert!(matches!(
-            intent(b, "10.202.9.2:80", 8192),
-            Response::Channel { .. }
-        ));
-        b.tick(Instant::now());
-        let r = b.handle(
-            &pod(2),
-            Request::ClaimAccepted {
-                local: sa("10.202.9.2:80"),
-                peer: sa("10.202.9.1:4000"),
-            },
-        );
-        assert!(matches!(r.response, Response::NoChannel { .. }));
-        b.handle(
-            &pod(1),
-            Request::ReportFallback {
-                reason: FallbackReason::Unsupported,
-            },
-        );
-        let st = b.stats();
-        assert_eq!(st.fallbacks["no-listener"], 1);
-        assert_eq!(st.fallbacks["not-local-pod"], 1);
-        assert_eq!(st.fallbacks["intent-expired"], 1);
-        assert_eq!(st.fallbacks["region-too-large"], 1);
-        assert_eq!(st.fallbacks["claim-without-intent"], 1);
-        assert_eq!(st.fallbacks["unsupported"], 1);
-        assert_eq!(st.lanes[SHM_LANE].channels_pending, 0);
-    }
-
-    #[test]
-    fn live_bytes_come_from_the_rings_and_closed_rings_close_the_connection() {
-        use flowlane_lane::ring::{self, Side};
-        use std::os::fd::AsFd;
-        let mut n = node("live", Limits::default());
-        let b = &mut n.broker;
-        b.handle(
-            &pod(2),
-            Request::RegisterListener {
-                addr: sa("0.0.0.0:91"),
-            },
-        );
-        let len = ring::region_len_for(8192);
-        let a = b.handle(
-            &pod(1),
-            Request::ConnectIntent {
-                src: sa("10.202.9.1:6000"),
-                dst: sa("10.202.9.2:91"),
-                region_len: len as u64,
-            },
-        );
-        let Response::Channel { id, .. } = a.response else {
-            panic!()
-        };
-        let s = b.handle(
-            &pod(2),
-            Request::ClaimAccepted {
-                local: sa("10.202.9.2:91"),
-                peer: sa("10.202.9.1:6000"),
-            },
-        );
-        let fd = s.fd.unwrap();
-        let region = flowlane_lane::region::Region::map_memfd(fd.as_fd(), len).unwrap();
-        let (mut ctx, _) = region.endpoints(Side::Client);
-        let (mut stx, _) = region.endpoints(Side::Server);
-        ctx.write(&[1u8; 5000]);
-        stx.write(&[2u8; 70]);
-        let st = b.stats();
-        assert_eq!(st.connections[0].bytes_client_to_server, 5000);
-        assert_eq!(st.connections[0].bytes_server_to_client, 70);
-        assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
-        // A pod writing an absurd position into its ring moves no counter,
-        // and one moving its position back makes none dip.
-        {
-            use std::os::unix::fs::FileExt;
-            let f = std::fs::File::from(fd.try_clone().unwrap());
-            f.write_all_at(&(1u64 << 61).to_ne_bytes(), 512).unwrap();
-            assert_eq!(b.stats().connections[0].bytes_client_to_server, 5000);
-            assert_eq!(b.stats().lanes[SHM_LANE].bytes, 5070);
-            f.write_all_at(&10u64.to_ne_bytes(), 512).unwrap();
-            let st = b.stats();
-            assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
-            assert_eq!(st.lanes[SHM_LANE].bytes_client_to_server, 5000);
-            assert_eq!(st.lanes[SHM_LANE].bytes_server_to_client, 70);
-            f.write_all_at(&5000u64.to_ne_bytes(), 512).unwrap();
-        }
-        ctx.close();
-        stx.close();
-        b.tick(Instant::now());
-        let st = b.stats();
-        assert_eq!(st.lanes[SHM_LANE].connections_closed, 1);
-        assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
-        // Late reports of the closed connection change nothing.
-        b.handle(
-            &pod(1),
-            Request::ReportClosed {
-                channel_id: id,
-                sent: 5000,
-                received: 70,
-            },
-        );
-        assert_eq!(b.stats().lanes[SHM_LANE].bytes, 5070);
-    }
-
-    #[test]
-    fn dual_stack_sockets_with_ipv4_mapped_addresses_match() {
-        let mut n = node("mapped", Limits::default());
-        let b = &mut n.broker;
-        let r = b.handle(
-            &pod(2),
-            Request::RegisterListener {
-                addr: sa("[::]:93"),
-            },
-        );
-        assert_eq!(r.response, Response::Ok);
-        let a = b.handle(
-            &pod(1),
-            Request::ConnectIntent {
-                src: sa("[::ffff:10.202.9.1]:7000"),
-                dst: sa("[::ffff:10.202.9.2]:93"),
-                region_len: 8192,
-            },
-        );
-        let Response::Channel { id, .. } = a.response else {
-            panic!("{:?}", a.response)
-        };
-        let s = b.handle(
-            &pod(2),
-            Request::ClaimAccepted {
-                local: sa("[::ffff:10.202.9.2]:93"),
-                peer: sa("10.202.9.1:7000"),
-            },
-        );
-        assert_eq!(s.response, Response::Channel { id, len: 8192 });
-    }
-
-    #[test]
-    fn a_claiming_process_keeps_the_listener_after_the_listening_one_exits() {
-        let mut n = node("prefork", Limits::default());
-        let b = &mut n.broker;
-        // Registrations are checked against real listening sockets of the
-        // pod's namespace (here: the test's own).
-        let (_reserved, port) = reserved_port();
-        let socket = listen_on(port);
-        let listen_addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
-        let server_addr = SocketAddr::new("10.202.9.2".parse().unwrap(), port);
-        let mut parent = std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap();
-        let as_parent = Caller {
-            process: Some(ProcessId::of(parent.id()).unwrap()),
-            ..pod(2)
-        };
-        let r = b.handle(&as_parent, Request::RegisterListener { addr: listen_addr });
-        assert_eq!(r.response, Response::Ok);
-        let intent = |b: &mut Broker, src_port: u16| {
-            b.handle(
-                &pod(1),
-                Request::ConnectIntent {
-                    src: sa(&format!("10.202.9.1:{src_port}")),
-                    dst: server_addr,
-                    region_len: 8192,
-                },
-            )
-            .response
-        };
-        assert!(matches!(intent(b, 5000), Response::Channel { .. }));
-        // A forked worker (another process of the pod) accepts and claims.
-        let r = b.handle(
-            &pod(2),
-            Request::ClaimAccepted {
-                local: server_addr,
-                peer: sa("10.202.9.1:5000"),
-            },
-        );
-        assert!(matches!(r.response, Response::Channel { .. }));
-        parent.kill().unwrap();
-        parent.wait().unwrap();
-        b.tick(Instant::now());
-        assert_eq!(b.stats().listeners.len(), 1);
-        assert!(matches!(intent(b, 5001), Response::Channel { .. }));
-        // The listening socket closes without an unregister: the next sweep
-        // drops the registration.
-        drop(socket);
-        b.tick(Instant::now() + Duration::from_secs(10));
-        assert!(b.stats().listeners.is_empty());
-        assert!(matches!(intent(b, 5002), Response::NoChannel { .. }));
-    }
-
-    #[test]
-    fn a_listener_registered_just_before_listen_survives_the_sweep() {
-        let mut n = node("grace", Limits::default());
-        let b = &mut n.broker;
-        // The library registers before its real listen(): its socket is
-        // bound, not listening, like this reservation.
-        let (bound, port) = reserved_port();
-        let addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
-        // Taken before the registration, so the registration is at most
-        // 3 s old at `t0 + 3 s` however long the registering call took.
-        let t0 = Instant::now();
-        let r = b.handle(&pod(2), Request::RegisterListener { addr });
-        assert_eq!(r.response, Response::Ok);
-        let registered_by = Instant::now();
-        b.tick(t0);
-        b.tick(t0 + Duration::from_secs(3));
-        assert_eq!(b.stats().listeners.len(), 1, "dropped within its grace");
-        // Still not listening after the grace: gone.
-        b.tick(registered_by + LISTENER_GRACE + Duration::from_secs(1));
-        assert!(b.stats().listeners.is_empty());
-        drop(bound);
-    }
-
-    #[test]
-    fn listeners_survive_a_restart_and_leave_with_their_pod() {
-        let mut n = node("restart", Limits::default());
-        n.broker.handle(
-            &pod(2),
-            Request::RegisterListener {
-                addr: sa("10.202.9.2:81"),
-            },
-        );
-        let facts = n.broker.facts.clone();
-        let mut again = Broker::trusting_registry(facts, Limits::default());
-        assert_eq!(again.stats().listeners.len(), 1);
-        Registry::new(&n.dir).remove("n", "c2", "eth0").unwrap();
-        again.handle(&on_node(0, 0), Request::RegistryChanged);
-        assert_eq!(again.stats().listeners.len(), 0);
-        assert_eq!(again.pod_count(), 2);
-    }
-
-    fn forbidden(r: &Response) -> bool {
-        matches!(
-            r,
-            Response::Error {
-                code: ErrorCode::Forbidden,
-                ..
-            }
-        )
-    }
-
-    #[test]
-    fn node_requests_only_from_the_nodes_administrators() {
-        let mut n = node("admin", Limits::default());
-        let b = &mut n.broker;
-        let ask = |b: &mut Broker, c: &Caller| {
-            let st = b.handle(c, Request::Stats).response;
-            let poke = b.handle(c, Request::RegistryChanged).response;
-            assert_eq!(
-                matches!(st, Response::Stats { .. }),
-                poke == Response::Ok,
-                "{st:?} / {poke:?}"
-            );
-            assert!(
-                matches!(st, Response::Stats { .. }) || forbidden(&st),
-                "{st:?}"
-            );
-            matches!(st, Response::Stats { .. })
-        };
-        // Root in the daemon's own (or the initial) network namespace.
-        assert!(ask(b, &on_node(0, 0)));
-        let init = Caller {
-            netns: Some(crate::identity::INIT_NETNS_INODE),
-            ..on_node(0, 0)
-        };
-        assert!(ask(b, &init));
-        // Another uid of the node, unless in the admin group.
-        assert!(!ask(b, &on_node(65534, 65534)));
-        b.set_admin_gid(Some(4242));
-        assert!(ask(b, &on_node(65534, 4242)));
-        assert!(!ask(b, &on_node(65534, 65534)));
-        // A supplementary group of the calling process counts too.
-        let me = std::process::id();
-        if let Some(g) = crate::identity::groups_of(me).unwrap().first() {
-            b.set_admin_gid(Some(*g));
-            assert!(ask(b, &on_node(65534, u32::MAX - 1)));
-        }
-        b.set_admin_gid(Some(4242));
-        // Root in a namespace of its own making (`unshare -n`): nothing.
-        let unshared = Caller {
-            netns: Some(777_777),
-            ..on_node(0, 0)
-        };
-        assert!(!ask(b, &unshared));
-        let unshared_admin_group = Caller {
-            netns: Some(777_777),
-            ..on_node(65534, 4242)
-        };
-        assert!(!ask(b, &unshared_admin_group));
-        // A pod, even as root; an unidentified caller.
-        assert!(!ask(b, &pod(1)));
-        assert!(!ask(b, &Caller::default()));
-        let Response::Stats { stats } = b.handle(&on_node(0, 0), Request::Stats).response else {
-            panic!()
-        };
-        // Two refusals (stats, poke) for each of the five refused callers
-        // and the one refused twice.
-        assert_eq!(stats.auth_failures, 12);
-    }
-
-    /// Channel pod 1 -> pod 2, claimed; returns its id.
-    fn open_channel(b: &mut Broker, port: u16) -> u64 {
-        let listen = sa(&format!("0.0.0.0:{port}"));
-        assert_eq!(
-            b.handle(&pod(2), Request::RegisterListener { addr: listen })
-                .response,
-            Response::Ok
-        );
-        let dst = sa(&format!("10.202.9.2:{port}"));
-        let a = b.handle(
-            &pod(1),
-            Request::ConnectIntent {
-                src: sa("10.202.9.1:41000"),
-                dst,
-                region_len: 8192,
-            },
-        );
-        let Response::Channel { id, .. } = a.response else {
-            panic!("{:?}", a.response)
-        };
-        let c = b.handle(
-            &pod(2),
-            Request::ClaimAccepted {
-                local: dst,
-                peer: sa("10.202.9.1:41000"),
-            },
-        );
-        assert!(matches!(c.response, Response::Channel { .. }));
-        id
-    }
-
-    fn closed(b: &mut Broker, who: u64, id: u64, sent: u64, received: u64) -> Response {
-        b.handle(
-            &pod(who),
-            Request::ReportClosed {
-                channel_id: id,
-                sent,
-                received,
-            },
-        )
-        .response
-    }
-
-    #[test]
-    fn close_reports_count_only_from_the_channels_pods_and_within_reason() {
-        let mut n = node("report", Limits::default());
-        let b = &mut n.broker;
-        let id = open_channel(b, 95);
-        let bytes = |b: &Broker| b.stats().lanes[SHM_LANE].bytes;
-        let before = b.stats();
-        // A third pod: refused, nothing recorded.
-        assert!(forbidden(&closed(b, 3, id, 1 << 40, 1 << 40)));
-        assert_eq!(b.stats().auth_failures, before.auth_failures + 1);
-        // The channel's own pod with absurd counts: a bad request.
-        for (sent, received) in [(u64::MAX, 0), (0, u64::MAX), (1 << 40, 0)] {
-            let r = closed(b, 1, id, sent, received);
-            assert!(
-                matches!(
-                    r,
-                    Response::Error {
-                        code: ErrorCode::BadRequest,
-                        ..
-                    }
-                ),
-                "{r:?}"
-            );
-        }
-        assert_eq!(b.stats().bad_requests, before.bad_requests + 3);
-        assert_eq!(bytes(b), 0);
-        assert_eq!(b.stats().lanes[SHM_LANE].connections_active, 1);
-        // Sane reports from both ends close it.
-        assert_eq!(closed(b, 1, id, 1000, 10), Response::Ok);
-        assert_eq!(closed(b, 2, id, 10, 1000), Response::Ok);
-        assert_eq!(bytes(b), 1010);
-        assert_eq!(b.stats().lanes[SHM_LANE].connections_closed, 1);
-        assert!(plausible_bytes(100 << 30, Duration::ZERO));
-        assert!(!plausible_bytes(1 << 40, Duration::ZERO));
-    }
-
-    #[test]
-    fn a_successor_counts_a_handed_over_connection_once_per_side_from_its_pods() {
-        let mut n = node("inherit", Limits::default());
-        let id = open_channel(&mut n.broker, 96);
-        // A second connection, the client's end already reported.
-        let other = {
-            let b = &mut n.broker;
-            let a = b.handle(
-                &pod(1),
-                Request::ConnectIntent {
-                    src: sa("10.202.9.1:41001"),
-                    dst: sa("10.202.9.2:96"),
-                    region_len: 8192,
-                },
-            );
-            let Response::Channel { id, .. } = a.response else {
-                panic!()
-            };
-            b.handle(
-                &pod(2),
-                Request::ClaimAccepted {
-                    local: sa("10.202.9.2:96"),
-                    peer: sa("10.202.9.1:41001"),
-                },
-            );
-            assert_eq!(closed(b, 1, id, 5, 0), Response::Ok);
-            id
-        };
-        n.broker.save_connections();
-        // Ids are time-based: the successor's start after this one's ids.
-        std::thread::sleep(Duration::from_millis(5));
-        let facts = n.broker.facts.clone();
-        let mut b = Broker::trusting_registry(facts.clone(), Limits::default());
-        let bytes = |b: &Broker| b.stats().lanes[SHM_LANE].bytes;
-        assert!(forbidden(&closed(&mut b, 3, id, 1 << 30, 0)));
-        assert!(matches!(
-            closed(&mut b, 1, id, u64::MAX, 0),
-            Response::Error {
-                code: ErrorCode::BadRequest,
-                ..
-            }
-        ));
-        assert_eq!(closed(&mut b, 1, id, 100, 7), Response::Ok);
-        assert_eq!(bytes(&b), 100);
-        // The same side again: counted once.
-        assert_eq!(closed(&mut b, 1, id, 100, 7), Response::Ok);
-        assert_eq!(bytes(&b), 100);
-        assert_eq!(closed(&mut b, 2, id, 7, 100), Response::Ok);
-        assert_eq!(bytes(&b), 107);
-        assert_eq!(closed(&mut b, 2, id, 7, 100), Response::Ok);
-        assert_eq!(bytes(&b), 107);
-        // The other connection's client end reported to the predecessor.
-        assert_eq!(closed(&mut b, 1, other, 5, 0), Response::Ok);
-        assert_eq!(bytes(&b), 107);
-        assert_eq!(closed(&mut b, 2, other, 3, 5), Response::Ok);
-        assert_eq!(bytes(&b), 110);
-        // Ids nobody handed over (a crashed predecessor's, made up): nothing.
-        assert_eq!(closed(&mut b, 1, id - 1000, 1 << 30, 0), Response::Ok);
-        assert_eq!(closed(&mut b, 1, 1, 1 << 30, 0), Response::Ok);
-        assert_eq!(bytes(&b), 110);
-        // The hand-over is taken by one successor only.
-        let c = Broker::trusting_registry(facts, Limits::default());
-        assert!(c.inherited.is_empty());
-    }
-
-    /// One real pod: `sleep`'s namespace (the test's own) recorded under
-    /// its `/proc/PID/ns/net` path, checked like any entry.
-    #[test]
-    fn stale_registry_entries_lend_no_identity() {
-        let dir = std::env::temp_dir().join(format!("fld-broker-{}-stale", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let own = crate::identity::own_netns_inode().unwrap();
-        let mut sleeper = std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap();
-        let reg = Registry::new(&dir);
-        let entry = |id: &str, netns: String, inode: u64, ip: &str| Attachment {
-            network: "n".into(),
-            container_id: id.into(),
-            ifname: "eth0".into(),
-            netns,
-            netns_inode: inode,
-            ips: vec![format!("{ip}/24")],
-            mac: String::new(),
-            pod_namespace: Some("default".into()),
-            pod_name: Some(id.into()),
-            pod_uid: None,
-            created_unix: 0,
-        };
-        reg.put(&entry(
-            "live",
-            format!("/proc/{}/ns/net", sleeper.id()),
-            own,
-            "10.202.8.1",
-        ))
-        .unwrap();
-        // A crashed runtime's pod: its pinned namespace is gone.
-        reg.put(&entry(
-            "gone",
-            "/var/run/netns/fld-no-such-ns".into(),
-            4242,
-            "10.202.8.2",
-        ))
-        .unwrap();
-        // No path recorded: cannot be checked, not trusted.
-        reg.put(&entry("nopath", String::new(), 4343, "10.202.8.3"))
-            .unwrap();
-        let mut b = Broker::new(
-            DaemonFacts {
-                state_dir: dir.clone(),
-                socket: dir.join("s.sock"),
-            },
-            Limits::default(),
-        );
-        assert_eq!(b.pod_count(), 1, "only the live entry is a pod");
-        let as_ns = |netns| Caller {
-            netns: Some(netns),
-            ..pod(0)
-        };
-        let listen = |b: &mut Broker, c: &Caller| {
-            b.handle(
-                c,
-                Request::RegisterListener {
-                    addr: sa("0.0.0.0:97"),
-                },
-            )
-            .response
-        };
-        let unknown = |r: &Response| {
-            matches!(
-                r,
-                Response::Error {
-                    code: ErrorCode::UnknownPod,
-                    ..
-                }
-            )
-        };
-        assert!(unknown(&listen(&mut b, &as_ns(4242))));
-        assert!(unknown(&listen(&mut b, &as_ns(4343))));
-        assert_eq!(listen(&mut b, &as_ns(own)), Response::Ok);
-        // The pod dies (its sandbox process; the path goes) and nothing
-        // rereads the registry: a namespace with its inode is no one.
-        sleeper.kill().unwrap();
-        sleeper.wait().unwrap();
-        assert!(unknown(&listen(&mut b, &as_ns(own))));
-        let intent = b.handle(
-            &as_ns(own),
-            Request::ConnectIntent {
-                src: sa("10.202.8.1:5000"),
-                dst: sa("10.202.8.1:97"),
-                region_len: 8192,
-            },
-        );
-        assert!(unknown(&intent.response) && intent.fd.is_none());
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-}
+mod tests;

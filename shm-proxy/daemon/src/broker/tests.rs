@@ -1,0 +1,1048 @@
+//! The broker's unit tests (the real-netns checks are in
+//! tests/tests/daemon_*.rs).
+
+use super::*;
+use flowlane_registry::Attachment;
+
+struct Node {
+    dir: PathBuf,
+    broker: Broker,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Pods 1 (10.202.9.1), 2 (10.202.9.2), 3 (10.202.9.3); inodes are fake
+/// here (the real-netns checks are in tests/tests/daemon_*.rs).
+fn node(name: &str, limits: Limits) -> Node {
+    let dir = std::env::temp_dir().join(format!("fld-broker-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let reg = Registry::new(&dir);
+    for i in 1..=3u64 {
+        reg.put(&Attachment {
+            network: "n".into(),
+            container_id: format!("c{i}"),
+            ifname: "eth0".into(),
+            netns: String::new(),
+            netns_inode: i,
+            ips: vec![format!("10.202.9.{i}/24")],
+            mac: String::new(),
+            pod_namespace: Some("default".into()),
+            pod_name: Some(format!("pod{i}")),
+            pod_uid: None,
+            created_unix: 0,
+        })
+        .unwrap();
+    }
+    let broker = Broker::trusting_registry(
+        DaemonFacts {
+            state_dir: dir.clone(),
+            socket: dir.join("s.sock"),
+        },
+        limits,
+    );
+    Node { dir, broker }
+}
+
+/// A root process of pod `i` (pods run as any uid, root included).
+fn pod(i: u64) -> Caller {
+    Caller {
+        netns: Some(i),
+        process: Some(ProcessId::of(std::process::id()).unwrap()),
+        uid: Some(0),
+        gid: Some(0),
+    }
+}
+
+/// A process of uid/gid in the daemon's own network namespace.
+fn on_node(uid: u32, gid: u32) -> Caller {
+    Caller {
+        netns: Some(crate::identity::own_netns_inode().unwrap()),
+        process: Some(ProcessId::of(std::process::id()).unwrap()),
+        uid: Some(uid),
+        gid: Some(gid),
+    }
+}
+
+fn sa(s: &str) -> SocketAddr {
+    s.parse().unwrap()
+}
+
+/// A TCP socket bound to 0.0.0.0:`port` (0: any), SO_REUSEPORT, not listening.
+fn bound_socket(port: u16) -> (std::os::fd::OwnedFd, u16) {
+    crate::sockets::tests::bound_socket([0, 0, 0, 0], port)
+}
+
+/// A port that no socket without SO_REUSEPORT can bind, so no other
+/// test's listener takes it, while the returned socket (bound, never
+/// listening) lives. A port taken from a listener that was closed again
+/// can be handed to a concurrent test's bind(0) and be listening at the
+/// next sweep (1 in ~5700 pairs of binds here).
+fn reserved_port() -> (std::os::fd::OwnedFd, u16) {
+    bound_socket(0)
+}
+
+/// A socket listening on a port from `reserved_port`.
+fn listen_on(port: u16) -> std::os::fd::OwnedFd {
+    use nix::sys::socket::{listen, Backlog};
+    let (fd, _) = bound_socket(port);
+    listen(&fd, Backlog::new(16).unwrap()).unwrap();
+    fd
+}
+
+#[test]
+fn intent_then_claim_hands_the_same_memfd_to_both() {
+    let mut n = node("pair", Limits::default());
+    let b = &mut n.broker;
+    let r = b.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("0.0.0.0:80"),
+        },
+    );
+    assert_eq!(r.response, Response::Ok);
+    let a = b.handle(
+        &pod(1),
+        Request::ConnectIntent {
+            src: sa("0.0.0.0:40000"),
+            dst: sa("10.202.9.2:80"),
+            region_len: 8192,
+        },
+    );
+    let Response::Channel { id, len: 8192 } = a.response else {
+        panic!("{:?}", a.response)
+    };
+    let client_fd = a.fd.unwrap();
+    // A third pod cannot claim it, even naming the right peer.
+    let third = b.handle(
+        &pod(3),
+        Request::ClaimAccepted {
+            local: sa("10.202.9.2:80"),
+            peer: sa("10.202.9.1:40000"),
+        },
+    );
+    assert!(matches!(
+        third.response,
+        Response::Error {
+            code: ErrorCode::Forbidden,
+            ..
+        }
+    ));
+    let third = b.handle(
+        &pod(3),
+        Request::ClaimAccepted {
+            local: sa("10.202.9.3:80"),
+            peer: sa("10.202.9.1:40000"),
+        },
+    );
+    assert!(matches!(
+        third.response,
+        Response::Error {
+            code: ErrorCode::Forbidden,
+            ..
+        }
+    ));
+    assert!(third.fd.is_none());
+    let s = b.handle(
+        &pod(2),
+        Request::ClaimAccepted {
+            local: sa("10.202.9.2:80"),
+            peer: sa("10.202.9.1:40000"),
+        },
+    );
+    assert_eq!(s.response, Response::Channel { id, len: 8192 });
+    let server_fd = s.fd.unwrap();
+    // Same memfd: same inode.
+    use std::os::unix::fs::MetadataExt;
+    let ino = |fd: OwnedFd| std::fs::File::from(fd).metadata().unwrap().ino();
+    assert_eq!(ino(client_fd), ino(server_fd));
+    let st = b.stats();
+    assert_eq!(st.lanes[SHM_LANE].connections_active, 1);
+    assert_eq!(st.connections[0].client.pod, "default/pod1");
+    assert_eq!(st.connections[0].client.addr, sa("10.202.9.1:40000"));
+    // Second claim finds nothing.
+    let again = b.handle(
+        &pod(2),
+        Request::ClaimAccepted {
+            local: sa("10.202.9.2:80"),
+            peer: sa("10.202.9.1:40000"),
+        },
+    );
+    assert!(matches!(again.response, Response::NoChannel { .. }));
+    // Both sides report; bytes add up once per direction.
+    for (who, sent, recv) in [(1, 100, 7), (2, 7, 100)] {
+        let r = b.handle(
+            &pod(who),
+            Request::ReportClosed {
+                channel_id: id,
+                sent,
+                received: recv,
+            },
+        );
+        assert_eq!(r.response, Response::Ok);
+    }
+    let st = b.stats();
+    assert_eq!(st.lanes[SHM_LANE].connections_closed, 1);
+    assert_eq!(st.lanes[SHM_LANE].connections_active, 0);
+    assert_eq!(st.lanes[SHM_LANE].bytes, 107);
+    // Reports for ids this daemon never issued do not inflate counters.
+    b.handle(
+        &pod(1),
+        Request::ReportClosed {
+            channel_id: u64::MAX,
+            sent: 1 << 40,
+            received: 0,
+        },
+    );
+    assert_eq!(b.stats().lanes[SHM_LANE].bytes, 107);
+}
+
+#[test]
+fn foreign_addresses_and_unknown_pods_are_refused() {
+    let mut n = node("auth", Limits::default());
+    let b = &mut n.broker;
+    let r = b.handle(
+        &pod(1),
+        Request::RegisterListener {
+            addr: sa("10.202.9.2:80"),
+        },
+    );
+    assert!(matches!(
+        r.response,
+        Response::Error {
+            code: ErrorCode::Forbidden,
+            ..
+        }
+    ));
+    let r = b.handle(
+        &pod(99),
+        Request::RegisterListener {
+            addr: sa("0.0.0.0:80"),
+        },
+    );
+    assert!(matches!(
+        r.response,
+        Response::Error {
+            code: ErrorCode::UnknownPod,
+            ..
+        }
+    ));
+    let r = b.handle(
+        &pod(1),
+        Request::ConnectIntent {
+            src: sa("10.202.9.3:4000"),
+            dst: sa("10.202.9.2:80"),
+            region_len: 8192,
+        },
+    );
+    assert!(matches!(
+        r.response,
+        Response::Error {
+            code: ErrorCode::Forbidden,
+            ..
+        }
+    ));
+    let r = b.handle(&pod(1), Request::Stats);
+    assert!(matches!(
+        r.response,
+        Response::Error {
+            code: ErrorCode::Forbidden,
+            ..
+        }
+    ));
+    let Response::Stats { stats } = b.handle(&on_node(0, 0), Request::Stats).response else {
+        panic!()
+    };
+    assert_eq!(stats.auth_failures, 4);
+}
+
+#[test]
+fn no_listener_not_local_too_large_and_expiry() {
+    let limits = Limits {
+        intent_ttl: Duration::from_millis(0),
+        ..Limits::default()
+    };
+    let mut n = node("misc", limits);
+    let b = &mut n.broker;
+    let intent = |b: &mut Broker, dst: &str, len: u64| {
+        b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: sa("0.0.0.0:4000"),
+                dst: sa(dst),
+                region_len: len,
+            },
+        )
+        .response
+    };
+    assert_eq!(
+        intent(b, "10.202.9.2:80", 8192),
+        Response::NoChannel {
+            reason: NoChannelReason::NoListener
+        }
+    );
+    assert_eq!(
+        intent(b, "10.9.9.9:80", 8192),
+        Response::NoChannel {
+            reason: NoChannelReason::NotLocalPod
+        }
+    );
+    b.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("10.202.9.2:80"),
+        },
+    );
+    assert!(matches!(
+        intent(b, "10.202.9.2:80", 65 << 20),
+        Response::Error {
+            code: ErrorCode::TooLarge,
+            ..
+        }
+    ));
+    assert!(matches!(
+        intent(b, "10.202.9.2:80", 8192),
+        Response::Channel { .. }
+    ));
+    b.tick(Instant::now());
+    let r = b.handle(
+        &pod(2),
+        Request::ClaimAccepted {
+            local: sa("10.202.9.2:80"),
+            peer: sa("10.202.9.1:4000"),
+        },
+    );
+    assert!(matches!(r.response, Response::NoChannel { .. }));
+    b.handle(
+        &pod(1),
+        Request::ReportFallback {
+            reason: FallbackReason::Unsupported,
+        },
+    );
+    let st = b.stats();
+    assert_eq!(st.fallbacks["no-listener"], 1);
+    assert_eq!(st.fallbacks["not-local-pod"], 1);
+    assert_eq!(st.fallbacks["intent-expired"], 1);
+    assert_eq!(st.fallbacks["region-too-large"], 1);
+    assert_eq!(st.fallbacks["claim-without-intent"], 1);
+    assert_eq!(st.fallbacks["unsupported"], 1);
+    assert_eq!(st.lanes[SHM_LANE].channels_pending, 0);
+}
+
+/// What one intent left behind: the answer and the counters it moved.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    response: Response,
+    fallbacks: BTreeMap<String, u64>,
+    auth_failures: u64,
+}
+
+fn outcome(b: &mut Broker, run: impl FnOnce(&mut Broker) -> Response) -> Outcome {
+    let before = b.stats();
+    let response = run(b);
+    let after = b.stats();
+    let mut fallbacks = after.fallbacks;
+    for (k, v) in before.fallbacks {
+        *fallbacks.get_mut(&k).unwrap() -= v;
+    }
+    fallbacks.retain(|_, v| *v > 0);
+    Outcome {
+        response,
+        fallbacks,
+        auth_failures: after.auth_failures - before.auth_failures,
+    }
+}
+
+#[test]
+fn same_node_intents_and_the_relay_are_admitted_alike() {
+    let mut n = node("admission", Limits::default());
+    let b = &mut n.broker;
+    let stranger = Caller {
+        netns: Some(99),
+        ..pod(1)
+    };
+    // (caller, src, dst, region, answer, counted as, auth failure)
+    let cases: [(Caller, &str, &str, u64, &str, &str, u64); 6] = [
+        (
+            stranger,
+            "0.0.0.0:4000",
+            "10.202.9.2:80",
+            8192,
+            "unknown-pod",
+            "auth-failed",
+            1,
+        ),
+        (
+            pod(1),
+            "0.0.0.0:0",
+            "10.202.9.2:80",
+            8192,
+            "bad-request",
+            "",
+            0,
+        ),
+        (
+            pod(1),
+            "0.0.0.0:4000",
+            "10.202.9.2:80",
+            1024,
+            "bad-request",
+            "region-too-small",
+            0,
+        ),
+        (
+            pod(1),
+            "0.0.0.0:4000",
+            "10.202.9.2:80",
+            65 << 20,
+            "too-large",
+            "region-too-large",
+            0,
+        ),
+        (
+            pod(1),
+            "10.202.9.3:4000",
+            "10.202.9.2:80",
+            8192,
+            "forbidden",
+            "auth-failed",
+            1,
+        ),
+        (
+            pod(1),
+            "0.0.0.0:4000",
+            "[fd00::9]:80",
+            8192,
+            "no-channel",
+            "no-source-address",
+            0,
+        ),
+    ];
+    for (caller, src, dst, region_len, answer, counted, auth_failures) in cases {
+        let (src, dst) = (sa(src), sa(dst));
+        let same_node = outcome(b, |b| {
+            b.handle(
+                &caller,
+                Request::ConnectIntent {
+                    src,
+                    dst,
+                    region_len,
+                },
+            )
+            .response
+        });
+        let relayable = outcome(b, |b| {
+            let req = Request::RelayableIntent {
+                src,
+                dst,
+                region_len,
+                socket_fd: 3,
+            };
+            b.handle(&caller, req).response
+        });
+        // The relay's entry (relay/mod.rs `intent`) answers the refusal as is.
+        let relay = outcome(b, |b| match b.admit_intent(&caller, src, dst, region_len) {
+            Ok(a) => panic!("{src} -> {dst} ({region_len}) admitted: {a:?}"),
+            Err(refused) => refused.response,
+        });
+        // The request counter moves only on dispatch: not part of the answer.
+        assert_eq!(same_node, relayable, "{src} -> {dst} ({region_len})");
+        assert_eq!(same_node, relay, "{src} -> {dst} ({region_len})");
+        let name = match &same_node.response {
+            Response::Error { code, .. } => serde_json::to_value(code).unwrap(),
+            Response::NoChannel { .. } => serde_json::json!("no-channel"),
+            other => panic!("{src} -> {dst}: {other:?}"),
+        };
+        assert_eq!(name, answer, "{src} -> {dst} ({region_len})");
+        let expected: BTreeMap<String, u64> = [(counted.to_string(), 1)]
+            .into_iter()
+            .filter(|(k, _)| !k.is_empty())
+            .collect();
+        assert_eq!(
+            same_node.fallbacks, expected,
+            "{src} -> {dst} ({region_len})"
+        );
+        assert_eq!(same_node.auth_failures, auth_failures, "{src} -> {dst}");
+    }
+}
+
+#[test]
+fn same_node_claims_and_the_relay_are_admitted_alike() {
+    let mut n = node("claims", Limits::default());
+    let b = &mut n.broker;
+    let stranger = Caller {
+        netns: Some(99),
+        ..pod(2)
+    };
+    // (caller, local, answer)
+    for (caller, local, answer) in [
+        (stranger, "10.202.9.2:80", ErrorCode::UnknownPod),
+        (pod(2), "10.202.9.3:80", ErrorCode::Forbidden),
+    ] {
+        let (local, peer) = (sa(local), sa("10.202.9.1:4000"));
+        let same_node = outcome(b, |b| {
+            b.handle(&caller, Request::ClaimAccepted { local, peer })
+                .response
+        });
+        let relay = outcome(b, |b| match b.admit_claim(&caller, local) {
+            Ok(pod) => panic!("{local} claimed by pod {pod}"),
+            Err(refused) => refused.response,
+        });
+        assert_eq!(same_node, relay, "{local}");
+        assert!(
+            matches!(same_node.response, Response::Error { code, .. } if code == answer),
+            "{local}: {:?}",
+            same_node.response
+        );
+        assert_eq!(same_node.fallbacks, [("auth-failed".to_string(), 1)].into());
+        assert_eq!(same_node.auth_failures, 1);
+    }
+}
+
+#[test]
+fn too_many_pending_channels_are_not_counted_as_a_large_region() {
+    let limits = Limits {
+        max_pending_per_pod: 1,
+        ..Limits::default()
+    };
+    let mut n = node("pending", limits);
+    let b = &mut n.broker;
+    b.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("10.202.9.2:80"),
+        },
+    );
+    let intent = |b: &mut Broker, port: u16| {
+        b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: SocketAddr::new(sa("0.0.0.0:1").ip(), port),
+                dst: sa("10.202.9.2:80"),
+                region_len: 8192,
+            },
+        )
+        .response
+    };
+    assert!(matches!(intent(b, 4000), Response::Channel { .. }));
+    assert!(matches!(
+        intent(b, 4001),
+        Response::Error {
+            code: ErrorCode::TooLarge,
+            ..
+        }
+    ));
+    let st = b.stats();
+    assert_eq!(st.fallbacks["too-many-pending"], 1);
+    assert_eq!(st.fallbacks.get("region-too-large"), None);
+}
+
+#[test]
+fn live_bytes_come_from_the_rings_and_closed_rings_close_the_connection() {
+    use flowlane_lane::ring::{self, Side};
+    use std::os::fd::AsFd;
+    let mut n = node("live", Limits::default());
+    let b = &mut n.broker;
+    b.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("0.0.0.0:91"),
+        },
+    );
+    let len = ring::region_len_for(8192);
+    let a = b.handle(
+        &pod(1),
+        Request::ConnectIntent {
+            src: sa("10.202.9.1:6000"),
+            dst: sa("10.202.9.2:91"),
+            region_len: len as u64,
+        },
+    );
+    let Response::Channel { id, .. } = a.response else {
+        panic!()
+    };
+    let s = b.handle(
+        &pod(2),
+        Request::ClaimAccepted {
+            local: sa("10.202.9.2:91"),
+            peer: sa("10.202.9.1:6000"),
+        },
+    );
+    let fd = s.fd.unwrap();
+    let region = flowlane_lane::region::Region::map_memfd(fd.as_fd(), len).unwrap();
+    let (mut ctx, _) = region.endpoints(Side::Client);
+    let (mut stx, _) = region.endpoints(Side::Server);
+    ctx.write(&[1u8; 5000]);
+    stx.write(&[2u8; 70]);
+    let st = b.stats();
+    assert_eq!(st.connections[0].bytes_client_to_server, 5000);
+    assert_eq!(st.connections[0].bytes_server_to_client, 70);
+    assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
+    // A pod writing an absurd position into its ring moves no counter,
+    // and one moving its position back makes none dip.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::from(fd.try_clone().unwrap());
+        f.write_all_at(&(1u64 << 61).to_ne_bytes(), 512).unwrap();
+        assert_eq!(b.stats().connections[0].bytes_client_to_server, 5000);
+        assert_eq!(b.stats().lanes[SHM_LANE].bytes, 5070);
+        f.write_all_at(&10u64.to_ne_bytes(), 512).unwrap();
+        let st = b.stats();
+        assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
+        assert_eq!(st.lanes[SHM_LANE].bytes_client_to_server, 5000);
+        assert_eq!(st.lanes[SHM_LANE].bytes_server_to_client, 70);
+        f.write_all_at(&5000u64.to_ne_bytes(), 512).unwrap();
+    }
+    ctx.close();
+    stx.close();
+    b.tick(Instant::now());
+    let st = b.stats();
+    assert_eq!(st.lanes[SHM_LANE].connections_closed, 1);
+    assert_eq!(st.lanes[SHM_LANE].bytes, 5070);
+    // Late reports of the closed connection change nothing.
+    b.handle(
+        &pod(1),
+        Request::ReportClosed {
+            channel_id: id,
+            sent: 5000,
+            received: 70,
+        },
+    );
+    assert_eq!(b.stats().lanes[SHM_LANE].bytes, 5070);
+}
+
+#[test]
+fn dual_stack_sockets_with_ipv4_mapped_addresses_match() {
+    let mut n = node("mapped", Limits::default());
+    let b = &mut n.broker;
+    let r = b.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("[::]:93"),
+        },
+    );
+    assert_eq!(r.response, Response::Ok);
+    let a = b.handle(
+        &pod(1),
+        Request::ConnectIntent {
+            src: sa("[::ffff:10.202.9.1]:7000"),
+            dst: sa("[::ffff:10.202.9.2]:93"),
+            region_len: 8192,
+        },
+    );
+    let Response::Channel { id, .. } = a.response else {
+        panic!("{:?}", a.response)
+    };
+    let s = b.handle(
+        &pod(2),
+        Request::ClaimAccepted {
+            local: sa("[::ffff:10.202.9.2]:93"),
+            peer: sa("10.202.9.1:7000"),
+        },
+    );
+    assert_eq!(s.response, Response::Channel { id, len: 8192 });
+}
+
+#[test]
+fn a_claiming_process_keeps_the_listener_after_the_listening_one_exits() {
+    let mut n = node("prefork", Limits::default());
+    let b = &mut n.broker;
+    // Registrations are checked against real listening sockets of the
+    // pod's namespace (here: the test's own).
+    let (_reserved, port) = reserved_port();
+    let socket = listen_on(port);
+    let listen_addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
+    let server_addr = SocketAddr::new("10.202.9.2".parse().unwrap(), port);
+    let mut parent = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let as_parent = Caller {
+        process: Some(ProcessId::of(parent.id()).unwrap()),
+        ..pod(2)
+    };
+    let r = b.handle(&as_parent, Request::RegisterListener { addr: listen_addr });
+    assert_eq!(r.response, Response::Ok);
+    let intent = |b: &mut Broker, src_port: u16| {
+        b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: sa(&format!("10.202.9.1:{src_port}")),
+                dst: server_addr,
+                region_len: 8192,
+            },
+        )
+        .response
+    };
+    assert!(matches!(intent(b, 5000), Response::Channel { .. }));
+    // A forked worker (another process of the pod) accepts and claims.
+    let r = b.handle(
+        &pod(2),
+        Request::ClaimAccepted {
+            local: server_addr,
+            peer: sa("10.202.9.1:5000"),
+        },
+    );
+    assert!(matches!(r.response, Response::Channel { .. }));
+    parent.kill().unwrap();
+    parent.wait().unwrap();
+    b.tick(Instant::now());
+    assert_eq!(b.stats().listeners.len(), 1);
+    assert!(matches!(intent(b, 5001), Response::Channel { .. }));
+    // The listening socket closes without an unregister: the next sweep
+    // drops the registration.
+    drop(socket);
+    b.tick(Instant::now() + Duration::from_secs(10));
+    assert!(b.stats().listeners.is_empty());
+    assert!(matches!(intent(b, 5002), Response::NoChannel { .. }));
+}
+
+#[test]
+fn a_listener_registered_just_before_listen_survives_the_sweep() {
+    let mut n = node("grace", Limits::default());
+    let b = &mut n.broker;
+    // The library registers before its real listen(): its socket is
+    // bound, not listening, like this reservation.
+    let (bound, port) = reserved_port();
+    let addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
+    // Taken before the registration, so the registration is at most
+    // 3 s old at `t0 + 3 s` however long the registering call took.
+    let t0 = Instant::now();
+    let r = b.handle(&pod(2), Request::RegisterListener { addr });
+    assert_eq!(r.response, Response::Ok);
+    let registered_by = Instant::now();
+    b.tick(t0);
+    b.tick(t0 + Duration::from_secs(3));
+    assert_eq!(b.stats().listeners.len(), 1, "dropped within its grace");
+    // Still not listening after the grace: gone.
+    b.tick(registered_by + LISTENER_GRACE + Duration::from_secs(1));
+    assert!(b.stats().listeners.is_empty());
+    drop(bound);
+}
+
+#[test]
+fn listeners_survive_a_restart_and_leave_with_their_pod() {
+    let mut n = node("restart", Limits::default());
+    n.broker.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("10.202.9.2:81"),
+        },
+    );
+    let facts = n.broker.facts.clone();
+    let mut again = Broker::trusting_registry(facts, Limits::default());
+    assert_eq!(again.stats().listeners.len(), 1);
+    Registry::new(&n.dir).remove("n", "c2", "eth0").unwrap();
+    again.handle(&on_node(0, 0), Request::RegistryChanged);
+    assert_eq!(again.stats().listeners.len(), 0);
+    assert_eq!(again.pod_count(), 2);
+}
+
+fn forbidden(r: &Response) -> bool {
+    matches!(
+        r,
+        Response::Error {
+            code: ErrorCode::Forbidden,
+            ..
+        }
+    )
+}
+
+#[test]
+fn node_requests_only_from_the_nodes_administrators() {
+    let mut n = node("admin", Limits::default());
+    let b = &mut n.broker;
+    let ask = |b: &mut Broker, c: &Caller| {
+        let st = b.handle(c, Request::Stats).response;
+        let poke = b.handle(c, Request::RegistryChanged).response;
+        assert_eq!(
+            matches!(st, Response::Stats { .. }),
+            poke == Response::Ok,
+            "{st:?} / {poke:?}"
+        );
+        assert!(
+            matches!(st, Response::Stats { .. }) || forbidden(&st),
+            "{st:?}"
+        );
+        matches!(st, Response::Stats { .. })
+    };
+    // Root in the daemon's own (or the initial) network namespace.
+    assert!(ask(b, &on_node(0, 0)));
+    let init = Caller {
+        netns: Some(crate::identity::INIT_NETNS_INODE),
+        ..on_node(0, 0)
+    };
+    assert!(ask(b, &init));
+    // Another uid of the node, unless in the admin group.
+    assert!(!ask(b, &on_node(65534, 65534)));
+    b.set_admin_gid(Some(4242));
+    assert!(ask(b, &on_node(65534, 4242)));
+    assert!(!ask(b, &on_node(65534, 65534)));
+    // A supplementary group of the calling process counts too.
+    let me = std::process::id();
+    if let Some(g) = crate::identity::groups_of(me).unwrap().first() {
+        b.set_admin_gid(Some(*g));
+        assert!(ask(b, &on_node(65534, u32::MAX - 1)));
+    }
+    b.set_admin_gid(Some(4242));
+    // Root in a namespace of its own making (`unshare -n`): nothing.
+    let unshared = Caller {
+        netns: Some(777_777),
+        ..on_node(0, 0)
+    };
+    assert!(!ask(b, &unshared));
+    let unshared_admin_group = Caller {
+        netns: Some(777_777),
+        ..on_node(65534, 4242)
+    };
+    assert!(!ask(b, &unshared_admin_group));
+    // A pod, even as root; an unidentified caller.
+    assert!(!ask(b, &pod(1)));
+    assert!(!ask(b, &Caller::default()));
+    let Response::Stats { stats } = b.handle(&on_node(0, 0), Request::Stats).response else {
+        panic!()
+    };
+    // Two refusals (stats, poke) for each of the five refused callers
+    // and the one refused twice.
+    assert_eq!(stats.auth_failures, 12);
+}
+
+/// Channel pod 1 -> pod 2, claimed; returns its id.
+fn open_channel(b: &mut Broker, port: u16) -> u64 {
+    let listen = sa(&format!("0.0.0.0:{port}"));
+    assert_eq!(
+        b.handle(&pod(2), Request::RegisterListener { addr: listen })
+            .response,
+        Response::Ok
+    );
+    let dst = sa(&format!("10.202.9.2:{port}"));
+    let a = b.handle(
+        &pod(1),
+        Request::ConnectIntent {
+            src: sa("10.202.9.1:41000"),
+            dst,
+            region_len: 8192,
+        },
+    );
+    let Response::Channel { id, .. } = a.response else {
+        panic!("{:?}", a.response)
+    };
+    let c = b.handle(
+        &pod(2),
+        Request::ClaimAccepted {
+            local: dst,
+            peer: sa("10.202.9.1:41000"),
+        },
+    );
+    assert!(matches!(c.response, Response::Channel { .. }));
+    id
+}
+
+fn closed(b: &mut Broker, who: u64, id: u64, sent: u64, received: u64) -> Response {
+    b.handle(
+        &pod(who),
+        Request::ReportClosed {
+            channel_id: id,
+            sent,
+            received,
+        },
+    )
+    .response
+}
+
+#[test]
+fn close_reports_count_only_from_the_channels_pods_and_within_reason() {
+    let mut n = node("report", Limits::default());
+    let b = &mut n.broker;
+    let id = open_channel(b, 95);
+    let bytes = |b: &Broker| b.stats().lanes[SHM_LANE].bytes;
+    let before = b.stats();
+    // A third pod: refused, nothing recorded.
+    assert!(forbidden(&closed(b, 3, id, 1 << 40, 1 << 40)));
+    assert_eq!(b.stats().auth_failures, before.auth_failures + 1);
+    // The channel's own pod with absurd counts: a bad request.
+    for (sent, received) in [(u64::MAX, 0), (0, u64::MAX), (1 << 40, 0)] {
+        let r = closed(b, 1, id, sent, received);
+        assert!(
+            matches!(
+                r,
+                Response::Error {
+                    code: ErrorCode::BadRequest,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+    }
+    assert_eq!(b.stats().bad_requests, before.bad_requests + 3);
+    assert_eq!(bytes(b), 0);
+    assert_eq!(b.stats().lanes[SHM_LANE].connections_active, 1);
+    // Sane reports from both ends close it.
+    assert_eq!(closed(b, 1, id, 1000, 10), Response::Ok);
+    assert_eq!(closed(b, 2, id, 10, 1000), Response::Ok);
+    assert_eq!(bytes(b), 1010);
+    assert_eq!(b.stats().lanes[SHM_LANE].connections_closed, 1);
+    assert!(plausible_bytes(100 << 30, Duration::ZERO));
+    assert!(!plausible_bytes(1 << 40, Duration::ZERO));
+}
+
+#[test]
+fn a_successor_counts_a_handed_over_connection_once_per_side_from_its_pods() {
+    let mut n = node("inherit", Limits::default());
+    let id = open_channel(&mut n.broker, 96);
+    // A second connection, the client's end already reported.
+    let other = {
+        let b = &mut n.broker;
+        let a = b.handle(
+            &pod(1),
+            Request::ConnectIntent {
+                src: sa("10.202.9.1:41001"),
+                dst: sa("10.202.9.2:96"),
+                region_len: 8192,
+            },
+        );
+        let Response::Channel { id, .. } = a.response else {
+            panic!()
+        };
+        b.handle(
+            &pod(2),
+            Request::ClaimAccepted {
+                local: sa("10.202.9.2:96"),
+                peer: sa("10.202.9.1:41001"),
+            },
+        );
+        assert_eq!(closed(b, 1, id, 5, 0), Response::Ok);
+        id
+    };
+    n.broker.save_connections();
+    // Ids are time-based: the successor's start after this one's ids.
+    std::thread::sleep(Duration::from_millis(5));
+    let facts = n.broker.facts.clone();
+    let mut b = Broker::trusting_registry(facts.clone(), Limits::default());
+    let bytes = |b: &Broker| b.stats().lanes[SHM_LANE].bytes;
+    assert!(forbidden(&closed(&mut b, 3, id, 1 << 30, 0)));
+    assert!(matches!(
+        closed(&mut b, 1, id, u64::MAX, 0),
+        Response::Error {
+            code: ErrorCode::BadRequest,
+            ..
+        }
+    ));
+    assert_eq!(closed(&mut b, 1, id, 100, 7), Response::Ok);
+    assert_eq!(bytes(&b), 100);
+    // The same side again: counted once.
+    assert_eq!(closed(&mut b, 1, id, 100, 7), Response::Ok);
+    assert_eq!(bytes(&b), 100);
+    assert_eq!(closed(&mut b, 2, id, 7, 100), Response::Ok);
+    assert_eq!(bytes(&b), 107);
+    assert_eq!(closed(&mut b, 2, id, 7, 100), Response::Ok);
+    assert_eq!(bytes(&b), 107);
+    // The other connection's client end reported to the predecessor.
+    assert_eq!(closed(&mut b, 1, other, 5, 0), Response::Ok);
+    assert_eq!(bytes(&b), 107);
+    assert_eq!(closed(&mut b, 2, other, 3, 5), Response::Ok);
+    assert_eq!(bytes(&b), 110);
+    // Ids nobody handed over (a crashed predecessor's, made up): nothing.
+    assert_eq!(closed(&mut b, 1, id - 1000, 1 << 30, 0), Response::Ok);
+    assert_eq!(closed(&mut b, 1, 1, 1 << 30, 0), Response::Ok);
+    assert_eq!(bytes(&b), 110);
+    // The hand-over is taken by one successor only.
+    let c = Broker::trusting_registry(facts, Limits::default());
+    assert!(c.inherited.is_empty());
+}
+
+/// One real pod: `sleep`'s namespace (the test's own) recorded under
+/// its `/proc/PID/ns/net` path, checked like any entry.
+#[test]
+fn stale_registry_entries_lend_no_identity() {
+    let dir = std::env::temp_dir().join(format!("fld-broker-{}-stale", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let own = crate::identity::own_netns_inode().unwrap();
+    let mut sleeper = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let reg = Registry::new(&dir);
+    let entry = |id: &str, netns: String, inode: u64, ip: &str| Attachment {
+        network: "n".into(),
+        container_id: id.into(),
+        ifname: "eth0".into(),
+        netns,
+        netns_inode: inode,
+        ips: vec![format!("{ip}/24")],
+        mac: String::new(),
+        pod_namespace: Some("default".into()),
+        pod_name: Some(id.into()),
+        pod_uid: None,
+        created_unix: 0,
+    };
+    reg.put(&entry(
+        "live",
+        format!("/proc/{}/ns/net", sleeper.id()),
+        own,
+        "10.202.8.1",
+    ))
+    .unwrap();
+    // A crashed runtime's pod: its pinned namespace is gone.
+    reg.put(&entry(
+        "gone",
+        "/var/run/netns/fld-no-such-ns".into(),
+        4242,
+        "10.202.8.2",
+    ))
+    .unwrap();
+    // No path recorded: cannot be checked, not trusted.
+    reg.put(&entry("nopath", String::new(), 4343, "10.202.8.3"))
+        .unwrap();
+    let mut b = Broker::new(
+        DaemonFacts {
+            state_dir: dir.clone(),
+            socket: dir.join("s.sock"),
+        },
+        Limits::default(),
+    );
+    assert_eq!(b.pod_count(), 1, "only the live entry is a pod");
+    let as_ns = |netns| Caller {
+        netns: Some(netns),
+        ..pod(0)
+    };
+    let listen = |b: &mut Broker, c: &Caller| {
+        b.handle(
+            c,
+            Request::RegisterListener {
+                addr: sa("0.0.0.0:97"),
+            },
+        )
+        .response
+    };
+    let unknown = |r: &Response| {
+        matches!(
+            r,
+            Response::Error {
+                code: ErrorCode::UnknownPod,
+                ..
+            }
+        )
+    };
+    assert!(unknown(&listen(&mut b, &as_ns(4242))));
+    assert!(unknown(&listen(&mut b, &as_ns(4343))));
+    assert_eq!(listen(&mut b, &as_ns(own)), Response::Ok);
+    // The pod dies (its sandbox process; the path goes) and nothing
+    // rereads the registry: a namespace with its inode is no one.
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    assert!(unknown(&listen(&mut b, &as_ns(own))));
+    let intent = b.handle(
+        &as_ns(own),
+        Request::ConnectIntent {
+            src: sa("10.202.8.1:5000"),
+            dst: sa("10.202.8.1:97"),
+            region_len: 8192,
+        },
+    );
+    assert!(unknown(&intent.response) && intent.fd.is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}
