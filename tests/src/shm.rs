@@ -4,7 +4,8 @@
 //! daemon's counters to prove which lane carried the bytes.
 //!
 //! Names use the prefix `fls`, subnets come from 10.202.128.0/17 (one /24
-//! per node). Everything is removed on drop, also when a test panics.
+//! per node; a suite may pick its own second octet, `Node::new_in`).
+//! Everything is removed on drop, also when a test panics.
 
 use flowlane_lane::client::DaemonClient;
 use flowlane_lane::proto::Stats;
@@ -105,6 +106,9 @@ pub struct Node {
     pub bridge: String,
     pub dir: PathBuf,
     pub subnet: u8,
+    /// Second octet of the node's 10.x.subnet.0/24 (202 unless a suite
+    /// asks for its own range, see [`Node::new_in`]).
+    pub net: u8,
     pub pods: Vec<Pod>,
     daemon: Option<Child>,
     /// How the pods were wired: "cni" (the real plugin) or "ip" (fallback).
@@ -132,6 +136,12 @@ fn process_tag() -> String {
 impl Node {
     /// A node tagged `tag` (≤ 5 chars) with `pods` pods and a running daemon.
     pub fn new(tag: &str, pods: usize) -> Node {
+        Node::new_in(tag, pods, 202)
+    }
+
+    /// As [`Node::new`], with the pods in 10.`net`.x.0/24 (a suite's own
+    /// range, so that it cannot collide with other suites running at once).
+    pub fn new_in(tag: &str, pods: usize, net: u8) -> Node {
         assert!(tag.len() <= 5);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         // Within one test binary the counter separates nodes; the process
@@ -156,6 +166,7 @@ impl Node {
             bridge,
             dir,
             subnet,
+            net,
             pods: Vec::new(),
             daemon: None,
             wiring: "ip",
@@ -188,7 +199,7 @@ impl Node {
             "daemonSocket": self.socket(),
             "ipam": {
                 "type": "flowlane",
-                "ranges": [[{"subnet": format!("10.202.{}.0/24", self.subnet)}]],
+                "ranges": [[{"subnet": format!("10.{}.{}.0/24", self.net, self.subnet)}]],
                 "dataDir": self.dir.join("ipam"),
             }
         })
@@ -240,14 +251,14 @@ impl Node {
                 "ip",
                 "addr",
                 "add",
-                &format!("10.202.{}.1/24", self.subnet),
+                &format!("10.{}.{}.1/24", self.net, self.subnet),
                 "dev",
                 &self.bridge,
             ]);
             sh_ok(&["ip", "link", "set", &self.bridge, "up"]);
         }
         let i = self.pods.len() as u8;
-        let ip = Ipv4Addr::new(10, 202, self.subnet, 10 + i);
+        let ip = Ipv4Addr::new(10, self.net, self.subnet, 10 + i);
         let host = format!("{}h{i}", &self.bridge[..self.bridge.len() - 1]);
         let _ = sh(&["ip", "link", "del", &host]);
         sh_ok(&[
@@ -273,7 +284,7 @@ impl Node {
             "add",
             "default",
             "via",
-            &format!("10.202.{}.1", self.subnet),
+            &format!("10.{}.{}.1", self.net, self.subnet),
         ]);
         let path = format!("/var/run/netns/{ns}");
         let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&path).unwrap());

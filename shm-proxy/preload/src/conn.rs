@@ -815,7 +815,11 @@ impl Conn {
     /// (before the real close). If no fork shared the socket, tell the peer
     /// precisely (write side closed, read side gone) and drain doorbells so
     /// the kernel closes with FIN rather than RST.
-    pub fn finish(&self, fd: c_int) {
+    ///
+    /// `fd` is `None` when the socket is already gone (closed behind the
+    /// library's back, its number now someone else's): then only the rings
+    /// are marked, the kernel told the peer when it closed the socket.
+    pub fn finish(&self, fd: Option<c_int>) {
         let c = &self.counts;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         crate::log::log_at!(
@@ -834,7 +838,11 @@ impl Conn {
             return; // other processes may still use the socket: the kernel decides
         }
         // Lock-free: another thread may still be blocked in read or write.
-        if self.probe.close_tx() | self.probe.close_rx() {
+        let closed_now = self.probe.close_tx() | self.probe.close_rx();
+        let Some(fd) = fd else {
+            return;
+        };
+        if closed_now {
             self.ring_bell(fd);
         }
         self.drain(fd);

@@ -551,6 +551,11 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 }
 
 fn after_accept(listen_fd: c_int, r: c_int, flags: c_int) -> c_int {
+    if r >= 0 && !setup::in_lib() {
+        let e = errno();
+        fresh_fd(r);
+        set_errno(e);
+    }
     if r >= 0 && LISTEN_FDS.get(listen_fd) && !setup::in_lib() {
         let e = errno();
         guard(|| {
@@ -584,6 +589,31 @@ pub unsafe extern "C" fn accept4(
 /// Everything the library tracks about `fd` is dropped, as for a close
 /// (without the real close).
 fn forget(fd: c_int) {
+    forget_as(fd, true);
+}
+
+/// The kernel has just handed out `fd` for a new socket (accept, socket):
+/// anything the library still tracks under that number belongs to a file
+/// that was closed behind its back (a raw `close` system call, e.g. from
+/// inline assembly or io_uring) and is dropped without touching the fd,
+/// which is now the new socket. Without this the new socket would inherit
+/// the old one's ring connection, listener or epoll registrations.
+fn fresh_fd(fd: c_int) {
+    if fd >= 0 && tracked(fd) {
+        guard(|| {
+            crate::log::log_at!(
+                3,
+                "fd {fd}: reused after a close the library did not see; stale state dropped"
+            );
+            forget_as(fd, false);
+            0
+        });
+    }
+}
+
+/// `forget`; `live`: the fd still refers to the tracked file (a close in
+/// progress), so the connection's doorbells may be drained through it.
+fn forget_as(fd: c_int, live: bool) {
     EPOLL_SEEN.set(fd, false);
     setup::listener_closed(fd);
     state::forget_waker(fd);
@@ -597,7 +627,7 @@ fn forget(fd: c_int) {
     drop(regs);
     if let Some(c) = c {
         if c.aliases.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-            c.finish(fd);
+            c.finish(live.then_some(fd));
             setup::closed(&c);
         }
     }
@@ -632,18 +662,75 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
     if flags & libc::CLOSE_RANGE_CLOEXEC as c_int == 0 && !setup::in_lib() {
         let saved = errno();
         guard(|| {
-            let hi = (last as usize).min(state::MAX_FD - 1);
-            for fd in (first as usize)..=hi {
-                if tracked(fd as c_int) {
-                    forget(fd as c_int);
-                }
-            }
+            forget_range(first, last);
             0
         });
         set_errno(saved);
     }
     // SAFETY: forwards the caller's arguments unchanged (same C contract).
     unsafe { real::close_range(first, last, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    let r = unsafe { real::socket(domain, ty, proto) };
+    if r >= 0 && !setup::in_lib() {
+        let e = errno();
+        fresh_fd(r);
+        set_errno(e);
+    }
+    r
+}
+
+/// `syscall(2)`: programs that close fds with `syscall(SYS_close, fd)`
+/// rather than `close` (libuv does, to avoid glibc's cancellation point:
+/// Node.js, uvloop) are seen closing them, exactly as through `close` and
+/// `close_range`; every other call goes straight through.
+///
+/// Declared with six fixed arguments: on x86-64 and AArch64 Linux a
+/// variadic caller passes integer arguments in the same registers, and
+/// extra ones are read as the real `syscall` would read them.
+#[cfg(all(
+    target_os = "linux",
+    any(target_arch = "x86_64", target_arch = "aarch64")
+))]
+#[no_mangle]
+pub unsafe extern "C" fn syscall(
+    n: libc::c_long,
+    a1: libc::c_long,
+    a2: libc::c_long,
+    a3: libc::c_long,
+    a4: libc::c_long,
+    a5: libc::c_long,
+    a6: libc::c_long,
+) -> libc::c_long {
+    if (n == libc::SYS_close || n == libc::SYS_close_range) && !setup::in_lib() {
+        let saved = errno();
+        guard(|| {
+            if n == libc::SYS_close {
+                if tracked(a1 as c_int) {
+                    forget(a1 as c_int);
+                }
+            } else if (a3 as c_int) & libc::CLOSE_RANGE_CLOEXEC as c_int == 0 {
+                forget_range(a1 as c_uint, a2 as c_uint);
+            }
+            0
+        });
+        set_errno(saved);
+    }
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    unsafe { real::syscall(n, a1, a2, a3, a4, a5, a6) }
+}
+
+/// Forgets every tracked fd in `first..=last` (a close_range).
+fn forget_range(first: c_uint, last: c_uint) {
+    let hi = (last as usize).min(state::MAX_FD - 1);
+    for fd in (first as usize)..=hi {
+        if tracked(fd as c_int) {
+            forget(fd as c_int);
+        }
+    }
 }
 
 #[no_mangle]

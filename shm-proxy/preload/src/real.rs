@@ -6,7 +6,8 @@
 //! `dlsym` does not call any function this library interposes.
 
 use libc::{
-    c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t,
+    c_int, c_long, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t,
+    ssize_t,
 };
 use std::sync::atomic::{AtomicPtr, Ordering};
 
@@ -49,6 +50,7 @@ real_fns! {
     fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int;
     fn close(fd: c_int) -> c_int;
+    fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int;
     fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int;
     fn shutdown(fd: c_int, how: c_int) -> c_int;
     fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t;
@@ -86,4 +88,8 @@ real_fns! {
     fn getsockopt(fd: c_int, level: c_int, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int;
     fn pwrite(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t;
     fn pread(fd: c_int, buf: *mut c_void, n: size_t, off: off_t) -> ssize_t;
+    // Variadic in C; on x86-64 and AArch64 Linux integer arguments travel in
+    // the same registers either way, and glibc's `syscall` is assembly that
+    // takes exactly these seven.
+    fn syscall(n: c_long, a1: c_long, a2: c_long, a3: c_long, a4: c_long, a5: c_long, a6: c_long) -> c_long;
 }
