@@ -6,8 +6,8 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use flowlane_rdma::topology::{ClusterView, NodeDirectory, NodeEntry, StaticNodeFile};
-use flowlane_rdma::SelectedGid;
+use flowlane_nodes::{ClusterView, NodeDirectory, NodeEntry, StaticNodeFile};
+use flowlane_rdma_discovery::SelectedGid;
 
 use super::cni_config::FlowlaneNet;
 use super::netinfo::{self, Route};
