@@ -34,6 +34,9 @@ use flowlane_rdma_discovery::gid::SelectedGid;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 pub mod node_object;
+pub mod view_file;
+
+pub use view_file::{LocalRdma, NodeViewFile};
 
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::KubeNodeDirectory;

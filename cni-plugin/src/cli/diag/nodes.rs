@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use flowlane_nodes::{ClusterView, NodeDirectory, NodeEntry, StaticNodeFile};
+use flowlane_nodes::{ClusterView, NodeDirectory, NodeViewFile, StaticNodeFile};
 use flowlane_rdma_discovery::SelectedGid;
 
 use super::cni_config::FlowlaneNet;
@@ -206,21 +206,9 @@ enum DaemonTable {
 
 /// The `nodes`, `source` and `error` fields of the daemon's view file.
 fn daemon_table(path: &Path) -> DaemonTable {
-    #[derive(serde::Deserialize)]
-    struct DaemonView {
-        #[serde(default)]
-        source: String,
-        #[serde(default)]
-        error: Option<String>,
-        nodes: Vec<NodeEntry>,
-    }
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return DaemonTable::Missing,
-        Err(e) => return DaemonTable::Unusable(e.to_string()),
-    };
-    let parsed: DaemonView = match serde_json::from_slice(&bytes) {
-        Ok(v) => v,
+    let parsed = match NodeViewFile::read(path) {
+        Ok(Some(v)) => v,
+        Ok(None) => return DaemonTable::Missing,
         Err(e) => return DaemonTable::Unusable(e.to_string()),
     };
     match ClusterView::new(parsed.nodes) {
