@@ -1,23 +1,18 @@
-//! RDMA NIC discovery (sysfs) and the cross-node view the RDMA lane needs.
+//! The cross-node RDMA lane: verbs, the transport, the lane handshake.
 //!
-//! - [`discovery`] reads `/sys/class/infiniband` (and `/sys/class/net` for the
-//!   netdev mapping) into an [`Inventory`]: devices, ports, state, link layer,
-//!   MTU, rate and the GID table. Pure file reading: no RDMA library is
-//!   loaded, so it runs on any node, and the sysfs root is a parameter so
-//!   tests run against fake trees (`tests/fixtures/`).
-//! - [`gid`] chooses the GID a node's daemon uses for RoCE/InfiniBand
-//!   traffic, or explains why there is none.
-//! - [`topology`] is the cluster's node table: which node owns which pod
-//!   CIDR and which nodes have an RDMA lane.
+//! - [`discovery`], [`gid`] and [`sysfs`] are re-exported from
+//!   `flowlane-rdma-discovery` (NIC discovery from sysfs, GID selection: no
+//!   RDMA library), and [`topology`] from `flowlane-nodes` (the cluster's
+//!   node table: which node owns which pod CIDR and which nodes have an RDMA
+//!   lane). Both are light crates of their own so the CNI plugin uses them
+//!   without this crate's verbs, tokio and kube.
 //! - [`lane_auth`] admits only the cluster's daemons on the lane port (node
 //!   table, shared-key challenge/response), for every transport.
 
-pub mod discovery;
-pub mod gid;
+pub use flowlane_nodes as topology;
+pub use flowlane_rdma_discovery::{discovery, gid, sysfs};
 pub mod lane_auth;
 pub mod lane_stream;
-pub mod sysfs;
-pub mod topology;
 pub mod transport;
 
 pub use discovery::{discover, Device, GidEntry, GidType, Inventory, LinkLayer, Port, PortState};

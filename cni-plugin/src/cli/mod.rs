@@ -1,9 +1,8 @@
 //! The commands a person runs on a node. Each subcommand lives in its own
 //! module and returns the process exit code.
 
-mod cluster;
-mod demo;
 mod diag;
+mod external;
 mod status;
 
 const USAGE: &str = "\
@@ -15,6 +14,7 @@ Commands for people:
   flowlane diag [--json] [options]           check this node and explain every problem
   flowlane cluster up|down|status [options]  a local training cluster on this machine
   flowlane demo [--out DIR]                  run the training-traffic demo and write a report
+                                             (cluster and demo run the flowlane-cluster binary)
   flowlane version                           print the version
 ";
 
@@ -22,8 +22,7 @@ pub fn main(args: Vec<String>) -> i32 {
     match args.first().map(String::as_str) {
         Some("status") => status::main(&args[1..]),
         Some("diag") => diag::main(&args[1..]),
-        Some("cluster") => cluster::main(&args[1..]),
-        Some("demo") => demo::main(&args[1..]),
+        Some("cluster") | Some("demo") => external::exec(&args),
         Some("version") | Some("--version") | Some("-V") => {
             println!("flowlane {}", env!("CARGO_PKG_VERSION"));
             0

@@ -11,7 +11,7 @@ use crate::spec::{self, ClusterSpec};
 pub const STATE_FILE: &str = "state.json";
 pub const SPEC_FILE: &str = "cluster.json";
 /// The static node table for the daemons (`{"nodes": [{"name",
-/// "podCIDRs", "underlay"}]}`, the format of `flowlane_rdma::topology`).
+/// "podCIDRs", "underlay"}]}`, the format of `flowlane_nodes`).
 pub const NODES_FILE: &str = "nodes.json";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

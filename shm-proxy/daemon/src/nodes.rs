@@ -28,10 +28,11 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use serde::Serialize;
 
 use flowlane_rdma::topology::kubernetes::{self, KubeNodeDirectory};
-use flowlane_rdma::topology::{ClusterView, NodeDirectory, NodeEntry, RdmaLane, StaticNodeFile};
+use flowlane_rdma::topology::{
+    ClusterView, LocalRdma, NodeDirectory, NodeEntry, NodeViewFile, RdmaLane, StaticNodeFile,
+};
 use flowlane_rdma::{discover, select_gid, NodeAddress, Sysfs};
 
 /// The daemon's flags for the cross-node view.
@@ -132,18 +133,6 @@ impl RemoteNode {
     pub fn lane_addr(&self) -> Option<SocketAddr> {
         self.lane_port.map(|p| SocketAddr::new(self.underlay, p))
     }
-}
-
-/// What RDMA discovery found on this node at the last refresh.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct LocalRdma {
-    /// RDMA devices found in sysfs.
-    pub devices: Vec<String>,
-    /// The lane this node offers (the selected GID), if any.
-    pub lane: Option<RdmaLane>,
-    /// Why there is no lane (`select_gid`'s reason), when there is none.
-    pub no_lane: Option<String>,
 }
 
 /// The cross-node view, shared by the daemon's tasks.
@@ -355,25 +344,6 @@ struct Refresher {
     last_logged: Option<LocalRdma>,
 }
 
-/// What `<state-dir>/daemon/nodes.json` holds.
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct Status<'a> {
-    node: &'a str,
-    source: String,
-    updated_unix: u64,
-    /// This node's entry in the table, if it is listed.
-    listed: bool,
-    lane_port: Option<u16>,
-    rdma: &'a LocalRdma,
-    /// Kubernetes: what the last publish did ("lane", "none", "unchanged",
-    /// or why it did not happen).
-    publish: Option<String>,
-    /// The last refresh's error; the table is then the last good one.
-    error: Option<String>,
-    nodes: &'a [NodeEntry],
-}
-
 impl Refresher {
     async fn run(mut self, every: Duration, poll: Duration) {
         // `start` did the first round; the next one is a period later.
@@ -470,8 +440,8 @@ impl Refresher {
         };
 
         // 4. The status file.
-        let status = Status {
-            node: &self.nodes.node_name,
+        let status = NodeViewFile {
+            node: self.nodes.node_name.clone(),
             source: self.nodes.source.to_string(),
             updated_unix: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
@@ -482,10 +452,10 @@ impl Refresher {
                 .as_ref()
                 .and_then(|m| m.lane_port)
                 .or(self.nodes.lane_port()),
-            rdma: &local,
+            rdma: local,
             publish,
             error,
-            nodes: view.nodes(),
+            nodes: view.nodes().to_vec(),
         };
         let json = serde_json::to_value(&status).unwrap_or_default();
         *self
@@ -493,7 +463,7 @@ impl Refresher {
             .last_view
             .write()
             .unwrap_or_else(|p| p.into_inner()) = json;
-        if let Err(e) = write_atomically(&self.status_file, &status) {
+        if let Err(e) = status.write(&self.status_file) {
             tracing::debug!(file = %self.status_file.display(), error = %e, "cannot write the node view");
         }
     }
@@ -623,16 +593,6 @@ fn netdev_holding(ip: IpAddr) -> Option<String> {
         }
     }
     None
-}
-
-fn write_atomically(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let body = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, body)?;
-    std::fs::rename(&tmp, path)
 }
 
 #[cfg(test)]

@@ -6,8 +6,8 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use flowlane_rdma::topology::{ClusterView, NodeDirectory, NodeEntry, StaticNodeFile};
-use flowlane_rdma::SelectedGid;
+use flowlane_nodes::{ClusterView, NodeDirectory, NodeViewFile, StaticNodeFile};
+use flowlane_rdma_discovery::SelectedGid;
 
 use super::cni_config::FlowlaneNet;
 use super::netinfo::{self, Route};
@@ -220,23 +220,9 @@ enum DaemonTable {
 /// The `nodes`, `source`, `error` and `node` fields of the daemon's view
 /// file.
 fn daemon_table(path: &Path) -> DaemonTable {
-    #[derive(serde::Deserialize)]
-    struct DaemonView {
-        #[serde(default)]
-        source: String,
-        #[serde(default)]
-        error: Option<String>,
-        #[serde(default)]
-        node: Option<String>,
-        nodes: Vec<NodeEntry>,
-    }
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return DaemonTable::Missing,
-        Err(e) => return DaemonTable::Unusable(e.to_string()),
-    };
-    let parsed: DaemonView = match serde_json::from_slice(&bytes) {
-        Ok(v) => v,
+    let parsed = match NodeViewFile::read(path) {
+        Ok(Some(v)) => v,
+        Ok(None) => return DaemonTable::Missing,
         Err(e) => return DaemonTable::Unusable(e.to_string()),
     };
     match ClusterView::new(parsed.nodes) {
@@ -248,7 +234,7 @@ fn daemon_table(path: &Path) -> DaemonTable {
                 parsed.source
             },
             error: parsed.error,
-            node: parsed.node.filter(|n| !n.is_empty()),
+            node: Some(parsed.node).filter(|n| !n.is_empty()),
         },
         Err(e) => DaemonTable::Unusable(e.to_string()),
     }

@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 use std::path::Path;
 
-use flowlane_rdma::{
+use flowlane_rdma_discovery::{
     discover, select_gid, GidType, Inventory, NoGidReason, NodeAddress, SelectedGid, Sysfs,
 };
 

@@ -9,10 +9,11 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flowlane_rdma::topology::kubernetes::{list_cluster_view, publish_rdma_lane, FIELD_MANAGER};
-use flowlane_rdma::topology::node_object::PublishedLane;
-use flowlane_rdma::topology::TopologyError;
-use flowlane_rdma::{KubeNodeDirectory, LinkLayer, NodeDirectory, RdmaLane};
+use flowlane_nodes::kubernetes::{list_cluster_view, publish_rdma_lane, FIELD_MANAGER};
+use flowlane_nodes::node_object::PublishedLane;
+use flowlane_nodes::TopologyError;
+use flowlane_nodes::{KubeNodeDirectory, NodeDirectory, RdmaLane};
+use flowlane_rdma_discovery::LinkLayer;
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use kube::Client;

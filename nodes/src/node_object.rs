@@ -130,7 +130,7 @@ pub fn cluster_view(list: &Value) -> Result<ClusterView, TopologyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::discovery::LinkLayer;
+    use flowlane_rdma_discovery::LinkLayer;
 
     /// The `GET /api/v1/nodes` answer of a four-node cluster.
     fn node_list() -> Value {

@@ -438,7 +438,7 @@ mod tests {
     /// A copy of a fixture tree that the test may change.
     fn fixture_copy(tree: &str, tag: &str) -> std::path::PathBuf {
         let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures")
+            .join("../tests/fixtures")
             .join(tree);
         let dst = std::env::temp_dir().join(format!("fl-disc-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dst);

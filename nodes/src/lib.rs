@@ -28,11 +28,18 @@ use std::sync::{Arc, Mutex};
 use ipnetwork::IpNetwork;
 use serde::{Deserialize, Serialize};
 
-use crate::discovery::LinkLayer;
-use crate::gid::SelectedGid;
+use flowlane_rdma_discovery::discovery::LinkLayer;
+use flowlane_rdma_discovery::gid::SelectedGid;
 
+#[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 pub mod node_object;
+pub mod view_file;
+
+pub use view_file::{LocalRdma, NodeViewFile};
+
+#[cfg(feature = "kubernetes")]
+pub use kubernetes::KubeNodeDirectory;
 
 /// One node of the cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
