@@ -14,6 +14,7 @@ pub mod fsutil;
 pub mod host;
 pub mod names;
 pub mod netns;
+pub mod outside;
 pub mod process;
 pub mod rdma_vm;
 pub mod result;

@@ -4,6 +4,7 @@
 pub mod client;
 pub mod copy;
 pub mod notify;
+pub mod peer_table;
 pub mod proto;
 pub mod region;
 pub mod ring;
