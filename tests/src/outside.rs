@@ -28,12 +28,32 @@ impl OutsideHost {
         let (here, there) = (format!("10.238.{k}.1"), format!("10.238.{k}.2"));
         fresh_netns(&netns);
         sh_ok(&[
-            "ip", "-n", &client.netns, "link", "add", &a, "type", "veth", "peer", "name", &b,
-            "netns", &netns,
+            "ip",
+            "-n",
+            &client.netns,
+            "link",
+            "add",
+            &a,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &b,
+            "netns",
+            &netns,
         ]);
         let here_cidr = format!("{here}/30");
         let there_cidr = format!("{there}/30");
-        sh_ok(&["ip", "-n", &client.netns, "addr", "add", &here_cidr, "dev", &a]);
+        sh_ok(&[
+            "ip",
+            "-n",
+            &client.netns,
+            "addr",
+            "add",
+            &here_cidr,
+            "dev",
+            &a,
+        ]);
         sh_ok(&["ip", "-n", &netns, "addr", "add", &there_cidr, "dev", &b]);
         sh_ok(&["ip", "-n", &client.netns, "link", "set", &a, "up"]);
         sh_ok(&["ip", "-n", &netns, "link", "set", &b, "up"]);

@@ -168,7 +168,11 @@ impl Node {
     /// One more pod, wired like the first ones (the daemon learns it from
     /// the plugin's poke); its index in `pods`.
     pub fn add_extra_pod(&mut self) -> usize {
-        let ns = format!("{}x{}", &self.bridge[..self.bridge.len() - 1], self.pods.len());
+        let ns = format!(
+            "{}x{}",
+            &self.bridge[..self.bridge.len() - 1],
+            self.pods.len()
+        );
         let pod = self.add_pod(&ns);
         self.pods.push(pod);
         self.pods.len() - 1
@@ -184,7 +188,10 @@ impl Node {
     }
 
     /// What this node's peer table says about `ip` now (`None`: no table).
-    pub fn peer_table_says(&self, ip: std::net::IpAddr) -> Option<flowlane_lane::peer_table::Verdict> {
+    pub fn peer_table_says(
+        &self,
+        ip: std::net::IpAddr,
+    ) -> Option<flowlane_lane::peer_table::Verdict> {
         let path = flowlane_lane::peer_table::path_for(&self.socket());
         let m = flowlane_lane::peer_table::Mapped::open_read_only(&path).ok()?;
         Some(m.table().lookup(ip))

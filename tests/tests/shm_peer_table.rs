@@ -29,7 +29,9 @@ fn count(log: &str, call: &str) -> usize {
 
 /// `connrate ADDR n` under strace in pod 0 with the library; the log.
 fn traced_connrate(node: &Node, addr: &str, n: usize) -> String {
-    let log = node.dir.join(format!("strace-{}.log", addr.replace(':', "-")));
+    let log = node
+        .dir
+        .join(format!("strace-{}.log", addr.replace(':', "-")));
     let calls = "trace=socket,bind,connect,getsockopt,getsockname,sendmsg,recvmsg,sendto,recvfrom";
     let bin = bench_bin();
     let n = n.to_string();

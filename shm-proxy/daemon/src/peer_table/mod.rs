@@ -39,7 +39,11 @@ pub fn entries(
             if n.name == me || n.lane_port.is_none() {
                 continue;
             }
-            out.extend(n.pod_cidrs.iter().map(|c| Entry::new(c.network(), c.prefix())));
+            out.extend(
+                n.pod_cidrs
+                    .iter()
+                    .map(|c| Entry::new(c.network(), c.prefix())),
+            );
         }
     }
     out.sort();

@@ -58,8 +58,14 @@ pub fn run(quick: bool) {
         index: usize,
     }
     let connrate = |addr: &str| vec!["connrate".to_string(), addr.to_string(), conns.into()];
-    let pingpong =
-        |addr: &str, size: &str| vec!["pingpong".into(), addr.to_string(), size.into(), iters.into()];
+    let pingpong = |addr: &str, size: &str| {
+        vec![
+            "pingpong".into(),
+            addr.to_string(),
+            size.into(),
+            iters.into(),
+        ]
+    };
     let figures = vec![
         Figure {
             name: "connections/s, pod to pod (lane)",
