@@ -410,6 +410,7 @@ impl Broker {
             );
         }
         self.pods = PodTable::from_attachments(&live);
+        crate::peer_table::pods_changed(&self.pods.ips().collect::<Vec<_>>());
         self.counters.registry_reloads += 1;
         let pods = &self.pods;
         let before = self.listeners.len();

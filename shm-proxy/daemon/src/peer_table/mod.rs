@@ -11,7 +11,7 @@
 
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flowlane_lane::peer_table::{self, Entry, Mapped};
@@ -51,14 +51,19 @@ pub fn entries(
     out
 }
 
-/// The published table and what it holds.
+/// The published table, what it holds, and where the other nodes come from.
 struct Publisher {
     map: Mapped,
     last: Option<Vec<Entry>>,
+    nodes: Option<Arc<Nodes>>,
+    relay: bool,
 }
 
 impl Publisher {
-    fn publish(&mut self, entries: Vec<Entry>) {
+    fn publish(&mut self, pod_ips: &[IpAddr]) {
+        let view = self.nodes.as_ref().and_then(|n| n.current_view());
+        let me = self.nodes.as_ref().map_or("", |n| n.node_name());
+        let entries = entries(pod_ips, view.as_deref(), me, self.relay);
         if self.last.as_ref() == Some(&entries) {
             return;
         }
@@ -74,9 +79,22 @@ impl Publisher {
     }
 }
 
+/// The daemon's one table (`None` until `start`, or when it cannot be
+/// written).
+static PUBLISHER: Mutex<Option<Publisher>> = Mutex::new(None);
+
+/// The pod registry was reread: publish at once, before the plugin's poke
+/// is answered, so a pod is listed by the time its ADD returns.
+pub fn pods_changed(pod_ips: &[IpAddr]) {
+    if let Some(p) = PUBLISHER.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        p.publish(pod_ips);
+    }
+}
+
 /// Creates the table next to `socket`, publishes it once, and keeps it
-/// current on the running tokio runtime. Without a table (it cannot be
-/// written) every library asks the daemon, as before.
+/// current on the running tokio runtime (the node view changes without
+/// telling anyone: it is looked at every [`REFRESH`]). Without a table
+/// (it cannot be written) every library asks the daemon, as before.
 pub fn start(socket: &Path, shared: Shared, nodes: Option<Arc<Nodes>>, relay: bool) {
     let path = peer_table::path_for(socket);
     let map = match Mapped::create(&path) {
@@ -86,21 +104,25 @@ pub fn start(socket: &Path, shared: Shared, nodes: Option<Arc<Nodes>>, relay: bo
             return;
         }
     };
-    let mut p = Publisher { map, last: None };
-    let refresh = move |p: &mut Publisher| {
+    *PUBLISHER.lock().unwrap_or_else(|e| e.into_inner()) = Some(Publisher {
+        map,
+        last: None,
+        nodes,
+        relay,
+    });
+    // The broker's lock first, then the table's (as in `pods_changed`).
+    let refresh = move || {
         let ips = shared.lock().pod_ips();
-        let view = nodes.as_ref().and_then(|n| n.current_view());
-        let me = nodes.as_ref().map_or("", |n| n.node_name());
-        p.publish(entries(&ips, view.as_deref(), me, relay));
+        pods_changed(&ips);
     };
-    refresh(&mut p);
+    refresh();
     tracing::info!(path = %path.display(), "peer table published");
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(REFRESH);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            refresh(&mut p);
+            refresh();
         }
     });
 }
