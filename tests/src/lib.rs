@@ -15,6 +15,7 @@ pub mod host;
 pub mod loop_scripts;
 pub mod names;
 pub mod netns;
+pub mod outside;
 pub mod process;
 pub mod rdma_vm;
 pub mod result;

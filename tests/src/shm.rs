@@ -180,6 +180,38 @@ impl Node {
         node
     }
 
+    /// One more pod, wired like the first ones (the daemon learns it from
+    /// the plugin's poke); its index in `pods`.
+    pub fn add_extra_pod(&mut self) -> usize {
+        let ns = format!(
+            "{}x{}",
+            &self.bridge[..self.bridge.len() - 1],
+            self.pods.len()
+        );
+        let pod = self.add_pod(&ns);
+        self.pods.push(pod);
+        self.pods.len() - 1
+    }
+
+    /// Removes pod `i` (CNI DEL, then its namespace) and forgets it.
+    pub fn remove_pod(&mut self, i: usize) {
+        let p = self.pods.remove(i);
+        if self.wiring == "cni" {
+            let _ = self.cni("DEL", &p.netns, &p.container_id);
+        }
+        let _ = sh(&["ip", "netns", "del", &p.netns]);
+    }
+
+    /// What this node's peer table says about `ip` now (`None`: no table).
+    pub fn peer_table_says(
+        &self,
+        ip: std::net::IpAddr,
+    ) -> Option<flowlane_lane::peer_table::Verdict> {
+        let path = flowlane_lane::peer_table::path_for(&self.socket());
+        let m = flowlane_lane::peer_table::Mapped::open_read_only(&path).ok()?;
+        Some(m.table().lookup(ip))
+    }
+
     pub fn state_dir(&self) -> PathBuf {
         self.dir.join("state")
     }

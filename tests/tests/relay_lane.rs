@@ -11,7 +11,7 @@
 //! Names: netns/links `rr<tag>…`; pod CIDRs 10.173.0.0/16, underlay
 //! 10.174.0.0/16.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -24,6 +24,7 @@ use flowlane_e2e::shm::{
 };
 use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PEER_KILL, PYTHON, SEMANTICS};
 use flowlane_lane::client::DaemonClient;
+use flowlane_lane::peer_table::Verdict;
 use flowlane_lane::proto::Stats;
 
 /// One cluster at a time in this binary (2 cores).
@@ -732,25 +733,46 @@ fn socket_semantics(zero_copy: bool) {
 }
 
 /// A pod whose peer's node offers no lane stays on plain TCP (identical
-/// bytes), and a new connection uses the relay again once it does.
+/// bytes) without asking its daemon (the peer table rules the other node's
+/// pods out), a new connection uses the relay once the node offers one, and
+/// stays on TCP again once the lane goes away.
 #[test]
 fn no_lane_on_the_peer_node_stays_on_tcp() {
     let _g = serial();
     let c = Cluster::new(1);
     c.write_nodes_file(false);
-    std::thread::sleep(Duration::from_millis(50));
+    let far = c.nodes[1].pods[0].ip;
+    wait_peer_table(&c.nodes[0], far, Verdict::NotPeer);
+    let asked = c.nodes[0].stats().fallbacks.get("not-local-pod").copied();
     echo_across(&c, 0, 1, 7511, 1, 2_000_000);
     assert_eq!(c.nodes[0].relay().0, 0, "{}", c.logs());
     assert_eq!(c.nodes[1].relay().0, 0, "{}", c.logs());
-    let st = c.nodes[0].stats();
-    assert!(
-        st.fallbacks.get("not-local-pod").copied().unwrap_or(0) >= 1,
-        "{st:?}"
+    assert_eq!(
+        c.nodes[0].stats().fallbacks.get("not-local-pod").copied(),
+        asked,
+        "the daemon was asked\n{}",
+        c.logs()
     );
     c.write_nodes_file(true);
-    std::thread::sleep(Duration::from_millis(50));
+    wait_peer_table(&c.nodes[0], far, Verdict::Candidate);
     echo_across(&c, 0, 1, 7512, 1, 2_000_000);
     assert_eq!(c.nodes[0].relay().0, 1, "{}", c.logs());
+    c.write_nodes_file(false);
+    wait_peer_table(&c.nodes[0], far, Verdict::NotPeer);
+    echo_across(&c, 0, 1, 7513, 1, 2_000_000);
+    assert_eq!(c.nodes[0].relay().0, 1, "{}", c.logs());
+}
+
+/// Waits until `node`'s peer table says `want` about `ip`.
+fn wait_peer_table(node: &Node, ip: Ipv4Addr, want: Verdict) {
+    let path = flowlane_lane::peer_table::path_for(&node.socket());
+    let says = || {
+        flowlane_lane::peer_table::Mapped::open_read_only(&path)
+            .ok()
+            .map(|m| m.table().lookup(IpAddr::V4(ip)))
+    };
+    let seen = flowlane_e2e::wait::until(Duration::from_secs(10), || says() == Some(want));
+    assert!(seen, "peer table: {ip} {:?}, want {want:?}", says());
 }
 
 /// A client pod without the library talking to a server pod with it, and

@@ -14,6 +14,7 @@ mod listener_store;
 mod memfd;
 mod metrics;
 mod nodes;
+mod peer_table;
 mod pod_routes;
 mod pods;
 mod rdma_lane;
@@ -341,6 +342,7 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         // port, or peers would keep trying a lane nobody serves.
         n.set_lane_port(None);
     }
+    peer_table::start(&args.socket, shared.clone(), nodes.clone(), relay.is_some());
     let lanes = stats::Lanes {
         relay,
         nodes: nodes.clone(),

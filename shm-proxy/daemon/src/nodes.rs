@@ -222,6 +222,11 @@ impl Nodes {
             .clone()
     }
 
+    /// The node table as it is now (`None` when it cannot be read).
+    pub fn current_view(&self) -> Option<Arc<ClusterView>> {
+        self.directory.view().ok()
+    }
+
     /// This node's name in the table.
     pub fn node_name(&self) -> &str {
         &self.node_name

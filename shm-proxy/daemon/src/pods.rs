@@ -118,6 +118,11 @@ impl PodTable {
         self.by_id.len()
     }
 
+    /// Every address of every pod.
+    pub fn ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.by_ip.keys().copied()
+    }
+
     pub fn contains(&self, id: PodId) -> bool {
         self.by_id.contains_key(&id)
     }

@@ -15,6 +15,7 @@ mod daemon_conn;
 mod endlock;
 mod exports;
 mod log;
+mod peer_table;
 mod real;
 mod setup;
 mod sleepers;

@@ -7,6 +7,7 @@ use crate::conn::{errno, set_errno, Conn};
 use crate::log::log_at;
 use crate::{config, real, state};
 use flowlane_lane::client::{Channel, DaemonClient, FallbackReason};
+use flowlane_lane::peer_table::Verdict;
 use flowlane_lane::ring::{self, Side};
 use libc::{c_int, sockaddr, socklen_t};
 use std::cell::Cell;
@@ -236,9 +237,9 @@ pub struct Intent {
     channel: Channel,
 }
 
-/// Before a client's connect: bind the socket to its route's source IP
-/// (port 0) if unbound, and ask the daemon for a channel. `None` keeps the
-/// connection on TCP.
+/// Before a client's connect: unless the peer table rules `dst` out, bind
+/// the socket to its route's source IP (port 0) if unbound, and ask the
+/// daemon for a channel. `None` keeps the connection on TCP.
 pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
     let cfg = config::get();
     if cfg.disabled
@@ -246,6 +247,12 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
         || fd as usize >= state::MAX_FD
         || state::CONN_FDS.get(fd)
     {
+        return None;
+    }
+    // A destination that cannot be a lane peer costs a lookup in the
+    // daemon's table and nothing else: no system call, no round trip, no
+    // bind (docs/shm-lane.md, "The peer table").
+    if crate::peer_table::lookup(dst.ip()) == Verdict::NotPeer {
         return None;
     }
     if !is_tcp(fd) {

@@ -6,7 +6,8 @@
 //! Programs (run in pods):
 //!   shm-bench serve PORT | serve-unix PATH     accept loop, one thread per connection
 //!   shm-bench stream ADDR SIZE BYTES           one-way stream, prints GB/s and CPU s/GB
-//!   shm-bench pingpong ADDR SIZE ITERS         prints one-way latency p50/p99 (RTT/2)
+//!   shm-bench pingpong ADDR SIZE ITERS         prints one-way latency p50/p99 (RTT/2) and
+//!                                              request/responses per second
 //!   shm-bench connrate ADDR N                  connect + 1-byte echo + close, prints conn/s
 //!                                              and p50/p99 us of connect + first byte
 //!   shm-bench integrity ADDR BYTES SEED        random sizes, both directions, checksummed
@@ -20,7 +21,9 @@
 //! (library loaded, connection stays on TCP) against plain TCP, and prints
 //! tables with ratios, and the hardware ceiling of the two cores next to
 //! them (`ceiling`). `bench --stream` runs just the 64 KiB and 1 MiB stream
-//! rows and the ceiling.
+//! rows and the ceiling; `bench --setup` just the connection set-up figures
+//! (module `setup_bench`: pod to pod, pod to a host outside every pod
+//! network, request/response rates, the fallback path's first byte).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -174,19 +177,24 @@ fn pingpong(addr: &str, size: usize, iters: usize) {
     let out = vec![1u8; size];
     let mut inb = vec![0u8; size];
     let mut lat = Vec::with_capacity(iters);
+    let mut measured = Duration::ZERO;
     for i in 0..iters + iters / 10 {
         let t0 = Instant::now();
         c.write_all(&out).unwrap();
         c.read_exact(&mut inb).unwrap();
         if i >= iters / 10 {
-            lat.push(t0.elapsed().as_nanos() as f64 / 2000.0);
+            let took = t0.elapsed();
+            measured += took;
+            lat.push(took.as_nanos() as f64 / 2000.0);
         }
     }
+    let rate = lat.len() as f64 / measured.as_secs_f64();
     lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
     println!(
-        "pingpong {:.2} {:.2}",
+        "pingpong {:.2} {:.2} {:.0}",
         lat[lat.len() / 2],
-        lat[lat.len() * 99 / 100]
+        lat[lat.len() * 99 / 100],
+        rate
     );
 }
 
@@ -267,6 +275,9 @@ fn main() {
         "pingpong" => pingpong(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
         "connrate" => connrate(a(2), a(3).parse().unwrap()),
         "integrity" => integrity(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
+        "bench" if args.iter().any(|x| x == "--setup") => {
+            setup_bench::run(args.iter().any(|x| x == "--quick"))
+        }
         "bench" => bench::run(
             args.iter().any(|x| x == "--quick"),
             args.iter().any(|x| x == "--stream"),
@@ -277,9 +288,12 @@ fn main() {
 }
 
 fn usage() -> ! {
-    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | ceiling SIZE | bench [--quick] [--stream]");
+    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | ceiling SIZE | bench [--quick] [--stream | --setup]");
     std::process::exit(2)
 }
+
+#[path = "shm-bench/setup_bench.rs"]
+mod setup_bench;
 
 mod bench {
     use super::Duration;

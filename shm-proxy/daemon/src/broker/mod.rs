@@ -326,6 +326,13 @@ impl Broker {
         self.pods.len()
     }
 
+    /// Every address of the node's pods, after rereading the registry if
+    /// it changed (what the peer table lists).
+    pub fn pod_ips(&mut self) -> Vec<std::net::IpAddr> {
+        self.reload_if_changed();
+        self.pods.ips().collect()
+    }
+
     /// Members of group `gid` (primary or supplementary) in the node's
     /// network namespace may ask node requests too (`--admin-gid`).
     pub fn set_admin_gid(&mut self, gid: Option<u32>) {
@@ -382,6 +389,7 @@ impl Broker {
             );
         }
         self.pods = PodTable::from_attachments(&live);
+        crate::peer_table::pods_changed(&self.pods.ips().collect::<Vec<_>>());
         self.counters.registry_reloads += 1;
         let pods = &self.pods;
         let before = self.listeners.len();
