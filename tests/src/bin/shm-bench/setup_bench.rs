@@ -66,7 +66,7 @@ pub fn run(quick: bool) {
             iters.into(),
         ]
     };
-    let figures = vec![
+    let figures = [
         Figure {
             name: "connections/s, pod to pod (lane)",
             lib_addr: pod(7101),
