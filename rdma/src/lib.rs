@@ -5,7 +5,7 @@
 //!   RDMA library), and [`topology`] from `flowlane-nodes` (the cluster's
 //!   node table: which node owns which pod CIDR and which nodes have an RDMA
 //!   lane). Both are light crates of their own so the CNI plugin uses them
-//!   without this crate's verbs, tokio and kube.
+//!   without this crate's verbs and kube.
 //! - [`lane_auth`] admits only the cluster's daemons on the lane port (node
 //!   table, shared-key challenge/response), for every transport.
 
