@@ -709,6 +709,24 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
         c.logs()
     );
 
+    // The primary nodes' daemons route to the chained node's pods within a
+    // refresh round of its Node appearing (diag on them checks that route).
+    let n4_cidr = c.nodes[n4].cidr.clone();
+    for n in [n1, n2, n3] {
+        let routed = wait::until(Duration::from_secs(30), || {
+            c.nodes[n]
+                .sh(&format!("ip route show {n4_cidr}"))
+                .stdout
+                .contains("via")
+        });
+        assert!(
+            routed,
+            "{} has no route to {n4_cidr}\n{}",
+            c.nodes[n].name,
+            c.logs()
+        );
+    }
+
     // diag with the DaemonSet's paths, on a primary and a chained node:
     // healthy. (The RDMA nodes' /sys is the fixture tree, without their
     // bridge: diag there would rightly miss it.)
