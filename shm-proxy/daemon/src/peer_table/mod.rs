@@ -20,9 +20,9 @@ use flowlane_rdma::topology::ClusterView;
 use crate::nodes::Nodes;
 use crate::server::Shared;
 
-/// How often the table is recomputed (pods come and go through the
-/// registry, nodes through the node view; both are in memory or a few
-/// stat calls away).
+/// How often the node view is looked at when it matters (the relay runs):
+/// the view changes without telling anyone (the static file is reread by
+/// its directory), pods come through [`pods_changed`].
 const REFRESH: Duration = Duration::from_millis(100);
 
 /// The table's entries: this node's pod addresses, and the pod CIDRs of the
@@ -92,9 +92,10 @@ pub fn pods_changed(pod_ips: &[IpAddr]) {
 }
 
 /// Creates the table next to `socket`, publishes it once, and keeps it
-/// current on the running tokio runtime (the node view changes without
-/// telling anyone: it is looked at every [`REFRESH`]). Without a table
-/// (it cannot be written) every library asks the daemon, as before.
+/// current: pods through [`pods_changed`]; with the relay on, the other
+/// nodes' CIDRs by looking at the node view every [`REFRESH`] and
+/// recomputing only when it is another view. Without a table (it cannot be
+/// written) every library asks the daemon, as before.
 pub fn start(socket: &Path, shared: Shared, nodes: Option<Arc<Nodes>>, relay: bool) {
     let path = peer_table::path_for(socket);
     let map = match Mapped::create(&path) {
@@ -104,6 +105,7 @@ pub fn start(socket: &Path, shared: Shared, nodes: Option<Arc<Nodes>>, relay: bo
             return;
         }
     };
+    let watched = nodes.clone().filter(|_| relay);
     *PUBLISHER.lock().unwrap_or_else(|e| e.into_inner()) = Some(Publisher {
         map,
         last: None,
@@ -115,14 +117,28 @@ pub fn start(socket: &Path, shared: Shared, nodes: Option<Arc<Nodes>>, relay: bo
         let ips = shared.lock().pod_ips();
         pods_changed(&ips);
     };
+    // The view the first table is computed from, or a later one.
+    let mut seen = watched.as_ref().and_then(|n| n.current_view());
     refresh();
     tracing::info!(path = %path.display(), "peer table published");
+    // Without the relay the table holds only this node's pods, which
+    // `pods_changed` publishes: nothing to watch.
+    let Some(nodes) = watched else { return };
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(REFRESH);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            refresh();
+            let view = nodes.current_view();
+            let same = match (&seen, &view) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            };
+            if !same {
+                seen = view;
+                refresh();
+            }
         }
     });
 }
