@@ -5,7 +5,7 @@
 //! into local send slot `i` and writes it into the peer's receive slot `i`,
 //! after any zero-copy [`Write`]s of registered memory posted with it.
 //! [`VerbsFabric`](super::verbs) does that with an RC queue pair and RDMA
-//! WRITE WITH IMMEDIATE; [`MemFabric`](super::mem_fabric) does it in process
+//! WRITE WITH IMMEDIATE; `MemFabric` (`mem_fabric`, feature `test-doubles`) does it in process
 //! memory so the multiplexer's logic runs in host tests (this machine's
 //! kernel has no RDMA).
 

@@ -5,7 +5,7 @@
 //! - [`credit`]: link credits (slots) and stream windows (bytes);
 //! - [`fabric`]: the trait between the multiplexer and the verbs, with
 //!   [`verbs`] (sideway: RDMA WRITE WITH IMMEDIATE on an RC queue pair) and
-//!   [`mem_fabric`] (in-process, for host tests) behind it;
+//!   `mem_fabric` (in-process, for host tests; feature `test-doubles`) behind it;
 //! - `link`/`stream`: one link per peer and the streams on it;
 //! - [`mux`]: the [`LaneTransport`](crate::LaneTransport) (listener, handshake, links).
 
@@ -13,6 +13,7 @@ pub mod credit;
 pub mod exercise;
 pub mod fabric;
 mod link;
+#[cfg(feature = "test-doubles")]
 pub mod mem_fabric;
 pub mod mux;
 mod stream;
@@ -22,6 +23,7 @@ pub mod wire;
 use std::{io, time::Duration};
 
 pub use fabric::{Fabric, FabricProvider, Geometry};
+#[cfg(feature = "test-doubles")]
 pub use mem_fabric::MemProvider;
 pub use mux::{MuxTransport, TransportStats};
 pub use verbs::VerbsProvider;
@@ -29,6 +31,7 @@ pub use verbs::VerbsProvider;
 /// The RDMA transport: the multiplexer over verbs.
 pub type RdmaTransport = MuxTransport<VerbsProvider>;
 /// The same multiplexer over an in-process fabric (host tests).
+#[cfg(feature = "test-doubles")]
 pub type MemTransport = MuxTransport<MemProvider>;
 
 /// Tunables of the lane. Both daemons must use the same ring shape (the

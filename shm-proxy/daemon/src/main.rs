@@ -107,8 +107,12 @@ struct Args {
     check_config: bool,
 }
 
-/// The transports `--lane-transport` accepts.
+/// The transports `--lane-transport` accepts (`tcp-test` only in a build
+/// with the `test-transport` feature).
+#[cfg(feature = "test-transport")]
 const LANE_TRANSPORTS: [&str; 3] = ["tcp-test", "rdma", "off"];
+#[cfg(not(feature = "test-transport"))]
+const LANE_TRANSPORTS: [&str; 2] = ["rdma", "off"];
 
 impl Args {
     /// Where the relay listens, when it is on.
@@ -120,6 +124,12 @@ impl Args {
     fn check(&self) -> anyhow::Result<()> {
         if !(self.intent_timeout.is_finite() && self.intent_timeout > 0.0) {
             anyhow::bail!("--intent-timeout must be a positive number of seconds");
+        }
+        if cfg!(not(feature = "test-transport")) && self.lane_transport == "tcp-test" {
+            anyhow::bail!(
+                "--lane-transport tcp-test: this flowlaned was built without the test transport \
+                 (cargo feature `test-transport`; tests/run builds with it, the image does not)"
+            );
         }
         if !LANE_TRANSPORTS.contains(&self.lane_transport.as_str()) {
             anyhow::bail!(
@@ -279,6 +289,7 @@ fn start_relay(
         )
     };
     let transport: Arc<dyn flowlane_rdma::LaneTransport> = match args.lane_transport.as_str() {
+        #[cfg(feature = "test-transport")]
         "tcp-test" => {
             tracing::warn!("--lane-transport tcp-test: the test transport (one TCP connection per stream), not for production");
             Arc::new(
@@ -292,7 +303,10 @@ fn start_relay(
         // and the lane opens when a port comes up; a port that goes down or
         // a device being removed closes it.
         "rdma" => rdma_lane::SupervisedRdma::start(nodes.clone(), listen, auth).0,
-        other => anyhow::bail!("--lane-transport {other}: unknown (tcp-test, rdma)"),
+        other => anyhow::bail!(
+            "--lane-transport {other}: unknown ({})",
+            LANE_TRANSPORTS.join(", ")
+        ),
     };
     let router = relay::route::Router::new(nodes, transport.name() == "rdma");
     let name = transport.name();

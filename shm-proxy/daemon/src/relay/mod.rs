@@ -33,6 +33,7 @@ pub mod frames;
 mod os;
 mod placed;
 pub mod route;
+#[cfg(feature = "test-transport")]
 pub mod tcp_test;
 mod wait_trace;
 
