@@ -193,8 +193,11 @@ bad:
     return -1;
 }
 
-/* Whether `lib` defines version `name` (its version definitions). */
-static int defines(const struct elf *lib, const char *name) {
+/*
+ * Calls `each` with the name of every version `lib` defines (its version
+ * definitions) until it returns nonzero; returns that value (0: none did).
+ */
+static int each_verdef(const struct elf *lib, int (*each)(const char *, void *), void *ctx) {
     uint64_t va = lib->verdef;
     for (uint64_t i = 0; va && i < lib->verdefnum && i < 4096; i++) {
         size_t off, aoff;
@@ -206,8 +209,9 @@ static int defines(const struct elf *lib, const char *name) {
             Elf64_Verdaux aux;
             memcpy(&aux, lib->data + aoff, sizeof aux);
             const char *s = dynstr(lib, aux.vda_name);
-            if (s && strcmp(s, name) == 0)
-                return 1;
+            int r = s ? each(s, ctx) : 0;
+            if (r)
+                return r;
         }
         if (vd.vd_next == 0)
             break;
@@ -216,29 +220,25 @@ static int defines(const struct elf *lib, const char *name) {
     return 0;
 }
 
+static int is_named(const char *s, void *name) { return strcmp(s, name) == 0; }
+
+/* Whether `lib` defines version `name`. */
+static int defines(const struct elf *lib, const char *name) {
+    return each_verdef(lib, is_named, (void *)name);
+}
+
+static int newest_glibc(const char *s, void *best) {
+    unsigned minor;
+    char tail;
+    if (sscanf(s, "GLIBC_2.%u%c", &minor, &tail) == 1 && minor > *(unsigned *)best)
+        *(unsigned *)best = minor;
+    return 0;
+}
+
 /* The newest GLIBC_2.N that `libc` defines, as N (0: none). */
 static unsigned glibc_minor(const struct elf *libc) {
     unsigned best = 0;
-    uint64_t va = libc->verdef;
-    for (uint64_t i = 0; va && i < libc->verdefnum && i < 4096; i++) {
-        size_t off, aoff;
-        if (va_to_off(libc, va, sizeof(Elf64_Verdef), &off) != 0)
-            break;
-        Elf64_Verdef vd;
-        memcpy(&vd, libc->data + off, sizeof vd);
-        if (vd.vd_cnt > 0 && va_to_off(libc, va + vd.vd_aux, sizeof(Elf64_Verdaux), &aoff) == 0) {
-            Elf64_Verdaux aux;
-            memcpy(&aux, libc->data + aoff, sizeof aux);
-            const char *s = dynstr(libc, aux.vda_name);
-            unsigned minor;
-            char tail;
-            if (s && sscanf(s, "GLIBC_2.%u%c", &minor, &tail) == 1 && minor > best)
-                best = minor;
-        }
-        if (vd.vd_next == 0)
-            break;
-        va += vd.vd_next;
-    }
+    each_verdef(libc, newest_glibc, &best);
     return best;
 }
 
