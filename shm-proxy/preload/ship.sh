@@ -27,3 +27,5 @@ mkdir -p "$TARGET_DIR/release/shipped"
 cp "$TARGET_DIR/$TRIPLE/release/libflowlane_preload.so" "$TARGET_DIR/release/shipped/.libflowlane_preload.so.new"
 mv -f "$TARGET_DIR/release/shipped/.libflowlane_preload.so.new" "$TARGET_DIR/release/shipped/libflowlane_preload.so"
 echo "ship.sh: $TARGET_DIR/release/shipped/libflowlane_preload.so (glibc >= $FLOOR)"
+# The injection's init-container probe and the no-op object ship beside it.
+bash deploy/probe/build.sh

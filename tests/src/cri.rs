@@ -73,6 +73,12 @@ fn add_blob(layout: &Path, file: &Path) -> (String, u64) {
 /// named `name` (e.g. `docker.io/library/flt-pause:1`) with `cmd` as its
 /// command, importable with `ctr image import`.
 pub fn oci_image_tar(rootfs: &Path, out: &Path, name: &str, cmd: &[&str]) {
+    oci_image_tar_with_env(rootfs, out, name, cmd, &[]);
+}
+
+/// As [`oci_image_tar`], with `env` (`NAME=value`) added to the image
+/// config's `Env` (an image's own `ENV` lines).
+pub fn oci_image_tar_with_env(rootfs: &Path, out: &Path, name: &str, cmd: &[&str], env: &[&str]) {
     let layout = out.with_extension("layout");
     fs::create_dir_all(layout.join("blobs/sha256")).unwrap();
     let layer = layout.join("layer.tar");
@@ -89,9 +95,12 @@ pub fn oci_image_tar(rootfs: &Path, out: &Path, name: &str, cmd: &[&str]) {
     ])
     .expect_ok("tar layer");
     let (layer_digest, layer_size) = add_blob(&layout, &layer);
+    let mut image_env =
+        vec!["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string()];
+    image_env.extend(env.iter().map(|e| e.to_string()));
     let config = json!({
         "architecture": "amd64", "os": "linux",
-        "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": cmd},
+        "config": {"Env": image_env, "Cmd": cmd},
         "rootfs": {"type": "layers", "diff_ids": [format!("sha256:{layer_digest}")]},
     });
     let cfile = layout.join("config.json");

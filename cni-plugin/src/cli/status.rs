@@ -220,6 +220,29 @@ fn render(s: &Stats) -> String {
             .collect();
         out += &table(&["POD", "ADDRESS", "PROCESSES"], &rows);
     }
+    // The webhook's probes: which containers load the library (lane) and which
+    // stay on plain TCP (musl, no libc, glibc too old), per pod and image.
+    if !s.injections.is_empty() {
+        let _ = writeln!(out, "\nINJECTION: {}", s.injections.len());
+        let rows: Vec<Vec<String>> = s
+            .injections
+            .iter()
+            .map(|i| {
+                let verdict = match i.verdict {
+                    flowlane_lane::proto::InjectionVerdict::Lane => "lane",
+                    flowlane_lane::proto::InjectionVerdict::Tcp => "tcp",
+                };
+                vec![
+                    i.pod.clone(),
+                    i.containers.join(","),
+                    verdict.to_string(),
+                    i.libc.clone(),
+                    i.reason.clone(),
+                ]
+            })
+            .collect();
+        out += &table(&["POD", "CONTAINERS", "GETS", "LIBC", "WHY"], &rows);
+    }
     out
 }
 
@@ -297,6 +320,20 @@ mod tests {
         assert!(
             !t.contains("peer_unknown"),
             "zero counts are not shown: {t}"
+        );
+        assert!(!t.contains("INJECTION"), "no probe reported: {t}");
+        s.injections.push(flowlane_lane::proto::InjectionInfo {
+            pod: "default/mixed".into(),
+            containers: vec!["tool".into(), "sidecar".into()],
+            verdict: flowlane_lane::proto::InjectionVerdict::Tcp,
+            libc: "musl".into(),
+            reason: "musl cannot load a glibc library".into(),
+        });
+        let t = render(&s);
+        assert!(t.contains("INJECTION: 1"), "{t}");
+        assert!(
+            t.contains("default/mixed  tool,sidecar  tcp   musl  musl cannot load a glibc library"),
+            "{t}"
         );
     }
 }

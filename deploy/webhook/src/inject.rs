@@ -1,32 +1,57 @@
 //! The injection decision and the JSON patch for one pod: a pure function of the
 //! AdmissionReview request, so every case is unit-testable with recorded requests.
 //!
-//! What an injected container gets (all read-only, nothing else changes):
-//! - volume `flowlane-preload` (hostPath `/opt/flowlane/lib`) mounted at the same path,
-//! - volume `flowlane-run` (hostPath `/run/flowlane`, the daemon's socket directory),
-//! - `LD_PRELOAD=/opt/flowlane/lib/libflowlane_preload.so` (appended with `:` to a
+//! What an injected pod gets (nothing else changes):
+//! - per distinct image of its injected containers, an init container
+//!   `flowlane-probe-<k>` that runs IN THAT IMAGE the node's static probe
+//!   (`deploy/probe/probe.c`, from the hostPath volume `flowlane-preload`, the node's
+//!   `/opt/flowlane/lib`, mounted read-only at `/opt/flowlane/node`). The probe reads
+//!   the image's dynamic loader and libraries and writes into the emptyDir volume
+//!   `flowlane-lib` (subPath `p<k>`) either the preload library (the image's libraries
+//!   define every symbol version it needs) or a no-op object (musl, no loader, glibc
+//!   too old): never fatal, the app starts either way;
+//! - in each injected container: `flowlane-lib` (subPath `p<k>` of its image's probe)
+//!   at `/opt/flowlane/lib` and `flowlane-run` (hostPath `/run/flowlane`, the daemon's
+//!   socket directory) at `/run/flowlane`, both read-only;
+//!   `LD_PRELOAD=/opt/flowlane/lib/libflowlane_preload.so` (appended with `:` to a
 //!   value the container already sets) and `FLOWLANE_SOCKET=/run/flowlane/flowlaned.sock`.
 //!
 //! The patch is idempotent per container: a container that already has the mounts is
 //! left alone, so a re-invocation (reinvocationPolicy IfNeeded) only touches containers
-//! another webhook added since.
+//! another webhook added since (a probe already there for the same image is reused).
 
 use serde_json::{json, Value};
 
-/// Pod annotation: `"true"` opts a pod in, `"false"` opts it out (and wins over the
-/// namespace label `flowlane.io/inject=enabled`).
+/// Pod label (the webhook's `objectSelector` matches it, so the API server calls the
+/// webhook only for pods that asked) or annotation: `"true"` opts a pod in, `"false"`
+/// opts it out (and wins over the namespace label `flowlane.io/inject=enabled`).
 pub const INJECT_ANNOTATION: &str = "flowlane.io/inject";
+/// The same key as a pod label (see [`INJECT_ANNOTATION`]).
+pub const INJECT_LABEL: &str = INJECT_ANNOTATION;
 /// Set on every pod the webhook changed.
 pub const INJECTED_ANNOTATION: &str = "flowlane.io/injected";
 /// Pod annotation: comma-separated container names to leave alone (sidecars, proxies).
 pub const SKIP_CONTAINERS_ANNOTATION: &str = "flowlane.io/skip-containers";
 
+/// Where app containers find the library (the pod's emptyDir, filled by the probe).
 pub const PRELOAD_DIR: &str = "/opt/flowlane/lib";
 pub const PRELOAD_LIB: &str = "/opt/flowlane/lib/libflowlane_preload.so";
+/// The node's flowlane library directory (hostPath; the DaemonSet installs the
+/// library, the no-op object and the probe there).
+pub const HOST_LIB_DIR: &str = "/opt/flowlane/lib";
+/// Where the probe containers see [`HOST_LIB_DIR`].
+pub const NODE_LIB_DIR: &str = "/opt/flowlane/node";
+/// The probe, as the init containers run it.
+pub const PROBE: &str = "/opt/flowlane/node/flowlane-probe";
+/// Name prefix of the probe init containers (`flowlane-probe-<k>`).
+pub const PROBE_PREFIX: &str = "flowlane-probe-";
 pub const SOCKET_DIR: &str = "/run/flowlane";
 pub const SOCKET_PATH: &str = "/run/flowlane/flowlaned.sock";
 const PRELOAD_VOLUME: &str = "flowlane-preload";
+const LIB_VOLUME: &str = "flowlane-lib";
 const SOCKET_VOLUME: &str = "flowlane-run";
+/// More init containers than this (distinct images) and the rest is left alone.
+const MAX_PROBES: usize = 32;
 
 /// Why the API server sent the pod: the two webhook entries have disjoint namespace
 /// selectors and distinct paths, because the AdmissionReview does not carry the
@@ -97,10 +122,18 @@ pub fn decide(pod: &Value, scope: Scope) -> Decision {
         reason: reason.to_string(),
     };
     let annotations = &pod["metadata"]["annotations"];
-    match (annotations[INJECT_ANNOTATION].as_str(), scope) {
-        (Some("false"), _) => return skip("pod opts out (flowlane.io/inject: \"false\")"),
-        (Some("true"), _) | (_, Scope::NamespaceOptIn) => {}
-        (_, Scope::PodOptIn) => return skip("not opted in"),
+    let labels = &pod["metadata"]["labels"];
+    // The label is what the webhook's objectSelector sees; the annotation is the older
+    // spelling. Either one saying "false" opts out.
+    let says = |v: &str| {
+        annotations[INJECT_ANNOTATION].as_str() == Some(v)
+            || labels[INJECT_LABEL].as_str() == Some(v)
+    };
+    if says("false") {
+        return skip("pod opts out (flowlane.io/inject: \"false\")");
+    }
+    if scope == Scope::PodOptIn && !says("true") {
+        return skip("not opted in");
     }
     // A host-network pod is not wired by the CNI plugin: it has no pod netns the daemon
     // could recognise, so every connection would stay on TCP anyway.
@@ -117,6 +150,7 @@ pub fn decide(pod: &Value, scope: Scope) -> Decision {
         })
         .unwrap_or_default();
 
+    let mut probes = Probes::of(pod);
     let mut patch = Vec::new();
     let mut injected = Vec::new();
     let mut passed = Vec::new();
@@ -133,7 +167,7 @@ pub fn decide(pod: &Value, scope: Scope) -> Decision {
             passed.push(format!("{name} (flowlane.io/skip-containers)"));
             continue;
         }
-        match container_patch(i, container) {
+        match container_patch(i, container, &mut probes) {
             ContainerPatch::Inject(ops) => {
                 patch.extend(ops);
                 injected.push(name.to_string());
@@ -152,6 +186,11 @@ pub fn decide(pod: &Value, scope: Scope) -> Decision {
     }
 
     let mut pod_ops = volume_ops(pod);
+    pod_ops.extend(append_ops(
+        "/spec/initContainers",
+        pod["spec"]["initContainers"].is_array(),
+        probes.new_init_containers(),
+    ));
     if annotations.is_null() {
         pod_ops.push(json!({"op": "add", "path": "/metadata/annotations", "value": {}}));
     }
@@ -173,13 +212,121 @@ pub fn decide(pod: &Value, scope: Scope) -> Decision {
     }
 }
 
+/// The probe init containers of one pod: those it has (a re-invocation) and those
+/// this decision adds, one per distinct image.
+struct Probes {
+    /// (k, image) of the probes the pod already has.
+    existing: Vec<(usize, String)>,
+    /// (k, image, imagePullPolicy, container names) of the probes to add.
+    new: Vec<(usize, String, Option<String>, Vec<String>)>,
+}
+
+impl Probes {
+    fn of(pod: &Value) -> Probes {
+        let existing = pod["spec"]["initContainers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| {
+                let k = c["name"]
+                    .as_str()?
+                    .strip_prefix(PROBE_PREFIX)?
+                    .parse()
+                    .ok()?;
+                Some((k, c["image"].as_str()?.to_string()))
+            })
+            .collect();
+        Probes {
+            existing,
+            new: Vec::new(),
+        }
+    }
+
+    /// The probe (its k) that serves `container`'s image, added if needed; `None`
+    /// when the pod has [`MAX_PROBES`] already.
+    fn serve(&mut self, image: &str, container: &Value) -> Option<usize> {
+        let name = container["name"].as_str().unwrap_or("").to_string();
+        if let Some((k, _)) = self.existing.iter().find(|(_, i)| i == image) {
+            return Some(*k);
+        }
+        if let Some(p) = self.new.iter_mut().find(|p| p.1 == image) {
+            p.3.push(name);
+            return Some(p.0);
+        }
+        if self.existing.len() + self.new.len() >= MAX_PROBES {
+            return None;
+        }
+        let k = self
+            .existing
+            .iter()
+            .map(|p| p.0 + 1)
+            .chain(self.new.iter().map(|p| p.0 + 1))
+            .max()
+            .unwrap_or(0);
+        let pull = container["imagePullPolicy"].as_str().map(str::to_string);
+        self.new.push((k, image.to_string(), pull, vec![name]));
+        Some(k)
+    }
+
+    fn new_init_containers(&self) -> Vec<Value> {
+        self.new
+            .iter()
+            .map(|(k, image, pull, names)| probe_container(*k, image, pull.as_deref(), names))
+            .collect()
+    }
+}
+
+/// The init container that runs the probe in `image` for containers `names`.
+pub fn probe_container(k: usize, image: &str, pull: Option<&str>, names: &[String]) -> Value {
+    let mut command = vec![
+        PROBE.to_string(),
+        NODE_LIB_DIR.to_string(),
+        PRELOAD_DIR.to_string(),
+    ];
+    command.extend(names.iter().cloned());
+    let mut c = json!({
+        "name": format!("{PROBE_PREFIX}{k}"),
+        "image": image,
+        "command": command,
+        "env": [{"name": "FLOWLANE_SOCKET", "value": SOCKET_PATH}],
+        "volumeMounts": [
+            {"name": PRELOAD_VOLUME, "mountPath": NODE_LIB_DIR, "readOnly": true},
+            {"name": LIB_VOLUME, "mountPath": PRELOAD_DIR, "subPath": format!("p{k}")},
+            {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR, "readOnly": true},
+        ],
+        // Small and bounded: the probe reads a few ELF files and copies one.
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "16Mi"},
+            "limits": {"cpu": "200m", "memory": "64Mi"},
+        },
+        // What Pod Security "restricted" asks of a container; the probe needs no
+        // privilege (the emptyDir is world-writable, the node's files world-readable).
+        "securityContext": {
+            "runAsNonRoot": true,
+            "runAsUser": 65534,
+            "runAsGroup": 65534,
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": true,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        // The probe writes its verdict there: the pod's status shows it.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "File",
+    });
+    if let Some(p) = pull {
+        c["imagePullPolicy"] = json!(p);
+    }
+    c
+}
+
 enum ContainerPatch {
     Inject(Vec<Value>),
     AlreadyInjected,
     Skip(&'static str),
 }
 
-fn container_patch(index: usize, container: &Value) -> ContainerPatch {
+fn container_patch(index: usize, container: &Value, probes: &mut Probes) -> ContainerPatch {
     let base = format!("/spec/containers/{index}");
     let mounts = container["volumeMounts"]
         .as_array()
@@ -187,7 +334,7 @@ fn container_patch(index: usize, container: &Value) -> ContainerPatch {
         .unwrap_or_default();
     let mounted_at = |path: &str| mounts.iter().find(|m| m["mountPath"] == path);
     match (mounted_at(PRELOAD_DIR), mounted_at(SOCKET_DIR)) {
-        (Some(a), Some(b)) if a["name"] == PRELOAD_VOLUME && b["name"] == SOCKET_VOLUME => {
+        (Some(a), Some(b)) if a["name"] == LIB_VOLUME && b["name"] == SOCKET_VOLUME => {
             return ContainerPatch::AlreadyInjected
         }
         (None, None) => {}
@@ -195,16 +342,23 @@ fn container_patch(index: usize, container: &Value) -> ContainerPatch {
     }
     let env = container["env"].as_array().cloned().unwrap_or_default();
     let find_env = |name: &str| env.iter().position(|e| e["name"] == name);
+    // Checked before a probe is added for the image.
+    if find_env("LD_PRELOAD").is_some_and(|j| env[j].get("valueFrom").is_some()) {
+        // A value from a ConfigMap/Secret/field cannot be extended in the pod spec.
+        return ContainerPatch::Skip("LD_PRELOAD comes from valueFrom");
+    }
+    let Some(image) = container["image"].as_str().filter(|i| !i.is_empty()) else {
+        return ContainerPatch::Skip("no image");
+    };
+    let Some(k) = probes.serve(image, container) else {
+        return ContainerPatch::Skip("too many distinct images");
+    };
 
     let mut ops = Vec::new();
     let mut new_env = Vec::new();
     match find_env("LD_PRELOAD") {
         None => new_env.push(json!({"name": "LD_PRELOAD", "value": PRELOAD_LIB})),
         Some(j) => {
-            // A value from a ConfigMap/Secret/field cannot be extended in the pod spec.
-            if env[j].get("valueFrom").is_some() {
-                return ContainerPatch::Skip("LD_PRELOAD comes from valueFrom");
-            }
             let existing = env[j]["value"].as_str().unwrap_or("");
             // ld.so takes a list separated by ':' or ' '; the application's own libraries
             // stay first, so their interposers see calls before ours.
@@ -231,26 +385,40 @@ fn container_patch(index: usize, container: &Value) -> ContainerPatch {
         &format!("{base}/volumeMounts"),
         container["volumeMounts"].is_array(),
         vec![
-            json!({"name": PRELOAD_VOLUME, "mountPath": PRELOAD_DIR, "readOnly": true}),
+            json!({"name": LIB_VOLUME, "mountPath": PRELOAD_DIR, "subPath": format!("p{k}"), "readOnly": true}),
             json!({"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR, "readOnly": true}),
         ],
     ));
     ContainerPatch::Inject(ops)
 }
 
-/// The pod-level volumes, added once. `DirectoryOrCreate`: on a node where flowlane is
-/// not (yet) installed the pod still starts; ld.so then warns that the library cannot be
-/// preloaded and the program runs on plain TCP.
+/// The pod-level volumes, added once: the node's library directory and the daemon's
+/// socket directory (hostPath, `DirectoryOrCreate`), and the pod's own `flowlane-lib`
+/// emptyDir the probes fill.
 fn volume_ops(pod: &Value) -> Vec<Value> {
     let volumes = pod["spec"]["volumes"]
         .as_array()
         .cloned()
         .unwrap_or_default();
-    let wanted = [(PRELOAD_VOLUME, PRELOAD_DIR), (SOCKET_VOLUME, SOCKET_DIR)];
+    let wanted = [
+        (
+            PRELOAD_VOLUME,
+            json!({"hostPath": {"path": HOST_LIB_DIR, "type": "DirectoryOrCreate"}}),
+        ),
+        (
+            SOCKET_VOLUME,
+            json!({"hostPath": {"path": SOCKET_DIR, "type": "DirectoryOrCreate"}}),
+        ),
+        // A few MiB: the library (or the no-op object) per distinct image.
+        (LIB_VOLUME, json!({"emptyDir": {"sizeLimit": "256Mi"}})),
+    ];
     let missing: Vec<Value> = wanted
-        .iter()
+        .into_iter()
         .filter(|(name, _)| !volumes.iter().any(|v| v["name"] == *name))
-        .map(|(name, path)| json!({"name": name, "hostPath": {"path": path, "type": "DirectoryOrCreate"}}))
+        .map(|(name, mut source)| {
+            source["name"] = json!(name);
+            source
+        })
         .collect();
     append_ops("/spec/volumes", pod["spec"]["volumes"].is_array(), missing)
 }

@@ -214,9 +214,14 @@ fn assert_injected(c: &Value, ld_preload: &str) {
     assert_eq!(env(c, "LD_PRELOAD"), Some(ld_preload), "{}", c["name"]);
     assert_eq!(env(c, "FLOWLANE_SOCKET"), Some(SOCKET));
     let mounts = c["volumeMounts"].as_array().unwrap();
-    assert!(mounts.contains(
-        &json!({"name": "flowlane-preload", "mountPath": "/opt/flowlane/lib", "readOnly": true})
-    ));
+    // the pod's emptyDir that its image's probe filled (subPath p<k>)
+    assert!(
+        mounts.iter().any(|m| m["name"] == "flowlane-lib"
+            && m["mountPath"] == "/opt/flowlane/lib"
+            && m["readOnly"] == true
+            && m["subPath"].as_str().is_some_and(|s| s.starts_with('p'))),
+        "{mounts:?}"
+    );
     assert!(mounts.contains(
         &json!({"name": "flowlane-run", "mountPath": "/run/flowlane", "readOnly": true})
     ));
@@ -226,6 +231,22 @@ fn assert_pod_volumes(pod: &Value) {
     let volumes = pod["spec"]["volumes"].as_array().unwrap();
     assert!(volumes.contains(&json!({"name": "flowlane-preload", "hostPath": {"path": "/opt/flowlane/lib", "type": "DirectoryOrCreate"}})));
     assert!(volumes.contains(&json!({"name": "flowlane-run", "hostPath": {"path": "/run/flowlane", "type": "DirectoryOrCreate"}})));
+    assert!(volumes.contains(&json!({"name": "flowlane-lib", "emptyDir": {"sizeLimit": "256Mi"}})));
+    // one probe per distinct image, in that image
+    let images: std::collections::BTreeSet<&str> = pod["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["image"].as_str().unwrap())
+        .collect();
+    let probes: std::collections::BTreeSet<&str> = pod["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["name"].as_str().unwrap().starts_with("flowlane-probe-"))
+        .map(|c| c["image"].as_str().unwrap())
+        .collect();
+    assert_eq!(images, probes);
     assert_eq!(
         pod["metadata"]["annotations"]["flowlane.io/injected"],
         "true"
@@ -254,9 +275,10 @@ async fn admission_reviews_over_https_are_patched_as_expected() {
     assert_injected(&after["spec"]["containers"][0], PRELOAD_LIB);
     assert_injected(&after["spec"]["containers"][1], PRELOAD_LIB);
     assert_eq!(env(&after["spec"]["containers"][0], "RANK"), Some("0"));
+    // the pod's own init containers stay first and unchanged
     assert_eq!(
-        after["spec"]["initContainers"],
-        before["spec"]["initContainers"]
+        after["spec"]["initContainers"][0],
+        before["spec"]["initContainers"][0]
     );
     assert_pod_volumes(&after);
 

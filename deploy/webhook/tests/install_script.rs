@@ -189,7 +189,11 @@ fn install_writes_binaries_and_the_conflist_for_this_nodes_pod_cidrs() {
     assert_eq!(listing(&r.join("opt/cni/bin")), ["flowlane", "flowlaned"]);
     assert_eq!(
         listing(&r.join("opt/flowlane/lib")),
-        ["libflowlane_preload.so"]
+        [
+            "flowlane-probe",
+            "libflowlane_noop.so",
+            "libflowlane_preload.so"
+        ]
     );
     assert_eq!(
         listing(&r.join("etc/cni/net.d")),
@@ -200,6 +204,8 @@ fn install_writes_binaries_and_the_conflist_for_this_nodes_pod_cidrs() {
     let mode = |p: &str| std::fs::metadata(r.join(p)).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode("opt/cni/bin/flowlane"), 0o755);
     assert_eq!(mode("opt/flowlane/lib/libflowlane_preload.so"), 0o644);
+    assert_eq!(mode("opt/flowlane/lib/libflowlane_noop.so"), 0o644);
+    assert_eq!(mode("opt/flowlane/lib/flowlane-probe"), 0o755);
     assert_eq!(mode("etc/cni/net.d/10-flowlane.conflist"), 0o644);
     assert_eq!(
         std::fs::read(r.join("opt/cni/bin/flowlane")).unwrap(),

@@ -692,7 +692,7 @@ fn the_node_agent_is_complete_and_runs_the_rdma_lane() {
     );
     assert_eq!(
         host_paths["preload-lib"],
-        flowlane_webhook::inject::PRELOAD_DIR
+        flowlane_webhook::inject::HOST_LIB_DIR
     );
     assert_eq!(host_paths["run"], flowlane_webhook::inject::SOCKET_DIR);
 
@@ -1016,6 +1016,83 @@ fn the_webhook_wiring_matches_the_server() {
             "{labels:?}"
         );
     }
+    // the objectSelectors: only pods that asked are sent, an opted-out one never
+    let object_selector = |path: &str| {
+        let h = hooks
+            .iter()
+            .find(|h| h.client_config.service.as_ref().unwrap().path.as_deref() == Some(path))
+            .unwrap();
+        let sel = h
+            .object_selector
+            .as_ref()
+            .unwrap_or_else(|| panic!("{path}: an objectSelector (cheap admission)"));
+        let mut exprs = sel.match_expressions.clone().unwrap_or_default();
+        for (k, v) in sel.match_labels.iter().flatten() {
+            exprs.push(
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement {
+                    key: k.clone(),
+                    operator: "In".into(),
+                    values: Some(vec![v.clone()]),
+                },
+            );
+        }
+        exprs
+    };
+    let ns_obj = object_selector("/mutate/namespace");
+    let pod_obj = object_selector("/mutate/pod");
+    let sent = |ns: &BTreeMap<&str, &str>, pod: &BTreeMap<&str, &str>| {
+        (
+            matches(&ns_sel, ns) && matches(&ns_obj, pod),
+            matches(&pod_sel, ns) && matches(&pod_obj, pod),
+        )
+    };
+    let pod_labels = |inject: Option<&'static str>| {
+        let mut l = BTreeMap::from([("app", "trainer")]);
+        if let Some(i) = inject {
+            l.insert("flowlane.io/inject", i);
+        }
+        l
+    };
+    for (ns, pod, expected) in [
+        (
+            ns_labels("training", Some("enabled")),
+            pod_labels(None),
+            (true, false),
+        ),
+        (
+            ns_labels("training", Some("enabled")),
+            pod_labels(Some("true")),
+            (true, false),
+        ),
+        (
+            ns_labels("training", Some("enabled")),
+            pod_labels(Some("false")),
+            (false, false),
+        ),
+        (ns_labels("default", None), pod_labels(None), (false, false)),
+        (
+            ns_labels("default", None),
+            pod_labels(Some("true")),
+            (false, true),
+        ),
+        (
+            ns_labels("default", None),
+            pod_labels(Some("false")),
+            (false, false),
+        ),
+        (
+            ns_labels("other", Some("disabled")),
+            pod_labels(Some("true")),
+            (false, false),
+        ),
+        (
+            ns_labels("kube-system", None),
+            pod_labels(Some("true")),
+            (false, false),
+        ),
+    ] {
+        assert_eq!(sent(&ns, &pod), expected, "namespace {ns:?}, pod {pod:?}");
+    }
     for ns in &objects.namespaces {
         let labels: BTreeMap<&str, &str> = ns
             .metadata
@@ -1103,7 +1180,13 @@ fn every_binary_a_manifest_runs_is_in_the_image() {
         )),
         "{script}"
     );
-    for bin in ["flowlane", "flowlaned", "libflowlane_preload.so"] {
+    for bin in [
+        "flowlane",
+        "flowlaned",
+        "libflowlane_preload.so",
+        "libflowlane_noop.so",
+        "flowlane-probe",
+    ] {
         assert!(
             in_image.contains(&format!("{dest}{bin}")),
             "{bin} in the image"

@@ -10,6 +10,7 @@ mod broker;
 mod channel_store;
 mod counters;
 mod identity;
+mod injections;
 mod listener_store;
 mod memfd;
 mod metrics;

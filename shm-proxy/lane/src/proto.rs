@@ -87,6 +87,39 @@ pub enum Request {
         peer: SocketAddr,
         socket_fd: i32,
     },
+    /// The injection probe's verdict for the caller's pod (`deploy/probe`: the
+    /// init container the webhook adds per distinct image, run in that image):
+    /// whether `containers` load the preload library. Added after protocol 1
+    /// without a version bump (older daemons answer `bad-request`; the probe
+    /// ignores the answer).
+    ReportInjection {
+        verdict: InjectionVerdict,
+        /// What the probe found: `glibc 2.36`, `musl`, `none`, ...
+        libc: String,
+        /// Why, in words.
+        reason: String,
+        containers: Vec<String>,
+    },
+}
+
+/// The injection probe's decision for one image of a pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InjectionVerdict {
+    /// The library is in place: the containers use the lanes.
+    Lane,
+    /// The no-op object is in place: the containers stay on plain TCP.
+    Tcp,
+}
+
+/// One probe verdict of a pod of this node (see [`Request::ReportInjection`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InjectionInfo {
+    pub pod: String,
+    pub containers: Vec<String>,
+    pub verdict: InjectionVerdict,
+    pub libc: String,
+    pub reason: String,
 }
 
 impl Request {
@@ -104,6 +137,7 @@ impl Request {
             Request::Stats => "stats",
             Request::RelayableIntent { .. } => "relayable-intent",
             Request::RelayableClaim { .. } => "relayable-claim",
+            Request::ReportInjection { .. } => "report-injection",
         }
     }
 }
@@ -274,6 +308,11 @@ pub struct Stats {
     /// without a relay and in older daemons.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub relay_memory: Option<RelayMemory>,
+    /// The injection probes' verdicts for the node's pods (which containers
+    /// got the lane, which stay on TCP and why); absent when no probe
+    /// reported and in older daemons.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub injections: Vec<InjectionInfo>,
 }
 
 /// Memory the relay holds for its connections (`--relay-memory-budget`).
@@ -539,7 +578,31 @@ mod tests {
                 peer: b,
                 socket_fd: 9,
             },
+            Request::ReportInjection {
+                verdict: InjectionVerdict::Tcp,
+                libc: "musl".into(),
+                reason: "musl cannot load a glibc library".into(),
+                containers: vec!["app".into(), "tool".into()],
+            },
         ]
+    }
+
+    #[test]
+    fn the_probes_report_decodes() {
+        // byte for byte what deploy/probe/probe.c writes
+        let body = br#"{"op":"report-injection","verdict":"lane","libc":"glibc 2.36","reason":"ok","containers":["app"]}"#;
+        assert_eq!(
+            decode_request(body).unwrap(),
+            Request::ReportInjection {
+                verdict: InjectionVerdict::Lane,
+                libc: "glibc 2.36".into(),
+                reason: "ok".into(),
+                containers: vec!["app".into()],
+            }
+        );
+        let bad =
+            br#"{"op":"report-injection","verdict":"maybe","libc":"","reason":"","containers":[]}"#;
+        assert!(decode_request(bad).is_err());
     }
 
     #[test]

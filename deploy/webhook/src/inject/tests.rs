@@ -54,10 +54,7 @@ fn assert_injected(container: &Value) {
     );
     assert_eq!(env_of(container, "FLOWLANE_SOCKET"), Some(SOCKET_PATH));
     let mounts = container["volumeMounts"].as_array().unwrap();
-    for (name, path) in [
-        ("flowlane-preload", PRELOAD_DIR),
-        ("flowlane-run", SOCKET_DIR),
-    ] {
+    for (name, path) in [("flowlane-lib", PRELOAD_DIR), ("flowlane-run", SOCKET_DIR)] {
         let m = mounts
             .iter()
             .find(|m| m["name"] == name)
@@ -65,6 +62,48 @@ fn assert_injected(container: &Value) {
         assert_eq!(m["mountPath"], path);
         assert_eq!(m["readOnly"], true, "{name} is read-only");
     }
+    assert!(
+        mounts.iter().all(|m| m["name"] != "flowlane-preload"),
+        "the node's directory is the probe's, not the app's"
+    );
+}
+
+/// The probe init container that serves `container` in the patched `pod`: same
+/// image, writes the subPath the container reads.
+fn probe_of<'a>(pod: &'a Value, container: &Value) -> &'a Value {
+    let sub = container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "flowlane-lib")
+        .unwrap()["subPath"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let probe = pod["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| {
+            c["name"].as_str().unwrap().starts_with(PROBE_PREFIX)
+                && c["volumeMounts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|m| m["name"] == "flowlane-lib" && m["subPath"] == sub.as_str())
+        })
+        .expect("a probe writes the container's subPath");
+    assert_eq!(
+        probe["image"], container["image"],
+        "the probe runs in the app's image"
+    );
+    assert_eq!(probe["command"][0], PROBE);
+    assert_eq!(probe["command"][2], PRELOAD_DIR);
+    let sc = &probe["securityContext"];
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(sc["runAsNonRoot"], true);
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+    probe
 }
 
 #[test]
@@ -84,21 +123,40 @@ fn annotation_opt_in_injects_every_container_and_keeps_the_rest() {
         trainer["volumeMounts"][0],
         before["spec"]["containers"][0]["volumeMounts"][0]
     );
-    // init containers are set-up steps: untouched
-    assert_eq!(
-        after["spec"]["initContainers"],
-        before["spec"]["initContainers"]
-    );
+    // init containers are set-up steps: untouched; the probes come after them
+    let before_init = before["spec"]["initContainers"].as_array().unwrap();
+    let after_init = after["spec"]["initContainers"].as_array().unwrap();
+    assert_eq!(&after_init[..before_init.len()], &before_init[..]);
+    let probes: Vec<&Value> = after_init[before_init.len()..].iter().collect();
+    let images: std::collections::BTreeSet<&str> = after["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["image"].as_str().unwrap())
+        .collect();
+    assert_eq!(probes.len(), images.len(), "one probe per distinct image");
+    for c in after["spec"]["containers"].as_array().unwrap() {
+        let p = probe_of(&after, c);
+        assert!(
+            p["command"]
+                .as_array()
+                .unwrap()
+                .contains(&c["name"].clone()),
+            "the probe names the containers it serves"
+        );
+    }
     let volumes = after["spec"]["volumes"].as_array().unwrap();
-    assert_eq!(volumes.len(), 3);
+    assert_eq!(volumes.len(), 4);
     assert_eq!(
         volumes[1]["hostPath"],
-        json!({"path": PRELOAD_DIR, "type": "DirectoryOrCreate"})
+        json!({"path": HOST_LIB_DIR, "type": "DirectoryOrCreate"})
     );
     assert_eq!(
         volumes[2]["hostPath"],
         json!({"path": SOCKET_DIR, "type": "DirectoryOrCreate"})
     );
+    assert_eq!(volumes[3]["name"], "flowlane-lib");
+    assert!(volumes[3]["emptyDir"].is_object());
     assert_eq!(
         after["metadata"]["annotations"][INJECTED_ANNOTATION],
         "true"
@@ -177,9 +235,22 @@ fn a_container_added_later_is_injected_alone() {
     assert_injected(&again["spec"]["containers"][2]);
     assert_eq!(
         again["spec"]["volumes"].as_array().unwrap().len(),
-        3,
+        4,
         "no duplicate volumes"
     );
+    // a new image gets its own probe, an image already probed reuses it
+    let probe = probe_of(&again, &again["spec"]["containers"][2]);
+    assert_eq!(probe["command"].as_array().unwrap().last().unwrap(), "late");
+    let mut same = pod.clone();
+    let image = pod["spec"]["containers"][0]["image"].clone();
+    same["spec"]["containers"][2]["image"] = image;
+    let d = decide(&same, Scope::PodOptIn);
+    apply(&mut same, &d.patch);
+    assert_eq!(
+        same["spec"]["initContainers"], pod["spec"]["initContainers"],
+        "no second probe for the same image"
+    );
+    probe_of(&same, &same["spec"]["containers"][2]);
     assert_eq!(again["spec"]["containers"][0], pod["spec"]["containers"][0]);
 }
 
@@ -234,4 +305,94 @@ fn bad_bodies_are_refused_with_a_reason() {
     let update = br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"u","operation":"UPDATE","kind":{"kind":"Pod"},"object":{}}}"#;
     let (answer, _) = review(update, Scope::NamespaceOptIn).unwrap();
     assert_eq!(answer["response"], json!({"uid": "u", "allowed": true}));
+}
+
+#[test]
+fn the_pod_label_opts_in_and_out() {
+    let body = fixture("pod-namespace-opt-in");
+    let request: Value = serde_json::from_slice(&body).unwrap();
+    let pod = request["request"]["object"].clone();
+    // the label the objectSelector matches opts in outside a labelled namespace
+    let mut labelled = pod.clone();
+    labelled["metadata"]["labels"][INJECT_LABEL] = json!("true");
+    let d = decide(&labelled, Scope::PodOptIn);
+    let mut after = labelled.clone();
+    apply(&mut after, &d.patch);
+    assert_injected(&after["spec"]["containers"][0]);
+    probe_of(&after, &after["spec"]["containers"][0]);
+    // a pod without init containers gets the array
+    assert_eq!(after["spec"]["initContainers"].as_array().unwrap().len(), 1);
+    // "false" as a label or as an annotation wins over every opt-in
+    for scope in [Scope::NamespaceOptIn, Scope::PodOptIn] {
+        let mut out = labelled.clone();
+        out["metadata"]["labels"][INJECT_LABEL] = json!("false");
+        out["metadata"]["annotations"] = json!({INJECT_ANNOTATION: "true"});
+        assert!(decide(&out, scope).patch.is_empty(), "{scope:?}");
+        let mut out = labelled.clone();
+        out["metadata"]["annotations"] = json!({INJECT_ANNOTATION: "false"});
+        assert!(decide(&out, scope).patch.is_empty(), "{scope:?}");
+    }
+    // any other value opts nothing in
+    let mut other = pod.clone();
+    other["metadata"]["labels"][INJECT_LABEL] = json!("yes");
+    assert!(decide(&other, Scope::PodOptIn).patch.is_empty());
+}
+
+#[test]
+fn each_distinct_image_gets_one_probe_in_that_image() {
+    let body = fixture("pod-namespace-opt-in");
+    let request: Value = serde_json::from_slice(&body).unwrap();
+    let mut pod = request["request"]["object"].clone();
+    let first = pod["spec"]["containers"][0].clone();
+    let mut musl = first.clone();
+    musl["name"] = json!("alpine-tool");
+    musl["image"] = json!("alpine:3.20");
+    musl["imagePullPolicy"] = json!("Always");
+    let mut twin = first.clone();
+    twin["name"] = json!("twin");
+    let mut no_image = first.clone();
+    no_image["name"] = json!("broken");
+    no_image["image"] = json!("");
+    pod["spec"]["containers"] = json!([first, musl, twin, no_image]);
+    let d = decide(&pod, Scope::NamespaceOptIn);
+    let mut after = pod.clone();
+    apply(&mut after, &d.patch);
+    let init = after["spec"]["initContainers"].as_array().unwrap();
+    assert_eq!(init.len(), 2, "{init:?}");
+    let c = after["spec"]["containers"].as_array().unwrap();
+    for container in &c[..3] {
+        assert_injected(container);
+    }
+    assert_eq!(
+        probe_of(&after, &c[0])["name"],
+        probe_of(&after, &c[2])["name"]
+    );
+    let alpine = probe_of(&after, &c[1]);
+    assert_ne!(alpine["name"], probe_of(&after, &c[0])["name"]);
+    assert_eq!(alpine["imagePullPolicy"], "Always", "pulled as its app is");
+    assert_eq!(
+        alpine["command"].as_array().unwrap()[3..],
+        [json!("alpine-tool")]
+    );
+    assert_eq!(
+        probe_of(&after, &c[0])["command"].as_array().unwrap()[3..],
+        [json!("trainer"), json!("twin")]
+    );
+    assert_eq!(c[3], pod["spec"]["containers"][3], "no image: left alone");
+    assert!(d.reason.contains("broken (no image)"), "{}", d.reason);
+    // every probe mounts the node's directory read-only, the pod's emptyDir writable
+    for p in init {
+        let mounts = p["volumeMounts"].as_array().unwrap();
+        let node = mounts
+            .iter()
+            .find(|m| m["name"] == "flowlane-preload")
+            .unwrap();
+        assert_eq!(
+            (&node["mountPath"], &node["readOnly"]),
+            (&json!(NODE_LIB_DIR), &json!(true))
+        );
+        let lib = mounts.iter().find(|m| m["name"] == "flowlane-lib").unwrap();
+        assert!(lib.get("readOnly").is_none_or(|r| r == false));
+        assert_eq!(env_of(p, "FLOWLANE_SOCKET"), Some(SOCKET_PATH));
+    }
 }

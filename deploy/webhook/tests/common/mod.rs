@@ -64,7 +64,13 @@ pub fn install_tree(r: &Path, dirs: &[&str]) {
     for d in std::iter::once(&"src").chain(dirs) {
         std::fs::create_dir_all(r.join(d)).unwrap();
     }
-    for bin in ["flowlane", "flowlaned", "shipped/libflowlane_preload.so"] {
+    for bin in [
+        "flowlane",
+        "flowlaned",
+        "shipped/libflowlane_preload.so",
+        "shipped/libflowlane_noop.so",
+        "shipped/flowlane-probe",
+    ] {
         let from = release_dir().join(bin);
         let bin = bin.rsplit('/').next().unwrap();
         std::fs::copy(&from, r.join("src").join(bin))

@@ -238,6 +238,8 @@ pub struct Broker {
     /// whose pods may report their close, and which sides did.
     inherited: HashMap<u64, ChannelRecord>,
     channel_store: ChannelStore,
+    /// The injection probes' verdicts for this node's pods.
+    injections: crate::injections::Injections,
 }
 
 impl Broker {
@@ -291,6 +293,7 @@ impl Broker {
             netns_check,
             inherited: HashMap::new(),
             channel_store: ChannelStore::new(&facts.state_dir),
+            injections: Default::default(),
             facts,
         };
         b.reload_registry();
@@ -469,6 +472,28 @@ impl Broker {
                 Ok(()) => {
                     self.reload_registry();
                     Response::Ok.into()
+                }
+                Err(a) => a,
+            },
+            Request::ReportInjection {
+                verdict,
+                libc,
+                reason,
+                containers,
+            } => match self.caller_pod(caller) {
+                Ok(pod) => {
+                    tracing::info!(pod = %self.pods.name_of(pod), ?containers, ?verdict, %libc, %reason, "injection probe");
+                    // Pods that left take their verdicts with them.
+                    let pods = &self.pods;
+                    self.injections.retain(|p| pods.contains(p));
+                    if self
+                        .injections
+                        .record(pod, &containers, verdict, &libc, &reason)
+                    {
+                        Response::Ok.into()
+                    } else {
+                        self.refuse(ErrorCode::TooLarge, "too many injection verdicts")
+                    }
                 }
                 Err(a) => a,
             },

@@ -1046,3 +1046,53 @@ fn stale_registry_entries_lend_no_identity() {
     assert!(unknown(&intent.response) && intent.fd.is_none());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn injection_verdicts_are_recorded_for_the_calling_pod_only() {
+    let mut n = node("inject", Limits::default());
+    let b = &mut n.broker;
+    let report = |verdict, containers: &[&str]| Request::ReportInjection {
+        verdict,
+        libc: "musl".into(),
+        reason: "musl cannot load a glibc library".into(),
+        containers: containers.iter().map(|c| c.to_string()).collect(),
+    };
+    // a pod reports about itself; the pod is the caller's, never the request's
+    let r = b.handle(
+        &pod(2),
+        report(flowlane_lane::proto::InjectionVerdict::Tcp, &["tool"]),
+    );
+    assert!(matches!(r.response, Response::Ok), "{:?}", r.response);
+    // not from the node, not from an unknown namespace
+    for caller in [on_node(0, 0), pod(99), Caller::default()] {
+        let r = b.handle(
+            &caller,
+            report(flowlane_lane::proto::InjectionVerdict::Lane, &["x"]),
+        );
+        assert!(
+            matches!(
+                r.response,
+                Response::Error {
+                    code: ErrorCode::UnknownPod,
+                    ..
+                }
+            ),
+            "{caller:?}: {:?}",
+            r.response
+        );
+    }
+    let Response::Stats { stats } = b.handle(&on_node(0, 0), Request::Stats).response else {
+        panic!()
+    };
+    assert_eq!(
+        stats.injections,
+        vec![flowlane_lane::proto::InjectionInfo {
+            pod: "default/pod2".into(),
+            containers: vec!["tool".into()],
+            verdict: flowlane_lane::proto::InjectionVerdict::Tcp,
+            libc: "musl".into(),
+            reason: "musl cannot load a glibc library".into(),
+        }]
+    );
+    assert_eq!(stats.requests["report-injection"], 4);
+}
