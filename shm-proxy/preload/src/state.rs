@@ -54,6 +54,11 @@ pub static EPOLL_FDS: FdBits = FdBits::new();
 /// sockets: such a socket must not switch to the ring later (its epoll
 /// registration would no longer see the data).
 pub static EPOLL_SEEN: FdBits = FdBits::new();
+/// TCP sockets the application made (`socket`) that have not connected
+/// yet: their epoll registrations are recorded in `Tables::plain`, so that
+/// they can move into the library's emulation if the connection goes onto
+/// the ring (see `wait::adopt_plain`).
+pub static UNCONNECTED: FdBits = FdBits::new();
 /// Fds the library made for itself: eventfds it added to epoll sets to
 /// wake their sleepers (see `wait::kick`), threads' bells (`sleepers`) and
 /// the daemon connection (`setup`). An application close of one (close,
@@ -80,6 +85,18 @@ pub struct Reg {
     pub armed: bool,
 }
 
+/// An application's epoll registration of a TCP socket made before its
+/// `connect` (the kernel holds it with the application's own data word).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlainReg {
+    pub epfd: i32,
+    pub events: u32,
+    pub data: u64,
+    /// `FORK_GEN` when it was made: the socket (and the set) may be shared
+    /// with another process after a fork.
+    pub fork_gen: u64,
+}
+
 /// A registered listener.
 pub struct Listener {
     pub addr: SocketAddr,
@@ -96,6 +113,9 @@ pub struct Tables {
     /// The library's other private fds (see `track_private`), each with
     /// the flag that tells its owner the fd is no longer its own.
     pub private: HashMap<i32, Arc<AtomicBool>>,
+    /// Per not-yet-connected TCP socket (`UNCONNECTED`): its epoll
+    /// registrations, in every set it was added to.
+    pub plain: HashMap<i32, Vec<PlainReg>>,
 }
 
 struct Locked {
