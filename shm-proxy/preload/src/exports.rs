@@ -642,6 +642,7 @@ fn tracked(fd: c_int) -> bool {
         || EPOLL_FDS.get(fd)
         || EPOLL_SEEN.get(fd)
         || UNCONNECTED.get(fd)
+        || state::EPOLL_INSTANCES.get(fd)
         || state::WAKE_FDS.get(fd)
 }
 
@@ -769,6 +770,9 @@ fn alias(old: c_int, new: c_int) {
     }
     if EPOLL_SEEN.get(old) {
         EPOLL_SEEN.set(new, true);
+    }
+    if state::EPOLL_INSTANCES.get(old) {
+        state::epoll_dup(old, new);
     }
 }
 
@@ -1104,6 +1108,30 @@ pub unsafe extern "C" fn pselect(
             None => unsafe { real::pselect(n, r, w, e, ts, mask) },
         },
     )
+}
+
+/// A new epoll fd of the application: remembered so that its duplicates
+/// are known to be the same set (see `state::epoll_key`).
+fn new_epoll(r: c_int) -> c_int {
+    if r >= 0 && !setup::in_lib() {
+        let e = errno();
+        fresh_fd(r);
+        state::EPOLL_INSTANCES.set(r, true);
+        set_errno(e);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    new_epoll(unsafe { real::epoll_create(size) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    new_epoll(unsafe { real::epoll_create1(flags) })
 }
 
 #[no_mangle]

@@ -449,6 +449,9 @@ pub unsafe fn epoll_ctl_conn(
     ev: *mut epoll_event,
     conn: Arc<Conn>,
 ) -> c_int {
+    // The set may be reached through a duplicate of its epoll fd (tokio
+    // registers through one, waits on the other).
+    let epfd = state::epoll_key(epfd);
     if op == libc::EPOLL_CTL_DEL {
         // SAFETY: forwarding a DEL.
         let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
@@ -769,6 +772,7 @@ pub unsafe fn epoll_entry(
     raw: impl FnOnce() -> c_int,
 ) -> c_int {
     let _w = Waiting::enter();
+    let epfd = state::epoll_key(epfd);
     if state::EPOLL_FDS.get(epfd) {
         // SAFETY: forwarded caller contract.
         return unsafe { epoll_wait(epfd, events, max, timeout_ms, mask) };
@@ -1058,7 +1062,8 @@ pub fn adopt_plain(fd: c_int, conn: &Arc<Conn>) {
         t.plain.remove(&fd)
     })
     .unwrap_or_default();
-    for p in regs {
+    for mut p in regs {
+        p.epfd = state::epoll_key(p.epfd);
         // A one-shot registration that already fired (an unconnected
         // socket reports EPOLLHUP at once) stays disarmed until the
         // application's MOD, as in the kernel.
