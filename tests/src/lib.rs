@@ -8,6 +8,7 @@
 pub mod attack_scripts;
 pub mod binaries;
 pub mod cni;
+pub mod conformance;
 pub mod cri;
 pub mod fake_api;
 pub mod fsutil;

@@ -4,7 +4,7 @@
 //! runs under `catch_unwind`, so no panic crosses into C.
 
 use crate::conn::{errno, set_errno, Conn, Settle};
-use crate::state::{self, CONN_FDS, EPOLL_FDS, EPOLL_SEEN, LISTEN_FDS};
+use crate::state::{self, CONN_FDS, EPOLL_FDS, EPOLL_SEEN, LISTEN_FDS, UNCONNECTED};
 use crate::{config, real, setup, wait};
 use libc::{
     c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t,
@@ -512,6 +512,8 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
         if let Some(i) = intent {
             setup::client_finish(fd, i, r, e);
         }
+        // Still recorded: the socket did not take the ring.
+        wait::plain_done(fd, false);
         set_errno(e);
         r
     })
@@ -615,6 +617,7 @@ fn fresh_fd(fd: c_int) {
 /// progress), so the connection's doorbells may be drained through it.
 fn forget_as(fd: c_int, live: bool) {
     EPOLL_SEEN.set(fd, false);
+    wait::plain_done(fd, true);
     setup::listener_closed(fd);
     state::forget_waker(fd);
     let (regs, waker) = state::remove_epoll(fd);
@@ -638,6 +641,8 @@ fn tracked(fd: c_int) -> bool {
         || LISTEN_FDS.get(fd)
         || EPOLL_FDS.get(fd)
         || EPOLL_SEEN.get(fd)
+        || UNCONNECTED.get(fd)
+        || state::EPOLL_INSTANCES.get(fd)
         || state::WAKE_FDS.get(fd)
 }
 
@@ -678,6 +683,7 @@ pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int
     if r >= 0 && !setup::in_lib() {
         let e = errno();
         fresh_fd(r);
+        wait::new_socket(r, domain, ty, proto);
         set_errno(e);
     }
     r
@@ -764,6 +770,9 @@ fn alias(old: c_int, new: c_int) {
     }
     if EPOLL_SEEN.get(old) {
         EPOLL_SEEN.set(new, true);
+    }
+    if state::EPOLL_INSTANCES.get(old) {
+        state::epoll_dup(old, new);
     }
 }
 
@@ -1101,6 +1110,30 @@ pub unsafe extern "C" fn pselect(
     )
 }
 
+/// A new epoll fd of the application: remembered so that its duplicates
+/// are known to be the same set (see `state::epoll_key`).
+fn new_epoll(r: c_int) -> c_int {
+    if r >= 0 && !setup::in_lib() {
+        let e = errno();
+        fresh_fd(r);
+        state::EPOLL_INSTANCES.set(r, true);
+        set_errno(e);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    new_epoll(unsafe { real::epoll_create(size) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    new_epoll(unsafe { real::epoll_create1(flags) })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn epoll_ctl(
     epfd: c_int,
@@ -1111,8 +1144,14 @@ pub unsafe extern "C" fn epoll_ctl(
     if !CONN_FDS.get(fd) {
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
-        if r == 0 && op == libc::EPOLL_CTL_ADD && !setup::in_lib() {
-            EPOLL_SEEN.set(fd, true);
+        if r == 0 && (op == libc::EPOLL_CTL_ADD || UNCONNECTED.get(fd)) && !setup::in_lib() {
+            let e = errno();
+            guard(|| {
+                // SAFETY: the caller's event, which the kernel just accepted.
+                unsafe { wait::plain_ctl(epfd, op, fd, ev) };
+                0
+            });
+            set_errno(e);
         }
         return r;
     }

@@ -258,10 +258,13 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
     if !is_tcp(fd) {
         return None;
     }
-    if state::EPOLL_SEEN.get(fd) {
+    // Registrations made before connect (asio's reactor adds every socket
+    // when it opens it) follow the socket onto the ring (`wait.rs`); only
+    // ones that cannot keep it on TCP.
+    if !crate::wait::registrations_movable(fd) {
         log_at!(
             2,
-            "fd {fd}: already in an epoll set before connect, staying on TCP"
+            "fd {fd}: an epoll registration made before connect cannot move, staying on TCP"
         );
         report_fallback(FallbackReason::Unsupported);
         return None;
@@ -332,7 +335,9 @@ pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
                 "fd {fd}: channel {id} (client, {ring_size} bytes per direction)"
             );
             conn.take_tcp_options(fd);
-            drop(state::install(fd, Arc::new(conn)));
+            let conn = Arc::new(conn);
+            drop(state::install(fd, conn.clone()));
+            crate::wait::adopt_plain(fd, &conn);
         }
         Err(e) => {
             // The daemon now has a claim nobody will use; the server side

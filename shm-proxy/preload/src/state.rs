@@ -54,6 +54,17 @@ pub static EPOLL_FDS: FdBits = FdBits::new();
 /// sockets: such a socket must not switch to the ring later (its epoll
 /// registration would no longer see the data).
 pub static EPOLL_SEEN: FdBits = FdBits::new();
+/// TCP sockets the application made (`socket`) that have not connected
+/// yet: their epoll registrations are recorded in `Tables::plain`, so that
+/// they can move into the library's emulation if the connection goes onto
+/// the ring (see `wait::adopt_plain`).
+pub static UNCONNECTED: FdBits = FdBits::new();
+/// Epoll fds of the application (`epoll_create*`, and their duplicates).
+pub static EPOLL_INSTANCES: FdBits = FdBits::new();
+/// Epoll fds that duplicate another one (`dup`, `fcntl(F_DUPFD*)`: mio's
+/// `Registry::try_clone`, so every tokio program): the library keeps the
+/// set under one number, its key (`epoll_key`).
+pub static EPOLL_DUPS: FdBits = FdBits::new();
 /// Fds the library made for itself: eventfds it added to epoll sets to
 /// wake their sleepers (see `wait::kick`), threads' bells (`sleepers`) and
 /// the daemon connection (`setup`). An application close of one (close,
@@ -80,6 +91,18 @@ pub struct Reg {
     pub armed: bool,
 }
 
+/// An application's epoll registration of a TCP socket made before its
+/// `connect` (the kernel holds it with the application's own data word).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlainReg {
+    pub epfd: i32,
+    pub events: u32,
+    pub data: u64,
+    /// `FORK_GEN` when it was made: the socket (and the set) may be shared
+    /// with another process after a fork.
+    pub fork_gen: u64,
+}
+
 /// A registered listener.
 pub struct Listener {
     pub addr: SocketAddr,
@@ -96,6 +119,12 @@ pub struct Tables {
     /// The library's other private fds (see `track_private`), each with
     /// the flag that tells its owner the fd is no longer its own.
     pub private: HashMap<i32, Arc<AtomicBool>>,
+    /// Per not-yet-connected TCP socket (`UNCONNECTED`): its epoll
+    /// registrations, in every set it was added to.
+    pub plain: HashMap<i32, Vec<PlainReg>>,
+    /// Duplicated epoll fds (`EPOLL_DUPS`) -> the number the set is kept
+    /// under (a live fd of the same epoll instance).
+    pub epoll_alias: HashMap<i32, i32>,
 }
 
 struct Locked {
@@ -235,13 +264,70 @@ pub fn remove_listener(fd: i32) -> Option<Listener> {
     })
 }
 
-/// Forgets everything about an epoll set (it was closed): its
-/// registrations and its wake eventfd (for the caller to close).
+/// The number under which the library keeps the epoll set of `epfd`
+/// (itself unless it duplicates another epoll fd).
+#[inline]
+pub fn epoll_key(epfd: i32) -> i32 {
+    if !EPOLL_DUPS.get(epfd) {
+        return epfd;
+    }
+    with(|t| t.epoll_alias.get(&epfd).copied().unwrap_or(epfd))
+}
+
+/// `new` now refers to the same epoll instance as `old`.
+pub fn epoll_dup(old: i32, new: i32) {
+    with(|t| {
+        let key = t.epoll_alias.get(&old).copied().unwrap_or(old);
+        EPOLL_INSTANCES.set(new, true);
+        if new != key {
+            t.epoll_alias.insert(new, key);
+            EPOLL_DUPS.set(new, true);
+        }
+    })
+}
+
+/// Forgets everything about an epoll fd being closed: for the last fd of
+/// its set, its registrations and its wake eventfd (for the caller to
+/// close); a set that other fds still refer to moves under one of them.
 pub fn remove_epoll(epfd: i32) -> (Option<Vec<Reg>>, Option<i32>) {
-    if !EPOLL_FDS.get(epfd) {
+    if !EPOLL_FDS.get(epfd) && !EPOLL_INSTANCES.get(epfd) {
         return (None, None);
     }
     with(|t| {
+        EPOLL_INSTANCES.set(epfd, false);
+        if EPOLL_DUPS.get(epfd) {
+            EPOLL_DUPS.set(epfd, false);
+            t.epoll_alias.remove(&epfd);
+            return (None, None);
+        }
+        let mut dups: Vec<i32> = t
+            .epoll_alias
+            .iter()
+            .filter(|(_, k)| **k == epfd)
+            .map(|(f, _)| *f)
+            .collect();
+        dups.sort_unstable();
+        if let Some(&heir) = dups.first() {
+            t.epoll_alias.remove(&heir);
+            EPOLL_DUPS.set(heir, false);
+            for f in &dups[1..] {
+                t.epoll_alias.insert(*f, heir);
+            }
+            if let Some(list) = t.epolls.remove(&epfd) {
+                t.epolls.insert(heir, list);
+            }
+            if let Some(w) = t.wakers.remove(&epfd) {
+                t.wakers.insert(heir, w);
+            }
+            if EPOLL_FDS.get(epfd) {
+                EPOLL_FDS.set(heir, true);
+            }
+            EPOLL_FDS.set(epfd, false);
+            return (None, None);
+        }
+        if !EPOLL_FDS.get(epfd) {
+            return (None, None);
+        }
         EPOLL_FDS.set(epfd, false);
         let waker = t.wakers.remove(&epfd);
         if let Some(w) = waker {

@@ -449,6 +449,9 @@ pub unsafe fn epoll_ctl_conn(
     ev: *mut epoll_event,
     conn: Arc<Conn>,
 ) -> c_int {
+    // The set may be reached through a duplicate of its epoll fd (tokio
+    // registers through one, waits on the other).
+    let epfd = state::epoll_key(epfd);
     if op == libc::EPOLL_CTL_DEL {
         // SAFETY: forwarding a DEL.
         let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
@@ -769,6 +772,7 @@ pub unsafe fn epoll_entry(
     raw: impl FnOnce() -> c_int,
 ) -> c_int {
     let _w = Waiting::enter();
+    let epfd = state::epoll_key(epfd);
     if state::EPOLL_FDS.get(epfd) {
         // SAFETY: forwarded caller contract.
         return unsafe { epoll_wait(epfd, events, max, timeout_ms, mask) };
@@ -927,5 +931,233 @@ unsafe fn real_poll(
             }
             None => real::poll(fds, n, ms),
         }
+    }
+}
+
+// ------------------------------------- epoll registrations made before connect
+
+/// `socket()` returned `fd` to the application: a TCP socket is remembered
+/// as not connected yet, so that its epoll registrations are recorded
+/// (`plain_ctl`) until its `connect`.
+pub fn new_socket(fd: c_int, domain: c_int, ty: c_int, proto: c_int) {
+    // The type may carry SOCK_NONBLOCK / SOCK_CLOEXEC.
+    const SOCK_TYPE_MASK: c_int = 0xf;
+    let tcp = matches!(domain, libc::AF_INET | libc::AF_INET6)
+        && ty & SOCK_TYPE_MASK == libc::SOCK_STREAM
+        && (proto == 0 || proto == libc::IPPROTO_TCP);
+    if tcp && (0..state::MAX_FD as c_int).contains(&fd) {
+        state::UNCONNECTED.set(fd, true);
+    }
+}
+
+/// An application `epoll_ctl` the kernel accepted on `fd`, which has no
+/// ring connection. A not-yet-connected TCP socket's registration is
+/// recorded (set, events, data word) so that it can follow the socket onto
+/// the ring; an ADD of any other fd marks it `EPOLL_SEEN` (a registration
+/// the library does not know: such a socket never takes the ring).
+///
+/// # Safety
+/// `ev` must be null or valid (as for epoll_ctl).
+pub unsafe fn plain_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *const epoll_event) {
+    if !state::UNCONNECTED.get(fd) {
+        if op == libc::EPOLL_CTL_ADD {
+            state::EPOLL_SEEN.set(fd, true);
+        }
+        return;
+    }
+    // SAFETY: null or valid (caller contract); the kernel just read it.
+    let app = (!ev.is_null()).then(|| unsafe { *ev });
+    let gen = state::FORK_GEN.load(Ordering::Relaxed);
+    state::with(|t| {
+        let list = t.plain.entry(fd).or_default();
+        match (op, app) {
+            (libc::EPOLL_CTL_DEL, _) => list.retain(|r| r.epfd != epfd),
+            (libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD, Some(e)) => {
+                match list.iter_mut().find(|r| r.epfd == epfd) {
+                    // A MOD keeps the registration's age; an ADD under a
+                    // known epfd number means that set was closed and the
+                    // number reused.
+                    Some(r) if op == libc::EPOLL_CTL_MOD => {
+                        r.events = e.events;
+                        r.data = e.u64;
+                    }
+                    Some(r) => {
+                        *r = state::PlainReg {
+                            epfd,
+                            events: e.events,
+                            data: e.u64,
+                            fork_gen: gen,
+                        }
+                    }
+                    None => list.push(state::PlainReg {
+                        epfd,
+                        events: e.events,
+                        data: e.u64,
+                        fork_gen: gen,
+                    }),
+                }
+            }
+            _ => {}
+        }
+        if list.is_empty() {
+            t.plain.remove(&fd);
+        }
+    });
+    // Another thread put a ring on the socket meanwhile: the registration
+    // follows it now.
+    if let Some(c) = state::conn(fd) {
+        adopt_plain(fd, &c);
+    }
+}
+
+/// Whether every epoll registration of `fd` can follow it onto the ring
+/// (checked before a client's connect asks for a channel). Not when the
+/// library saw an ADD it could not record (`EPOLL_SEEN`), nor for a
+/// registration made before a fork (the socket and its set may be shared
+/// with another process, whose waits would no longer see it), nor for an
+/// `EPOLLEXCLUSIVE` one (the kernel refuses to modify it).
+pub fn registrations_movable(fd: c_int) -> bool {
+    if state::EPOLL_SEEN.get(fd) {
+        return false;
+    }
+    if !state::UNCONNECTED.get(fd) {
+        return true;
+    }
+    let gen = state::FORK_GEN.load(Ordering::Relaxed);
+    state::with(|t| {
+        t.plain.get(&fd).is_none_or(|l| {
+            l.iter()
+                .all(|r| r.fork_gen == gen && r.events & libc::EPOLLEXCLUSIVE as u32 == 0)
+        })
+    })
+}
+
+/// `fd` is no longer a socket waiting for its connect: it closed
+/// (`closed`), or its connect went its way without a ring. Its records are
+/// dropped; in the second case a socket that had registrations keeps them
+/// in the kernel, so it is marked `EPOLL_SEEN` (a later connect of the same
+/// socket stays on TCP).
+pub fn plain_done(fd: c_int, closed: bool) {
+    if !state::UNCONNECTED.get(fd) {
+        return;
+    }
+    let had = state::with(|t| {
+        state::UNCONNECTED.set(fd, false);
+        t.plain.remove(&fd).is_some_and(|l| !l.is_empty())
+    });
+    if had && !closed {
+        state::EPOLL_SEEN.set(fd, true);
+    }
+}
+
+/// The client's ring was just installed on `fd`: the registrations the
+/// application made before `connect` move into the library's emulation.
+/// In the kernel each one now watches the socket for the library (tagged
+/// data word, `kernel_events`); the application's events and data word
+/// live in the library's registration, exactly as for a registration made
+/// after connect. A registration whose set is gone is skipped.
+pub fn adopt_plain(fd: c_int, conn: &Arc<Conn>) {
+    let regs = state::with(|t| {
+        state::UNCONNECTED.set(fd, false);
+        t.plain.remove(&fd)
+    })
+    .unwrap_or_default();
+    for mut p in regs {
+        p.epfd = state::epoll_key(p.epfd);
+        // A one-shot registration that already fired (an unconnected
+        // socket reports EPOLLHUP at once) stays disarmed until the
+        // application's MOD, as in the kernel.
+        let armed = p.events & libc::EPOLLONESHOT as u32 == 0 || oneshot_armed(p.epfd, fd);
+        let taken = state::with(|t| {
+            t.epolls
+                .get(&p.epfd)
+                .is_some_and(|l| l.iter().any(|r| r.fd == fd))
+        });
+        if taken {
+            // The application registered the connection itself meanwhile.
+            continue;
+        }
+        let mut kev = epoll_event {
+            events: kernel_events(conn, p.events),
+            u64: TAG | fd as u32 as u64,
+        };
+        // SAFETY: modifying the socket's registration with a valid local event.
+        if unsafe { real::epoll_ctl(p.epfd, libc::EPOLL_CTL_MOD, fd, &mut kev) } != 0 {
+            crate::log::log_at!(
+                3,
+                "fd {fd}: its registration in epoll set {} is gone",
+                p.epfd
+            );
+            continue;
+        }
+        let reg = Reg {
+            fd,
+            conn: conn.clone(),
+            events: p.events,
+            data: p.data,
+            last_events: 0,
+            last_rx_tail: 0,
+            last_tx_head: 0,
+            armed,
+        };
+        drop(state::epoll_put(p.epfd, reg));
+        crate::log::log_at!(
+            3,
+            "fd {fd}: registration made before connect moved into the emulation (set {}, events {:#x})",
+            p.epfd,
+            p.events
+        );
+        fence(Ordering::SeqCst);
+        if EPOLL_WAITERS.load(Ordering::SeqCst) > 0 {
+            kick(p.epfd);
+        }
+    }
+}
+
+/// Whether `fd`'s one-shot registration in `epfd` is still armed: the
+/// kernel clears a fired one's event bits down to its private flags
+/// (`/proc/self/fdinfo/<epfd>`: `tfd: <fd> events: <hex> ...`).
+fn oneshot_armed(epfd: c_int, fd: c_int) -> bool {
+    let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")) else {
+        return true;
+    };
+    oneshot_armed_in(&info, fd)
+}
+
+/// `oneshot_armed` on the text of an epoll fd's fdinfo.
+fn oneshot_armed_in(info: &str, fd: c_int) -> bool {
+    const PRIVATE: u32 =
+        (libc::EPOLLWAKEUP | libc::EPOLLONESHOT | libc::EPOLLET | libc::EPOLLEXCLUSIVE) as u32;
+    for line in info.lines() {
+        let mut w = line.split_whitespace();
+        if w.next() != Some("tfd:") || w.next().and_then(|s| s.parse().ok()) != Some(fd) {
+            continue;
+        }
+        if w.next() != Some("events:") {
+            continue;
+        }
+        if let Some(ev) = w.next().and_then(|s| u32::from_str_radix(s, 16).ok()) {
+            return ev & !PRIVATE != 0;
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oneshot_state_from_fdinfo() {
+        let info = "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\n\
+                    tfd:        7 events:       19 data:     55d0c0ffee00  pos:0 ino:5 sdev:8\n\
+                    tfd:        9 events: 40000000 data:                9  pos:0 ino:6 sdev:8\n\
+                    tfd:       11 events: c0000000 data:               11  pos:0 ino:7 sdev:8\n";
+        assert!(oneshot_armed_in(info, 7));
+        assert!(!oneshot_armed_in(info, 9));
+        assert!(!oneshot_armed_in(info, 11));
+        // Unknown fds and unreadable text: armed (the kernel MOD re-arms).
+        assert!(oneshot_armed_in(info, 8));
+        assert!(oneshot_armed_in("tfd: x events: zz", 7));
     }
 }
