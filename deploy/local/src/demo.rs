@@ -192,6 +192,7 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
         findings: Vec::new(),
         runs: Vec::new(),
     };
+    let start_load = load_average();
     let mut phases: Vec<(u32, u32)> = Vec::new();
     if cfg.single_node {
         phases.push((1, 4));
@@ -221,7 +222,7 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
         let total = jobs.len();
         for (k, job) in jobs.iter().enumerate() {
             let rec = run_job(cfg, bins, &state, job, 20000 + (k as u16 % 1000) * 10);
-            progress(&describe(k + 1, total, &rec));
+            progress(&describe(k + 1, total, &rec, cfg.scale));
             rep.runs.push(rec);
         }
         let d = crate::down(&spec.run_root, &spec.name, bins);
@@ -242,8 +243,25 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
         merge_rdma_rows(&mut rep, rows)?;
         progress(&format!("merged RDMA-lane rows from {}", rows.display()));
     }
+    if let (Some(before), Some(after)) = (start_load, load_average()) {
+        rep.notes.push(format!(
+            "Machine load while the demo ran: load average {before:.1} at the start, {after:.1} at the end, on {} CPU(s); on a loaded machine single runs are noisy (a finding that changes direction from one worker count to the next says so).",
+            rep.host_cpus
+        ));
+    }
     rep.finish();
     Ok(rep)
+}
+
+/// The 1-minute load average (`/proc/loadavg`), to say how busy the machine
+/// was.
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// Runs `rdma-demo` (built with the workspace, beside `flowlane`), which
@@ -528,14 +546,15 @@ fn placement(workers: &[&PodState], servers: &[&PodState]) -> String {
     }
 }
 
-fn describe(k: usize, total: usize, r: &RunRecord) -> String {
+/// One progress line; images/s at the modelled rate (as in the report).
+fn describe(k: usize, total: usize, r: &RunRecord, scale: f64) -> String {
     match &r.error {
         Some(e) => format!(
             "({k}/{total}) {} {} W={} lane {}: FAILED: {e}",
             r.workload, r.model, r.workers, r.lane_requested
         ),
         None => format!(
-            "({k}/{total}) {:<9} {:<10} {} W={} {:<30} asked {} measured {:<7} {:>7.1} images/s  step {:>6.1} ms = compute {:>6.1} + comm {:>6.1}{}",
+            "({k}/{total}) {:<9} {:<10} {} W={} {:<30} asked {} measured {:<7} {:>7.1} images/s (modelled)  step {:>6.1} ms = compute {:>6.1} + comm {:>6.1}{}",
             r.workload,
             r.model,
             r.cluster,
@@ -543,7 +562,7 @@ fn describe(k: usize, total: usize, r: &RunRecord) -> String {
             r.placement,
             r.lane_requested,
             r.lane_measured,
-            r.images_per_s,
+            r.steps_per_s * scale * r.batch as f64 * r.workers as f64,
             r.step_s * 1e3,
             r.compute_s * 1e3,
             r.comm_s * 1e3,

@@ -321,7 +321,7 @@ pub fn recommendation(rep: &Report, model: &str, lane: &str) -> Option<Ratio> {
     }
     let sat = sat?;
     let second_words = match second {
-        Some((w, g)) => format!("; a second PS bought only {} at {w} workers", pct(g)),
+        Some((w, g)) => format!("; a second PS gave {} at {w} workers", pct(g)),
         None => String::new(),
     };
     if sat.saturated {
@@ -336,7 +336,7 @@ pub fn recommendation(rep: &Report, model: &str, lane: &str) -> Option<Ratio> {
             workers_per_ps: sat.workers,
             at_least: false,
             why: format!(
-                "one PS saturates at {} worker{}: worker {next} added {}{second_words}",
+                "one PS saturates at {} worker{}: worker {next} gave {}{second_words}",
                 sat.workers,
                 if sat.workers == 1 { "" } else { "s" },
                 pct(g)
@@ -452,9 +452,21 @@ pub fn compute(rep: &Report) -> Vec<Finding> {
                     .map(|(w, g)| format!("worker {w}: {}", pct(*g)))
                     .collect::<Vec<_>>()
                     .join(", ");
+                // A later worker that gained again after the saturation
+                // point says the series is noisy, not that the PS recovered.
+                let later = s
+                    .gains
+                    .iter()
+                    .filter(|(w, g)| *w > s.workers + 1 && *g >= SATURATION_PCT)
+                    .count();
+                let noisy = if later > 0 {
+                    "; a later worker gained again, so this series is noisy"
+                } else {
+                    ""
+                };
                 Some(if s.saturated {
                     format!(
-                        "{} it saturates at {} worker{} ({gains})",
+                        "{} it saturates at {} worker{} ({gains}{noisy})",
                         lane_words(l),
                         s.workers,
                         if s.workers == 1 { "" } else { "s" }
@@ -485,7 +497,7 @@ pub fn compute(rep: &Report) -> Vec<Finding> {
             ),
             (
                 "ring",
-                "Ring all-reduce instead of one parameter server",
+                "ring all-reduce instead of one parameter server",
                 ring_gain,
             ),
         ] {
