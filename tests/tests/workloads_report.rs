@@ -103,6 +103,33 @@ fn small_demo_writes_a_consistent_report() {
         if r["placement"].as_str().unwrap().starts_with("cross node") && shm > 0 {
             assert_eq!(r["lane_measured"], "shm+tcp", "{r}");
         }
+        // The job's connections: W for a ring of W >= 2, W x S for PS.
+        let servers = r["servers"].as_u64().unwrap();
+        let conns = r["connections"].as_u64().unwrap_or(0);
+        let same = r["same_node_connections"].as_u64().unwrap_or(0);
+        let expected = if servers == 0 {
+            if w >= 2 {
+                w
+            } else {
+                0
+            }
+        } else {
+            w * servers
+        };
+        assert_eq!(conns, expected, "{r}");
+        if r["placement"].as_str().unwrap().starts_with("same node") {
+            assert_eq!(same, conns, "{r}");
+        }
+        // The shared-memory lane engaged: a run asked for shm has a channel
+        // for every connection between pods of one node (on one node: for
+        // every connection of the job), and no more.
+        if r["lane_requested"] == "shm" {
+            assert!(ev["counters_read"].as_bool().unwrap(), "{r}");
+            assert_eq!(shm, same, "same-node connections left on TCP: {r}");
+            if same == conns && conns > 0 {
+                assert_eq!(r["lane_measured"], "shm", "{r}");
+            }
+        }
         if r["workload"] == "ps-sync" {
             let (first, last) = (
                 r["loss_first"].as_f64().unwrap(),
@@ -122,11 +149,38 @@ fn small_demo_writes_a_consistent_report() {
     }
     let md = std::fs::read_to_string(c.out.join("report.md")).unwrap();
     assert!(md.contains("| allreduce | googlenet |"), "{md}");
+    // The report opens with findings computed from the run, the default
+    // GPU profile named, images/s at the modelled rate.
+    assert!(md.find("## Findings").unwrap() < md.find("## Every run").unwrap());
+    assert!(md.contains("### GoogLeNet"), "{md}");
+    assert!(md.contains("Recommendation for GoogLeNet"), "{md}");
+    assert!(md.contains("images/s (modelled"), "{md}");
+    assert!(
+        report["gpu"].as_str().unwrap().starts_with("A100"),
+        "{report}"
+    );
+    let findings = report["findings"].as_array().unwrap();
+    for topic in [
+        "scaling",
+        "ps-saturation",
+        "second-ps",
+        "ring",
+        "shm-lane",
+        "recommendation",
+    ] {
+        assert!(
+            findings
+                .iter()
+                .any(|f| f["topic"] == topic && f["model"] == "googlenet"),
+            "no {topic} finding: {report}"
+        );
+    }
+    let html = std::fs::read_to_string(c.out.join("report.html")).unwrap();
+    assert!(html.contains("<section id=\"findings\">") && html.contains("<svg"));
     let svg = std::fs::read_to_string(c.out.join("scaling.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-    // One curve per series with a 1-worker run: per lane, ring 1x4 and
-    // 2x2, PS 1x4, 1x4 with 2 PS, 2x2.
-    assert_eq!(svg.matches("<polyline").count(), 2 * 5, "{svg}");
+    // One comparison per panel: per lane, one PS and ring on 1x4.
+    assert_eq!(svg.matches("<polyline").count(), 2 * 2, "{svg}");
     assert!(runs.iter().any(|r| r["servers"] == 2), "no sharded PS run");
     // Nothing of the clusters is left.
     let left: Vec<String> = std::fs::read_dir("/var/run/netns")

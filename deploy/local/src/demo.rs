@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use flowlane_workloads::models::ModelProfile;
+use flowlane_workloads::models::{Gpu, ModelProfile};
 use flowlane_workloads::report::{self, Report, RunRecord};
 use flowlane_workloads::stats::WorkerResult;
 
@@ -86,7 +86,11 @@ pub struct DemoConfig {
     pub scale: f64,
     pub steps: u32,
     pub warmup: u32,
+    /// The models with their K80 compute times (the talk's); the run puts
+    /// them on `gpu`.
     pub models: Vec<ModelProfile>,
+    /// The GPU generation whose compute times the run models.
+    pub gpu: Gpu,
     pub workloads: Vec<Workload>,
     pub lanes: Vec<Lane>,
     /// Run the 1 node x 4 pods phase.
@@ -118,6 +122,8 @@ impl DemoConfig {
             steps: 5,
             warmup: 1,
             models: flowlane_workloads::models::talk_models(),
+            // What a shared training cluster most likely has today (docs/demo.md).
+            gpu: Gpu::A100,
             workloads: vec![Workload::AllReduce, Workload::PsSync],
             lanes: vec![Lane::Tcp, Lane::Shm],
             single_node: true,
@@ -162,9 +168,18 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
     if !(cfg.scale > 0.0 && cfg.scale <= 1.0) {
         return Err("scale must be in (0, 1]".into());
     }
-    let models: Vec<ModelProfile> = cfg.models.iter().map(|m| m.scaled(cfg.scale)).collect();
+    let models: Vec<ModelProfile> = cfg
+        .models
+        .iter()
+        .map(|m| m.on(cfg.gpu).scaled(cfg.scale))
+        .collect();
     let mut rep = Report {
-        title: "flowlane demo: distributed-training traffic over each lane".into(),
+        title: format!(
+            "flowlane demo: distributed-training traffic over each lane ({} {})",
+            cfg.gpu.name(),
+            cfg.gpu.precision()
+        ),
+        gpu: format!("{} ({})", cfg.gpu.name(), cfg.gpu.precision()),
         generated_unix: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -174,8 +189,10 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
             .unwrap_or(0),
         scale: cfg.scale,
         notes: notes(cfg, &models),
+        findings: Vec::new(),
         runs: Vec::new(),
     };
+    let start_load = load_average();
     let mut phases: Vec<(u32, u32)> = Vec::new();
     if cfg.single_node {
         phases.push((1, 4));
@@ -205,7 +222,7 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
         let total = jobs.len();
         for (k, job) in jobs.iter().enumerate() {
             let rec = run_job(cfg, bins, &state, job, 20000 + (k as u16 % 1000) * 10);
-            progress(&describe(k + 1, total, &rec));
+            progress(&describe(k + 1, total, &rec, cfg.scale));
             rep.runs.push(rec);
         }
         let d = crate::down(&spec.run_root, &spec.name, bins);
@@ -226,8 +243,25 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
         merge_rdma_rows(&mut rep, rows)?;
         progress(&format!("merged RDMA-lane rows from {}", rows.display()));
     }
+    if let (Some(before), Some(after)) = (start_load, load_average()) {
+        rep.notes.push(format!(
+            "Machine load while the demo ran: load average {before:.1} at the start, {after:.1} at the end, on {} CPU(s); on a loaded machine single runs are noisy (a finding that changes direction from one worker count to the next says so).",
+            rep.host_cpus
+        ));
+    }
     rep.finish();
     Ok(rep)
+}
+
+/// The 1-minute load average (`/proc/loadavg`), to say how busy the machine
+/// was.
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// Runs `rdma-demo` (built with the workspace, beside `flowlane`), which
@@ -308,14 +342,49 @@ pub fn merge_rdma_rows(rep: &mut Report, path: &Path) -> Result<(), String> {
 }
 
 fn notes(cfg: &DemoConfig, scaled: &[ModelProfile]) -> Vec<String> {
+    let gpu = cfg.gpu;
+    let real: Vec<ModelProfile> = cfg.models.iter().map(|m| m.on(gpu)).collect();
     let mut n = vec![
         format!(
-            "Scaled: every model's tensors AND compute time are {:.4} of the real model's (1/{:.0}), so a run is short while each model keeps its compute-to-communication ratio. Real sizes: {}.",
+            "Compute per step is modelled on {} ({}), batch 32 per worker: {}.",
+            gpu.name(),
+            gpu.precision(),
+            real.iter()
+                .map(|m| format!(
+                    "{} {:.1} ms ({:.0} images/s)",
+                    m.name,
+                    m.compute_s * 1e3,
+                    m.batch as f64 / m.compute_s
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        format!("Source ({}): {}.", gpu.name(), gpu.source()),
+    ];
+    if gpu != Gpu::K80 {
+        n.push(format!(
+            "Assumptions: only ResNet-50 has a matched published figure on {0}; the other models' compute times are their K80 times (tf_cnn_benchmarks, K80, batch 32) divided by ResNet-50's speed-up over the K80 on {0} ({1:.1}x). Mixed precision because that is what people train with on V100/A100/H100 today. The published throughput is at larger batches; a batch-32 step is modelled as 32 / images/s, which if anything makes compute a little short and the communication share a little high.",
+            gpu.name(),
+            gpu.speedup_over_k80()
+        ));
+    } else {
+        n.push(format!("K80 figures: {}.", Gpu::K80.source()));
+    }
+    if !gpu.measured() {
+        n.push(format!(
+            "{} is NOT measured: its compute time is an assumption (see the source note); read its rows as a what-if.",
+            gpu.name()
+        ));
+    }
+    n.extend([
+        format!(
+            "Scaled: every model's tensors AND compute time are {:.4} of the real model's (1/{:.0}), so a run is short while each model keeps its compute-to-communication ratio; the batch is not scaled, so images/s is reported at the modelled (real-size) rate: measured steps/s x {:.4} x batch x workers. Real sizes: {}.",
             cfg.scale,
             1.0 / cfg.scale,
-            cfg.models
+            cfg.scale,
+            real
                 .iter()
-                .map(|m| format!("{} {:.1}M params / {:.0} ms compute per step", m.name, m.params as f64 / 1e6, m.compute_s * 1e3))
+                .map(|m| format!("{} {:.1}M params ({:.0} MB gradient)", m.name, m.params as f64 / 1e6, m.tensor_bytes() as f64 / 1e6))
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
@@ -323,21 +392,44 @@ fn notes(cfg: &DemoConfig, scaled: &[ModelProfile]) -> Vec<String> {
             "As run: {}.",
             scaled
                 .iter()
-                .map(|m| format!("{} {:.2} MB gradient, {:.1} ms compute", m.name, m.tensor_bytes() as f64 / 1e6, m.compute_s * 1e3))
+                .map(|m| format!("{} {:.2} MB gradient, {:.2} ms compute", m.name, m.tensor_bytes() as f64 / 1e6, m.compute_s * 1e3))
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
-        "Compute is emulated by sleeping (the talk's compute ran on GPUs, leaving host CPUs to the network); compute times are K80-class, batch 32 per worker, from published tf_cnn_benchmarks figures (GoogLeNet estimated from FLOPs).".into(),
-        format!("Each run: {} warm-up step(s), then {} measured steps; a run's step time is its slowest worker's median step (robust against hiccups of a shared machine), split into the workers' median compute and communication; images/s = steps/s x batch x workers; efficiency = speed-up / workers against the 1-worker run of the same series.", cfg.warmup, cfg.steps),
-        "Lane 'asked' = tcp (no preload library) or shm (LD_PRELOAD=libflowlane_preload.so). Lane 'measured' comes from the node daemons' counters before and after each run: shm = every connection got a shared-memory channel, shm+tcp = some did (e.g. cross-node ones stay on TCP), tcp = none did.".into(),
+        "Compute is emulated by sleeping (the talk's compute ran on GPUs, leaving host CPUs to the network).".into(),
+        format!("Each run: {} warm-up step(s), then {} measured steps; a run's step time is its slowest worker's median step (robust against hiccups of a shared machine), split into the workers' median compute and communication; efficiency = speed-up / workers against the 1-worker run of the same series.", cfg.warmup, cfg.steps),
+        "Lane 'asked' = tcp (no preload library) or shm (LD_PRELOAD=libflowlane_preload.so). Lane 'measured' comes from the node daemons' counters before and after each run: shm = every connection got a shared-memory channel, shm+tcp = some did (e.g. cross-node ones stay on TCP), tcp = none did. 'Lane evidence' sets the channels counted against the job's connections (W for a ring of W, W x S for S parameter servers) and names the daemons' reasons for those left on TCP.".into(),
         format!("{RDMA_NOT_MEASURED} this machine has no RDMA NIC; `flowlane demo --rdma` (or `--rdma-rows FILE` from `rdma-demo`) adds rows measured on the Soft-RoCE rig."),
-    ];
+    ]);
     if let Ok(cpus) = std::thread::available_parallelism() {
         n.push(format!(
             "All pods share this machine's {cpus} CPU core(s): with more workers the network stack competes for the same cores, which a real cluster does not have."
         ));
     }
     n
+}
+
+/// The TCP connections a job opens, and how many of them join two pods of
+/// one node: a ring of W >= 2 opens W (each member connects to its
+/// successor), parameter servers W x S (each worker to each server).
+fn connections(job: &Job) -> (u64, u64) {
+    let mut pairs: Vec<(u32, u32)> = Vec::new();
+    if job.servers.is_empty() {
+        let w = job.workers.len();
+        if w >= 2 {
+            for (i, p) in job.workers.iter().enumerate() {
+                pairs.push((p.node, job.workers[(i + 1) % w].node));
+            }
+        }
+    } else {
+        for wk in &job.workers {
+            for sv in &job.servers {
+                pairs.push((wk.node, sv.node));
+            }
+        }
+    }
+    let same = pairs.iter().filter(|(a, b)| a == b).count() as u64;
+    (pairs.len() as u64, same)
 }
 
 /// The jobs of one cluster.
@@ -454,14 +546,15 @@ fn placement(workers: &[&PodState], servers: &[&PodState]) -> String {
     }
 }
 
-fn describe(k: usize, total: usize, r: &RunRecord) -> String {
+/// One progress line; images/s at the modelled rate (as in the report).
+fn describe(k: usize, total: usize, r: &RunRecord, scale: f64) -> String {
     match &r.error {
         Some(e) => format!(
             "({k}/{total}) {} {} W={} lane {}: FAILED: {e}",
             r.workload, r.model, r.workers, r.lane_requested
         ),
         None => format!(
-            "({k}/{total}) {:<9} {:<10} {} W={} {:<30} asked {} measured {:<7} {:>7.1} images/s  step {:>6.1} ms = compute {:>6.1} + comm {:>6.1}{}",
+            "({k}/{total}) {:<9} {:<10} {} W={} {:<30} asked {} measured {:<7} {:>7.1} images/s (modelled)  step {:>6.1} ms = compute {:>6.1} + comm {:>6.1}{}",
             r.workload,
             r.model,
             r.cluster,
@@ -469,7 +562,7 @@ fn describe(k: usize, total: usize, r: &RunRecord) -> String {
             r.placement,
             r.lane_requested,
             r.lane_measured,
-            r.images_per_s,
+            r.steps_per_s * scale * r.batch as f64 * r.workers as f64,
             r.step_s * 1e3,
             r.compute_s * 1e3,
             r.comm_s * 1e3,
@@ -507,6 +600,7 @@ fn run_job(
         batch: job.model.batch,
         ..Default::default()
     };
+    (rec.connections, rec.same_node_connections) = connections(job);
     let sockets: Vec<PathBuf> = st.nodes.iter().map(|n| n.daemon_socket.clone()).collect();
     let read_all = |s: &[PathBuf]| -> Vec<Option<lanes::Counters>> {
         s.iter().map(|p| lanes::read(bins, p)).collect()
@@ -735,7 +829,7 @@ mod tests {
             workers: w,
             batch: 32,
             steps: 5,
-            images_per_s: ips,
+            steps_per_s: ips / 32.0 / w as f64,
             ..Default::default()
         };
         Report {
@@ -798,7 +892,7 @@ mod tests {
         assert!(rep.table().contains("rdma"));
         let md = std::fs::read_to_string(&files[1]).unwrap();
         assert!(md.contains("| rdma | rdma |"));
-        let svg = std::fs::read_to_string(&files[2]).unwrap();
+        let svg = std::fs::read_to_string(&files[3]).unwrap();
         assert!(svg.contains("allreduce / rdma / rig 2x1"));
         assert!(svg.contains("allreduce / shm / 2x2"));
     }

@@ -14,6 +14,7 @@
 
 pub mod allreduce;
 pub mod chart;
+pub mod findings;
 pub mod local;
 pub mod models;
 pub mod ps;

@@ -1,12 +1,17 @@
 //! The models of the source talk, as what matters for the network: how many
-//! fp32 parameters cross it per step, and how long one step computes.
+//! fp32 parameters cross it per step, and how long one step computes on a
+//! given GPU generation ([`Gpu`]).
 //!
-//! Compute times are per step of one worker at batch 32 on a K80-class GPU
-//! (the GPUs of the talk's Azure NC-series nodes), derived from the published
-//! TensorFlow `tf_cnn_benchmarks` K80 figures (Inception v3 30.5 images/s,
+//! Compute times are per step of one worker at batch 32 (the talk's batch).
+//! On the K80 (the GPUs of the talk's Azure NC-series nodes) they come from
+//! the published TensorFlow `tf_cnn_benchmarks` figures for Google Compute
+//! Engine K80, batch 32, synthetic data (Inception v3 30.5 images/s,
 //! ResNet-50 51.9, VGG16 35.4); GoogLeNet is not in that table and is
-//! estimated from its FLOPs (1.5 GFLOPs vs ResNet-50's 4.1). They are
-//! assumptions, configurable per run: what the report shows is how the
+//! estimated from its FLOPs (1.5 GFLOPs vs ResNet-50's 4.1). V100, A100 and
+//! H100 times scale the K80 time of every model by ResNet-50's speed-up on
+//! that GPU ([`Gpu::resnet50_images_per_s`], with its source): an
+//! assumption, since only ResNet-50 has a matched published figure. They are
+//! configurable per run: what the report shows is how the
 //! compute-to-communication ratio decides scaling, not GPU speed.
 
 use serde::{Deserialize, Serialize};
@@ -52,7 +57,83 @@ fn profile(name: &str, params: u64, images_per_s: f64) -> ModelProfile {
     }
 }
 
-/// The four models of the talk, smallest first.
+/// K80 ResNet-50 throughput of `tf_cnn_benchmarks` (batch 32), the base the
+/// other GPUs' speed-ups are taken against.
+const K80_RESNET50_IMAGES_PER_S: f64 = 51.9;
+
+/// A GPU generation: how fast a worker computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gpu {
+    K80,
+    V100,
+    A100,
+    H100,
+}
+
+impl Gpu {
+    pub const ALL: [Gpu; 4] = [Gpu::K80, Gpu::V100, Gpu::A100, Gpu::H100];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Gpu::K80 => "K80",
+            Gpu::V100 => "V100",
+            Gpu::A100 => "A100",
+            Gpu::H100 => "H100",
+        }
+    }
+
+    /// `k80`, `V100`, `a100`, `h100` (case-insensitive).
+    pub fn parse(s: &str) -> Option<Gpu> {
+        Gpu::ALL
+            .into_iter()
+            .find(|g| g.name().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// The numeric precision the figures are for (what people train with on
+    /// that generation).
+    pub fn precision(self) -> &'static str {
+        match self {
+            Gpu::K80 => "FP32",
+            _ => "mixed precision",
+        }
+    }
+
+    /// Single-GPU ResNet-50 training throughput, images/s.
+    pub fn resnet50_images_per_s(self) -> f64 {
+        match self {
+            Gpu::K80 => K80_RESNET50_IMAGES_PER_S,
+            Gpu::V100 => 1200.0,
+            Gpu::A100 => 2470.0,
+            // No matched single-GPU figure in the sources used: an assumption.
+            Gpu::H100 => 2.0 * 2470.0,
+        }
+    }
+
+    /// Whether [`Gpu::resnet50_images_per_s`] is a published measurement
+    /// (false: an assumption, labelled as such in the report).
+    pub fn measured(self) -> bool {
+        self != Gpu::H100
+    }
+
+    /// Where the figures come from, in words (goes into the report).
+    pub fn source(self) -> &'static str {
+        match self {
+            Gpu::K80 => "TensorFlow tf_cnn_benchmarks (tensorflow.org performance benchmarks page, Google Compute Engine K80, batch 32, synthetic data): Inception v3 30.5 images/s, ResNet-50 51.9, VGG16 35.4; GoogLeNet (not in that table) estimated from its FLOPs (1.5 GFLOPs vs ResNet-50's 4.1): 140 images/s",
+            Gpu::V100 => "NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, \"Training performance\" (pytorch-21.03 NGC container), 1 GPU V100 16GB: FP32 367 images/s, mixed precision 1200 images/s (used: mixed precision)",
+            Gpu::A100 => "NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, \"Training performance\" (pytorch-21.03 NGC container), 1 GPU A100 80GB: TF32 938 images/s, mixed precision 2470 images/s (used: mixed precision)",
+            Gpu::H100 => "ASSUMPTION, not a measurement: no matched single-GPU ResNet-50 figure was found in the sources used, so H100 is taken as 2x the A100 mixed-precision figure (2 x 2470 = 4940 images/s)",
+        }
+    }
+
+    /// ResNet-50's speed-up over the K80 on this GPU; every model's K80
+    /// compute time is divided by it (an assumption for the models other
+    /// than ResNet-50).
+    pub fn speedup_over_k80(self) -> f64 {
+        self.resnet50_images_per_s() / K80_RESNET50_IMAGES_PER_S
+    }
+}
+
+/// The four models of the talk on the talk's K80, smallest first.
 pub fn talk_models() -> Vec<ModelProfile> {
     vec![
         profile("googlenet", 6_800_000, 140.0),
@@ -60,6 +141,22 @@ pub fn talk_models() -> Vec<ModelProfile> {
         profile("resnet50", 25_600_000, 51.9),
         profile("vgg16", 138_000_000, 35.4),
     ]
+}
+
+/// The four models with the compute times of `gpu` (K80 times divided by
+/// ResNet-50's speed-up over the K80 on that GPU).
+pub fn models_on(gpu: Gpu) -> Vec<ModelProfile> {
+    talk_models().into_iter().map(|m| m.on(gpu)).collect()
+}
+
+impl ModelProfile {
+    /// This (K80) profile on another GPU generation.
+    pub fn on(&self, gpu: Gpu) -> ModelProfile {
+        ModelProfile {
+            compute_s: self.compute_s / gpu.speedup_over_k80(),
+            ..self.clone()
+        }
+    }
 }
 
 /// Looks a model up by name (case-insensitive; `inception_v3`, `resnet-50`,
@@ -89,6 +186,38 @@ mod tests {
         assert_eq!(by_name("VGG-16").unwrap().tensor_bytes(), 552_000_000);
         assert_eq!(by_name("inception_v3").unwrap().name, "inception3");
         assert!(by_name("bert").is_none());
+    }
+
+    #[test]
+    fn gpu_profiles_follow_the_published_figures() {
+        // ResNet-50 at batch 32: 32 / images/s of each GPU's figure.
+        for (gpu, ips) in [
+            (Gpu::K80, 51.9),
+            (Gpu::V100, 1200.0),
+            (Gpu::A100, 2470.0),
+            (Gpu::H100, 4940.0),
+        ] {
+            let r = models_on(gpu)
+                .into_iter()
+                .find(|m| m.name == "resnet50")
+                .unwrap();
+            assert!((r.compute_s - 32.0 / ips).abs() < 1e-12, "{gpu:?}");
+        }
+        // Other models keep their K80 ratio to ResNet-50.
+        let k80 = talk_models();
+        let a100 = models_on(Gpu::A100);
+        for (k, a) in k80.iter().zip(&a100) {
+            assert_eq!(k.params, a.params);
+            let ratio = k.compute_s / a.compute_s;
+            assert!((ratio - 2470.0 / 51.9).abs() < 1e-9, "{}", k.name);
+        }
+        assert!(!Gpu::H100.measured() && Gpu::H100.source().starts_with("ASSUMPTION"));
+        assert!(Gpu::ALL
+            .iter()
+            .filter(|g| **g != Gpu::H100)
+            .all(|g| g.measured()));
+        assert_eq!(Gpu::parse("a100"), Some(Gpu::A100));
+        assert_eq!(Gpu::parse("P100"), None);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use flowlane_cluster::demo::{self, DemoConfig, Lane, Workload};
 use flowlane_cluster::Binaries;
+use flowlane_workloads::models::Gpu;
 
 const USAGE: &str = "\
 usage: flowlane demo [--out DIR] [options]
@@ -14,14 +15,17 @@ usage: flowlane demo [--out DIR] [options]
 Brings up local clusters (1 node x 4 pods, then 2 nodes x 2 pods), runs
 ring all-reduce and parameter-server training traffic for GoogLeNet,
 Inception v3, ResNet-50 and VGG16 over plain TCP and over flowlane's
-shared-memory lane, and writes report.json, report.md and scaling.svg.
+shared-memory lane, and writes report.json, report.md, report.html (findings
+first, the chart inline) and scaling.svg.
 
 options:
   --out DIR              where the report goes (default ./flowlane-report)
   --scale F              fraction of real model size, tensors and compute (default 1/12)
-  --steps N              measured steps per run (default 6)
-  --warmup N             unmeasured first steps (default 2)
+  --steps N              measured steps per run (default 5)
+  --warmup N             unmeasured first steps (default 1)
   --models a,b           googlenet,inception3,resnet50,vgg16 (default all)
+  --gpu NAME             K80, V100, A100 or H100: whose compute times per step
+                         (default A100, mixed precision; H100 is an assumption)
   --workloads a,b        allreduce,ps-sync,ps-async (default allreduce,ps-sync)
   --lanes a,b            tcp,shm (default both)
   --only single|two|rdma only the 1x4, only the 2x2 cluster, or only the rig (--rdma)
@@ -73,6 +77,10 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
                     flowlane_workloads::models::by_name(m)
                         .ok_or_else(|| format!("unknown model {m:?}"))
                 })?
+            }
+            "--gpu" => {
+                cfg.gpu = Gpu::parse(v)
+                    .ok_or_else(|| format!("unknown GPU {v:?} (K80, V100, A100, H100)"))?
             }
             "--workloads" => cfg.workloads = list(v, Workload::parse)?,
             "--lanes" => {
@@ -159,6 +167,10 @@ pub fn main(args: &[String]) -> i32 {
         }
     };
     println!("{}", rep.table());
+    println!("Findings:");
+    for f in &rep.findings {
+        println!("- {}", f.text);
+    }
     let failed = rep.runs.iter().filter(|r| r.error.is_some()).count();
     println!(
         "{} runs in {:.0} s{}",
