@@ -569,6 +569,29 @@ pub fn fd_and_memfd_count(pid: u32) -> (usize, usize) {
     (fds, maps.lines().filter(|l| l.contains("/memfd:")).count())
 }
 
+/// The channel memfds a daemon holds (it keeps one fd of each live
+/// same-node channel): (its `/proc/PID/fd/N` path, bytes allocated in it,
+/// from `st_blocks`). The sum is the lane's shared memory on the node.
+pub fn channel_memfds(daemon: u32) -> Vec<(PathBuf, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{daemon}/fd")) else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Ok(link) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        if !link.to_string_lossy().starts_with("/memfd:flowlane-ch-") {
+            continue;
+        }
+        if let Ok(m) = std::fs::metadata(e.path()) {
+            out.push((e.path(), m.blocks() * 512));
+        }
+    }
+    out
+}
+
 /// The directory of the python helper scripts used by the tests.
 pub fn scripts_dir() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/shm-scripts"))

@@ -12,6 +12,10 @@
 //! clear it): the first end that finds a shared word the protocol does not
 //! allow sets it, and from then on every end of the region reports the
 //! connection as reset (see `ring`'s "hostile peer" section).
+//!
+//! It also records whether this process keeps the region's rings at their
+//! full size whatever the capacity words say (the daemon's relay,
+//! [`Region::map_memfd_fixed`]).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -30,6 +34,7 @@ pub struct Region {
     map: Mapping,
     ring_size: usize,
     broken: AtomicBool,
+    fixed: bool,
 }
 
 fn invalid(what: &str) -> io::Error {
@@ -42,6 +47,20 @@ impl Region {
     /// [`REQUIRED_SEALS`], is exactly `len` bytes long, and `len` holds two
     /// rings of at least the minimum size.
     pub fn map_memfd(memfd: BorrowedFd<'_>, len: usize) -> io::Result<Arc<Region>> {
+        Region::map(memfd, len, false)
+    }
+
+    /// As [`Region::map_memfd`], for an end that keeps both rings at their
+    /// full size (the daemon's relay: zero-copy placement addresses the
+    /// whole ring): this process ignores the capacity words, and the region's
+    /// fixed word tells the peer's producer never to change them.
+    pub fn map_memfd_fixed(memfd: BorrowedFd<'_>, len: usize) -> io::Result<Arc<Region>> {
+        let region = Region::map(memfd, len, true)?;
+        region.fixed_word().store(1, Ordering::Release);
+        Ok(region)
+    }
+
+    fn map(memfd: BorrowedFd<'_>, len: usize, fixed: bool) -> io::Result<Arc<Region>> {
         let ring_size = ring_size_for(len).ok_or_else(|| invalid("region too small"))?;
         // SAFETY: F_GET_SEALS on a descriptor we borrow; no memory is passed.
         let seals = unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_GET_SEALS) };
@@ -68,6 +87,7 @@ impl Region {
             map: Mapping::new(memfd, len)?,
             ring_size,
             broken: AtomicBool::new(false),
+            fixed,
         }))
     }
 
@@ -111,6 +131,12 @@ impl Region {
 
     pub(crate) fn broken_flag(&self) -> &AtomicBool {
         &self.broken
+    }
+
+    /// This process keeps the rings at their full size (see
+    /// [`Region::map_memfd_fixed`]).
+    pub fn is_fixed(&self) -> bool {
+        self.fixed
     }
 }
 

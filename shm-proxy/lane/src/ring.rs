@@ -3,7 +3,8 @@
 //! rings, one per direction (client→server, server→client).
 //!
 //! ```text
-//! offset 0      page 0: attach word (u32 at 0), control blocks (RingCtl c2s at 512, s2c at 1024)
+//! offset 0      page 0: attach word (u32 at 0), fixed word (u32 at 64),
+//!                       control blocks (RingCtl c2s at 512, s2c at 1024)
 //! offset 4096   ring data client→server   (ring_size bytes, a power of two)
 //! offset 4096+R ring data server→client   (ring_size bytes)
 //! ```
@@ -12,7 +13,34 @@
 //! side has to initialise it and neither has to wait for the other.
 //!
 //! Positions (`head`, `tail`) are free-running `u64` byte counters; the byte
-//! at position `p` lives at `p & (ring_size - 1)`. `tail - head` is the fill.
+//! at position `p` lives at `p & (capacity - 1)`. `tail - head` is the fill.
+//!
+//! Capacity (rings that grow): each ring has a capacity word next to its
+//! `tail`: 0 means the whole mapped ring (`ring_size`), anything else is the
+//! power of two, between [`MIN_RING_SIZE`] and `ring_size`, of the ring in
+//! use: only the first `capacity` bytes of the data area are ever touched,
+//! so a connection costs memory (memfd pages are allocated on first touch)
+//! for the traffic it carries, not for the configured size. Only the
+//! producer writes the word, and only while the ring is empty (every byte
+//! written so far consumed: its checked `head == tail`): the first write
+//! of a library producer sets its starting size
+//! ([`Producer::start_small`]); a write that found the ring full marks the
+//! ring to grow, and the next moment the producer finds it empty it doubles
+//! the capacity (or more, up to a size that fits the write at hand), up to
+//! `ring_size`. The word is stored before the bytes that use it and before
+//! the `tail` that publishes them (Release); the consumer re-reads it after
+//! every Acquire load of `tail`, so it always masks with the capacity those
+//! bytes were written under: the capacity cannot change again while any
+//! byte at or after the consumer's `head` is unconsumed (the producer needs
+//! `head == tail` for that), and `head` is the consumer's own. A producer
+//! that found the ring full and wants to grow waits for the ring to empty
+//! in its blocking path only (`Producer::wait_room`, bounded by
+//! [`GROW_WAIT_MS`] so a reader that stops half way never stalls it
+//! longer); poll/epoll writers grow when they happen to find it empty.
+//! The fixed word (set by the daemon's relay, whose zero-copy placement
+//! needs the whole ring at a fixed size) tells a producer never to change
+//! the capacity; the daemon's own ends of such a region ignore the
+//! capacity word altogether (a local property of its `Region`).
 //! `tail` is written only by the producer, `head` only by the consumer, each
 //! on its own 128-byte line (two lines, so the adjacent-line prefetcher does
 //! not couple them). The rarely written flags live on a third line, so the
@@ -42,12 +70,16 @@
 //! which may be an attacker's pod):
 //! - Each position is loaded once per operation into a local, checked, and
 //!   only the local is used: `head <= tail <= head + size` (the fill never
-//!   exceeds the ring), no position beyond `POSITION_LIMIT`, and neither
-//!   position ever moves backwards from what this end saw last. So every copy is at most `size` bytes at a masked
-//!   offset: inside the data area whatever the peer writes. The cost is two
-//!   comparisons per call, never per byte.
+//!   exceeds the ring's capacity), no position beyond `POSITION_LIMIT`, and
+//!   neither position ever moves backwards from what this end saw last. The
+//!   capacity word is checked with the positions: 0, or a power of two
+//!   between [`MIN_RING_SIZE`] and the mapped ring size, else a violation.
+//!   So every copy is at most `capacity <= ring_size` bytes at an offset
+//!   masked by `capacity - 1`: inside the data area whatever the peer
+//!   writes. The cost is a few comparisons per call, never per byte.
 //! - Flag words may hold only their defined bits (`WAIT_BELL | WAIT_FUTEX`,
-//!   closed flags 0 or 1, attach word 0, 1 or 2); `writer_need` is clamped
+//!   closed flags 0 or 1, attach word 0, 1 or 2, fixed word 0 or 1);
+//!   `writer_need` is clamped
 //!   to the ring size; futex words may hold anything (a futex compares,
 //!   nothing is indexed by them).
 //! - A violation marks the [`Region`] broken (a flag in this process's
@@ -72,6 +104,16 @@ pub const DEFAULT_RING_SIZE: usize = 1 << 20;
 pub const MIN_RING_SIZE: usize = 4096;
 /// Largest ring the library asks for (the daemon may bound it lower).
 pub const MAX_RING_SIZE: usize = 64 << 20;
+/// Default capacity a library producer starts its ring with
+/// (`FLOWLANE_RING_INITIAL`): 16 KiB, the largest power of two for which a
+/// connection whose rings have both wrapped at that size still costs at
+/// most 64 KiB (4 KiB control page + 2 x 16 KiB = 36 KiB; 32 KiB would be
+/// 68 KiB), so 1,000 idle connections stay under 64 MiB; it holds sixteen
+/// 1 KiB messages in flight, and a bulk writer grows past it at once.
+pub const DEFAULT_INITIAL_RING: usize = 16 << 10;
+/// Longest a blocking writer waits for its ring to empty so that it can
+/// grow (once per growth attempt; see the module doc).
+pub const GROW_WAIT_MS: u32 = 10;
 
 const CTL_OFFSET: [usize; 2] = [512, 1024];
 
@@ -84,6 +126,11 @@ const CHUNK: usize = 64 << 10;
 /// Whoever moves it first from 0 decides for both (compare-and-swap), so the
 /// two ends can never disagree about the lane.
 const ATTACH_OFFSET: usize = 0;
+
+/// Offset of the fixed word: 0 = producers may change their rings'
+/// capacity, 1 = they must not (set by the daemon's relay before it hands
+/// the region out). Any other value is a violation.
+const FIXED_OFFSET: usize = 64;
 
 /// Values of the attach word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,9 +156,20 @@ struct Line<T>(T);
 /// Control block of one direction, inside the shared region.
 #[repr(C)]
 pub struct RingCtl {
-    tail: Line<AtomicU64>,
+    tail: Line<TailLine>,
     head: Line<AtomicU64>,
     flags: Line<Flags>,
+}
+
+/// The producer's line: its position and the ring's capacity word (see
+/// the module doc), read together by the consumer: no extra cache line on
+/// either side.
+#[repr(C)]
+struct TailLine {
+    pos: AtomicU64,
+    /// 0 = the whole mapped ring; else the capacity in use (a power of two
+    /// between `MIN_RING_SIZE` and the mapped ring size).
+    cap: AtomicU64,
 }
 
 #[repr(C)]
@@ -194,6 +252,7 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout_ms: u32) {
 }
 
 const _: () = assert!(std::mem::size_of::<RingCtl>() == 384);
+const _: () = assert!(FIXED_OFFSET + 4 <= CTL_OFFSET[0]);
 const _: () = assert!(CTL_OFFSET[0] + std::mem::size_of::<RingCtl>() <= CTL_OFFSET[1]);
 const _: () = assert!(CTL_OFFSET[1] + std::mem::size_of::<RingCtl>() <= HEADER_LEN);
 
@@ -223,8 +282,11 @@ pub fn region_len_for(ring_size: usize) -> usize {
 struct RingRef {
     ctl: *const RingCtl,
     data: *mut u8,
+    /// The mapped ring size: the largest capacity.
     size: usize,
     broken: *const AtomicBool,
+    /// This process ignores the capacity word (see `Region::is_fixed`).
+    fixed: bool,
 }
 
 // SAFETY: RingRef only points into a region that outlives it (its holder
@@ -248,7 +310,29 @@ impl RingRef {
             data: unsafe { base.add(HEADER_LEN + i * size) },
             size,
             broken: region.broken_flag(),
+            fixed: region.is_fixed(),
         }
+    }
+
+    /// The capacity a capacity word stands for, checked: 0 is the whole
+    /// ring; else a power of two between `MIN_RING_SIZE` and the mapped
+    /// size. Anything else is a violation (`None`). A fixed end always
+    /// uses the whole ring.
+    fn capacity_of(&self, word: u64) -> Option<usize> {
+        if self.fixed || word == 0 {
+            return Some(self.size);
+        }
+        if word.is_power_of_two() && word >= MIN_RING_SIZE as u64 && word <= self.size as u64 {
+            return Some(word as usize);
+        }
+        self.violation();
+        None
+    }
+
+    /// Loads and checks the capacity word (after an Acquire load of `tail`
+    /// on the consumer's side: see the module doc).
+    fn capacity(&self) -> Option<usize> {
+        self.capacity_of(self.ctl().tail.0.cap.load(Ordering::Relaxed))
     }
 
     fn ctl(&self) -> &RingCtl {
@@ -272,10 +356,11 @@ impl RingRef {
     }
 
     /// The fill `tail - head`, or `None` (a violation) for a pair the
-    /// protocol cannot produce: a head beyond the tail, more than a ring
-    /// between them, or a position past [`POSITION_LIMIT`].
-    fn bounded(&self, tail: u64, head: u64) -> Option<usize> {
-        if tail > POSITION_LIMIT || head > tail || tail - head > self.size as u64 {
+    /// protocol cannot produce: a head beyond the tail, more than the
+    /// ring's capacity `cap` between them, or a position past
+    /// [`POSITION_LIMIT`].
+    fn bounded(&self, tail: u64, head: u64, cap: usize) -> Option<usize> {
+        if tail > POSITION_LIMIT || head > tail || tail - head > cap as u64 {
             self.violation();
             return None;
         }
@@ -351,7 +436,13 @@ impl RingRef {
         }
         let mut bits = v & WAIT_BELL;
         if v & WAIT_FUTEX != 0 {
-            let used = self.ctl().tail.0.load(Ordering::Acquire).wrapping_sub(head);
+            let used = self
+                .ctl()
+                .tail
+                .0
+                .pos
+                .load(Ordering::Acquire)
+                .wrapping_sub(head);
             let free = (self.size as u64).saturating_sub(used);
             let need = f.writer_need.load(Ordering::Relaxed).min(self.size as u64);
             if free >= need {
@@ -381,12 +472,17 @@ impl Region {
                 head_cache: 0,
                 bell: false,
                 tuner: CopyTuner::new(),
+                cap: tx.size,
+                initial: tx.size,
+                grow: false,
+                grow_blocked: false,
                 _region: self.clone(),
             },
             Consumer {
                 ring: rx,
                 head_seen: 0,
                 tail_cache: 0,
+                cap: rx.size,
                 bell: false,
                 _region: self.clone(),
             },
@@ -415,6 +511,30 @@ impl Region {
         // SAFETY: offset 0 of the page-aligned mapping, which lives as long
         // as `self`; an atomic is valid for any bits.
         unsafe { &*(self.base().add(ATTACH_OFFSET) as *const AtomicU32) }
+    }
+
+    pub(crate) fn fixed_word(&self) -> &AtomicU32 {
+        // SAFETY: FIXED_OFFSET (aligned for a u32) lies in the header page
+        // of the mapping, which lives as long as `self`; an atomic is valid
+        // for any bits.
+        unsafe { &*(self.base().add(FIXED_OFFSET) as *const AtomicU32) }
+    }
+
+    /// Producers may change this region's ring capacities: this process
+    /// does not keep them fixed, and neither does the region's fixed word
+    /// (0 or 1; anything else is a violation, read as fixed).
+    fn growable(&self) -> bool {
+        if self.is_fixed() {
+            return false;
+        }
+        match self.fixed_word().load(Ordering::Acquire) {
+            0 => true,
+            1 => false,
+            _ => {
+                self.mark_broken();
+                false
+            }
+        }
     }
 }
 
@@ -479,8 +599,9 @@ impl Probe {
         let ring = &self.rx;
         let ctl = ring.ctl();
         let fill = || {
-            let tail = ctl.tail.0.load(Ordering::Acquire);
-            ring.bounded(tail, ctl.head.0.load(Ordering::Acquire))
+            let tail = ctl.tail.0.pos.load(Ordering::Acquire);
+            let cap = ring.capacity()?;
+            ring.bounded(tail, ctl.head.0.load(Ordering::Acquire), cap)
         };
         if ring.is_broken() {
             return ReadState::Broken;
@@ -504,16 +625,19 @@ impl Probe {
     pub fn tx_free(&self) -> usize {
         let ring = &self.tx;
         let ctl = ring.ctl();
-        let tail = ctl.tail.0.load(Ordering::Acquire);
-        match ring.bounded(tail, ctl.head.0.load(Ordering::Acquire)) {
-            Some(used) if !ring.is_broken() => ring.size - used,
+        let tail = ctl.tail.0.pos.load(Ordering::Acquire);
+        let Some(cap) = ring.capacity() else {
+            return 0;
+        };
+        match ring.bounded(tail, ctl.head.0.load(Ordering::Acquire), cap) {
+            Some(used) if !ring.is_broken() => cap - used,
             _ => 0,
         }
     }
 
     /// Receive-ring producer position (changes whenever data arrives).
     pub fn rx_tail(&self) -> u64 {
-        self.rx.ctl().tail.0.load(Ordering::Acquire)
+        self.rx.ctl().tail.0.pos.load(Ordering::Acquire)
     }
 
     /// Send-ring consumer position (changes whenever room is freed).
@@ -579,6 +703,17 @@ pub struct Producer {
     bell: bool,
     /// How bulk copies into this ring store (see `copy`).
     tuner: CopyTuner,
+    /// The ring's capacity (from the checked capacity word, reloaded with
+    /// `tail`: a forked sibling of ours may have grown it).
+    cap: usize,
+    /// The capacity a fresh ring starts with (`start_small`); the mapped
+    /// size (no growth) unless set.
+    initial: usize,
+    /// A write found the ring full: grow at the next empty moment.
+    grow: bool,
+    /// A wait for the ring to empty timed out (a reader that stopped half
+    /// way): no new growth attempt until the ring is seen empty.
+    grow_blocked: bool,
     _region: Arc<Region>,
 }
 
@@ -589,15 +724,42 @@ pub struct Consumer {
     head_seen: u64,
     /// Last checked `tail`; stale values only under-estimate available bytes.
     tail_cache: u64,
+    /// The capacity word's checked value, loaded after `tail_cache`: the
+    /// capacity the bytes up to `tail_cache` were written under.
+    cap: usize,
     /// A chunk consume inside a call found a producer that wants a doorbell.
     bell: bool,
     _region: Arc<Region>,
 }
 
 impl Producer {
-    /// Ring capacity in bytes.
+    /// The ring's capacity in bytes now (as of this end's last look).
     pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// The largest capacity: the mapped ring size.
+    pub fn max_capacity(&self) -> usize {
         self.ring.size
+    }
+
+    /// Lets this ring start at `initial` bytes (rounded up to a power of
+    /// two, at least `MIN_RING_SIZE`) and grow with the traffic up to the
+    /// mapped size (see the module doc). Takes effect at the first write;
+    /// no effect on a region whose capacity is fixed. Without it the ring
+    /// stays at its full size.
+    pub fn start_small(&mut self, initial: usize) {
+        self.initial = initial
+            .max(MIN_RING_SIZE)
+            .checked_next_power_of_two()
+            .unwrap_or(self.ring.size)
+            .min(self.ring.size);
+    }
+
+    /// A write found the ring full and the ring will grow (in its blocking
+    /// path the writer waits, briefly, for the ring to empty: `wait_room`).
+    pub fn wants_to_grow(&self) -> bool {
+        self.grow
     }
 
     /// Our `tail` and the free room, checked. `fresh` reloads `head`
@@ -605,28 +767,70 @@ impl Producer {
     /// `None` once the region is broken.
     fn room(&mut self, fresh: bool) -> Option<(u64, usize)> {
         let ctl = self.ring.ctl();
-        let tail = ctl.tail.0.load(Ordering::Relaxed);
+        let tail = ctl.tail.0.pos.load(Ordering::Relaxed);
         if tail < self.tail_seen {
             self.ring.violation();
         }
         self.tail_seen = tail;
-        if fresh || tail.wrapping_sub(self.head_cache) > self.ring.size as u64 {
+        let cap = self.ring.capacity()?;
+        self.cap = cap;
+        if fresh || tail.wrapping_sub(self.head_cache) > cap as u64 {
             let head = ctl.head.0.load(Ordering::Acquire);
             if head < self.head_cache {
                 self.ring.violation();
             }
             self.head_cache = head;
         }
-        let used = self.ring.bounded(tail, self.head_cache)?;
+        let used = self.ring.bounded(tail, self.head_cache, cap)?;
         if self.ring.is_broken() {
             return None;
         }
-        Some((tail, self.ring.size - used))
+        if used == 0 {
+            self.grow_blocked = false;
+        }
+        Some((tail, cap - used))
+    }
+
+    /// At an empty moment (`free` is the whole capacity), sets the capacity
+    /// a write of `want` bytes starting at `tail` goes on with: a fresh ring
+    /// starts small, a ring that was found full doubles, and a ring smaller
+    /// than the write grows to fit it; never beyond the mapped size. The
+    /// word is stored before the bytes and the `tail` that publish them
+    /// (module doc). Returns the free room under the capacity now in force.
+    fn settle(&mut self, tail: u64, free: usize, want: usize) -> usize {
+        let size = self.ring.size;
+        if free != self.cap || self.initial >= size || !self._region.growable() {
+            return free;
+        }
+        let word = &self.ring.ctl().tail.0.cap;
+        let mut new = self.cap;
+        if tail == 0 && word.load(Ordering::Relaxed) == 0 {
+            new = self.initial;
+        }
+        if std::mem::take(&mut self.grow) {
+            new = new.saturating_mul(2);
+        }
+        while new < want && new < size {
+            new = new.saturating_mul(2);
+        }
+        let new = new.clamp(MIN_RING_SIZE, size);
+        if new != self.cap || word.load(Ordering::Relaxed) == 0 {
+            word.store(new as u64, Ordering::Relaxed);
+            self.cap = new;
+        }
+        new
+    }
+
+    /// After a short write: ask for growth at the next empty moment.
+    fn found_full(&mut self) {
+        if self.cap < self.ring.size && self.initial < self.ring.size && !self.grow_blocked {
+            self.grow = true;
+        }
     }
 
     /// Publishes `tail` (bytes up to it are in the ring).
     fn publish(&mut self, tail: u64) {
-        self.ring.ctl().tail.0.store(tail, Ordering::Release);
+        self.ring.ctl().tail.0.pos.store(tail, Ordering::Release);
         self.tail_seen = tail;
     }
 
@@ -646,12 +850,13 @@ impl Producer {
         let Some((start, mut free)) = self.room(false) else {
             return 0;
         };
-        if free < want {
+        if free < want || self.grow {
             match self.room(true) {
                 Some((_, f)) => free = f,
                 None => return 0,
             }
         }
+        let free = self.settle(start, free, want);
         let mut pos = start;
         let mut published = start;
         for s in srcs {
@@ -680,6 +885,7 @@ impl Producer {
         let wrote = (pos - start) as usize;
         if wrote < want {
             self.tuner.ring_full();
+            self.found_full();
         }
         wrote
     }
@@ -691,8 +897,12 @@ impl Producer {
         let Some((tail, free)) = self.room(true) else {
             return 0;
         };
-        let off = (tail as usize) & (self.ring.size - 1);
-        let n = max.min(free).min(self.ring.size - off); // contiguous part only
+        let free = self.settle(tail, free, max);
+        if free < max {
+            self.found_full();
+        }
+        let off = (tail as usize) & (self.cap - 1);
+        let n = max.min(free).min(self.cap - off); // contiguous part only
         if n == 0 {
             return 0;
         }
@@ -710,10 +920,11 @@ impl Producer {
     /// `[pos, pos + src.len())` must be free room (not readable by the
     /// consumer), and `src.len()` at most the ring size.
     unsafe fn copy_in(&mut self, pos: u64, src: &[u8]) {
-        let off = (pos as usize) & (self.ring.size - 1);
-        let first = src.len().min(self.ring.size - off);
+        let off = (pos as usize) & (self.cap - 1);
+        let first = src.len().min(self.cap - off);
         let (data, tuner) = (self.ring.data, &mut self.tuner);
-        // SAFETY: both ranges lie inside the data area (off + first <= size,
+        // SAFETY: both ranges lie inside the data area (off + first <= cap
+        // <= size,
         // and the rest, src.len() - first <= off, starts at 0); the caller
         // guarantees the consumer does not access them until `tail` is
         // published (each copy that streams ends with its own fence, see
@@ -741,18 +952,35 @@ impl Producer {
     /// the consumer is gone. Waiting for half the ring rather than for any
     /// room is the hysteresis of a streaming writer: it then refills half
     /// the ring per wake-up instead of one chunk (as TCP's write-space
-    /// wake-up waits for a third of the send buffer).
+    /// wake-up waits for a third of the send buffer). A ring that wants to
+    /// grow ([`Producer::wants_to_grow`]) waits for the ring to empty
+    /// instead, at most [`GROW_WAIT_MS`]; if it does not, this growth
+    /// attempt is dropped until the ring is next seen empty.
+    ///
+    /// `writer_need` is in the consumer's terms, free room in the mapped
+    /// ring (`size - used`), which needs no capacity on its side.
     pub fn wait_room(&mut self, timeout_ms: u32) {
         let ring = self.ring;
         let f = &ring.ctl().flags.0;
-        let need = (ring.size / 2) as u64;
+        let growing = self.grow;
+        let (max_used, timeout_ms) = if growing {
+            (0, timeout_ms.min(GROW_WAIT_MS))
+        } else {
+            (self.cap / 2, timeout_ms)
+        };
         let seq = f.room_seq.load(Ordering::Acquire);
-        f.writer_need.store(need, Ordering::Relaxed);
+        f.writer_need
+            .store((ring.size - max_used) as u64, Ordering::Relaxed);
         announce(&f.writer_waiting, WAIT_FUTEX);
-        if (self.free() as u64) < need && !self.peer_gone() {
+        let used = self.room(true).map(|(_, free)| self.cap - free);
+        if used.is_some_and(|u| u > max_used) && !self.peer_gone() {
             futex_wait(&f.room_seq, seq, timeout_ms);
         }
         withdraw(&f.writer_waiting, WAIT_FUTEX);
+        if growing && self.room(true).is_some_and(|(_, free)| free != self.cap) {
+            self.grow = false;
+            self.grow_blocked = true;
+        }
     }
 
     /// Withdraws a `prepare_wait` (woken or not going to sleep).
@@ -799,9 +1027,9 @@ pub enum ReadState {
 }
 
 impl Consumer {
-    /// Ring capacity in bytes.
+    /// The ring's capacity in bytes (as of this end's last look at `tail`).
     pub fn capacity(&self) -> usize {
-        self.ring.size
+        self.cap
     }
 
     /// Our `head` and the bytes readable from it, checked. The cached
@@ -815,14 +1043,16 @@ impl Consumer {
         }
         self.head_seen = head;
         let cached = self.tail_cache.wrapping_sub(head);
-        if cached < want as u64 || cached > self.ring.size as u64 {
-            let tail = ctl.tail.0.load(Ordering::Acquire);
+        if cached < want as u64 || cached > self.cap as u64 {
+            let tail = ctl.tail.0.pos.load(Ordering::Acquire);
             if tail < self.tail_cache {
                 self.ring.violation();
             }
             self.tail_cache = tail;
+            // After the Acquire on tail: the capacity those bytes use.
+            self.cap = self.ring.capacity()?;
         }
-        let fill = self.ring.bounded(self.tail_cache, head)?;
+        let fill = self.ring.bounded(self.tail_cache, head, self.cap)?;
         if self.ring.is_broken() {
             return None;
         }
@@ -832,11 +1062,11 @@ impl Consumer {
     /// Copies `dst.len()` bytes from position `head` out of the ring.
     fn copy_out(&self, head: u64, dst: &mut [u8]) {
         let n = dst.len();
-        debug_assert!(n <= self.ring.size);
-        let off = (head as usize) & (self.ring.size - 1);
-        let first = n.min(self.ring.size - off);
-        // SAFETY: n <= the checked fill <= size, so both ranges lie inside
-        // the data area; [head, head+n) was published by the producer
+        debug_assert!(n <= self.cap);
+        let off = (head as usize) & (self.cap - 1);
+        let first = n.min(self.cap - off);
+        // SAFETY: n <= the checked fill <= cap <= size (checked capacity
+        // word), so both ranges lie inside the data area; [head, head+n) was published by the producer
         // (Acquire on tail) and is not overwritten before we publish a
         // larger head.
         unsafe {
@@ -1022,7 +1252,7 @@ impl Consumer {
     pub fn wait_change(&mut self, seq: u32, tail_seen: u64, closed_seen: bool, timeout_ms: u32) {
         let f = &self.ring.ctl().flags.0;
         announce(&f.reader_waiting, WAIT_FUTEX);
-        let tail = self.ring.ctl().tail.0.load(Ordering::Acquire);
+        let tail = self.ring.ctl().tail.0.pos.load(Ordering::Acquire);
         let closed = f.producer_closed.load(Ordering::Acquire) != 0;
         if tail == tail_seen && closed == closed_seen && !self.ring.is_broken() {
             futex_wait(&f.data_seq, seq, timeout_ms);
@@ -1077,7 +1307,7 @@ impl Probe {
 
     /// Sending-ring producer position.
     pub fn tx_tail(&self) -> u64 {
-        self.tx.ctl().tail.0.load(Ordering::Acquire)
+        self.tx.ctl().tail.0.pos.load(Ordering::Acquire)
     }
 
     /// Sending-ring capacity.

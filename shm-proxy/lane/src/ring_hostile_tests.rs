@@ -13,9 +13,10 @@ const RING: usize = 4096;
 /// Offsets (in the region) of every word the peer can write: per ring the
 /// two positions (u64) and the flag words (u32, and `writer_need` u64).
 fn words() -> Vec<(usize, bool)> {
-    let mut w = vec![(ATTACH_OFFSET, false)];
+    let mut w = vec![(ATTACH_OFFSET, false), (FIXED_OFFSET, false)];
     for ctl in CTL_OFFSET {
         w.push((ctl, true)); // tail
+        w.push((ctl + 8, true)); // capacity
         w.push((ctl + 128, true)); // head
         for f in 0..6 {
             w.push((ctl + 256 + 4 * f, false)); // waiting, closed, futex words
@@ -28,7 +29,8 @@ fn words() -> Vec<(usize, bool)> {
 /// A hostile value for a word now holding `cur`.
 fn hostile(rng: &mut Rng, cur: u64, wide: bool) -> u64 {
     let max = if wide { u64::MAX } else { u32::MAX as u64 };
-    let v = match rng.below(9) {
+    let v = match rng.below(10) {
+        9 => 1u64 << rng.below(40), // capacities: valid or not
         0 => max,
         1 => 0,
         2 => cur.wrapping_sub(1),
@@ -77,7 +79,11 @@ fn attacker_byte(i: usize) -> u8 {
 /// The attacker's and the victim's mappings of one channel memfd (two
 /// processes in real life: each has its own broken flag).
 fn two_mappings() -> (Arc<Region>, Arc<Region>) {
-    let len = region_len_for(RING);
+    two_mappings_of(RING)
+}
+
+fn two_mappings_of(ring: usize) -> (Arc<Region>, Arc<Region>) {
+    let len = region_len_for(ring);
     let fd = crate::region::sealed_memfd(len).unwrap();
     let map = || Region::map_memfd(fd.as_fd(), len).unwrap();
     (map(), map())
@@ -87,14 +93,23 @@ fn two_mappings() -> (Arc<Region>, Arc<Region>) {
 /// scribbles, honest peer steps and victim steps. Returns whether the
 /// victim found a violation.
 fn episode(seed: u64, steps: usize) -> bool {
+    episode_of(seed, steps, RING)
+}
+
+/// An episode on rings of `ring` bytes; above `MIN_RING_SIZE` both ends
+/// start small and grow (capacity words in play).
+fn episode_of(seed: u64, steps: usize, ring: usize) -> bool {
     let mut rng = Rng(seed | 1);
-    let (attacker, region) = two_mappings();
+    let (attacker, region) = two_mappings_of(ring);
     let (mut ptx, mut prx) = attacker.endpoints(Side::Client); // the attacker's own ends
     let (mut vtx, mut vrx) = region.endpoints(Side::Server); // the victim
+    ptx.start_small(MIN_RING_SIZE);
+    vtx.start_small(MIN_RING_SIZE);
     let vprobe = region.probe(Side::Server);
     let words = words();
-    let mut big = vec![0u8; 70_000];
-    let out: Vec<u8> = (0..70_000).map(|i| 0x80 | (i % 0x80) as u8).collect();
+    let len = 70_000.max(3 * ring + 1);
+    let mut big = vec![0u8; len];
+    let out: Vec<u8> = (0..len).map(|i| 0x80 | (i % 0x80) as u8).collect();
     let mut sent = 0usize;
     for _ in 0..steps {
         match rng.below(10) {
@@ -106,63 +121,63 @@ fn episode(seed: u64, steps: usize) -> bool {
             2 => {
                 // The attacker's library-like steps (they may also trip on
                 // its own scribbles; that is its problem).
-                let n = rng.below(3 * RING);
+                let n = rng.below(3 * ring);
                 let src: Vec<u8> = (sent..sent + n).map(attacker_byte).collect();
                 sent += ptx.write(&src);
                 let _ = ptx.take_reader_wakeup();
-                let _ = prx.read(&mut big[..rng.below(3 * RING)]);
+                let _ = prx.read(&mut big[..rng.below(3 * ring)]);
             }
             3 => {
                 let want = rng.below(big.len());
                 let n = vrx.read(&mut big[..want]);
-                assert!(n <= want.min(RING), "read {n} of {want}");
+                assert!(n <= want.min(ring), "read {n} of {want}");
                 assert!(big[..n].iter().all(|b| *b < 0x80), "read past ring 0");
                 let _ = vrx.take_writer_wakeup();
             }
             4 => {
                 let want = rng.below(big.len());
                 let n = vrx.peek(&mut big[..want]);
-                assert!(n <= want.min(RING), "peek {n} of {want}");
+                assert!(n <= want.min(ring), "peek {n} of {want}");
                 assert!(big[..n].iter().all(|b| *b < 0x80), "peek past ring 0");
             }
             5 => {
-                let (a, b) = big.split_at_mut(rng.below(40_000));
+                let (a, b) = big.split_at_mut(rng.below(len / 2));
                 let (la, lb) = (a.len(), b.len());
                 let mut bufs = [&mut a[..], &mut b[..]];
                 let n = vrx.read_vectored(&mut bufs);
-                assert!(n <= (la + lb).min(RING));
+                assert!(n <= (la + lb).min(ring));
             }
             6 => {
                 let want = rng.below(out.len());
                 let n = vtx.write(&out[..want]);
-                assert!(n <= want.min(RING), "write {n} of {want}");
+                assert!(n <= want.min(ring), "write {n} of {want}");
                 let _ = vtx.take_reader_wakeup();
             }
             7 => {
-                let max = rng.below(3 * RING);
+                let max = rng.below(3 * ring);
                 let n = vtx.write_with(max, |dst| {
-                    assert!(dst.len() <= RING && dst.len() <= max);
+                    assert!(dst.len() <= ring && dst.len() <= max);
                     dst.fill(0x81);
                     dst.len()
                 });
-                assert!(n <= max.min(RING));
+                assert!(n <= max.min(ring));
             }
             8 => {
-                assert!(vtx.free() <= RING);
-                assert!(vrx.available() <= RING);
-                assert!(vprobe.tx_free() <= RING);
+                assert!(vtx.free() <= ring);
+                assert!(vrx.available() <= ring);
+                assert!(vprobe.tx_free() <= ring);
                 if let ReadState::Data(n) = vprobe.rx_state() {
-                    assert!(n <= RING);
+                    assert!(n <= ring);
                 }
                 let _ = vprobe.attach_state();
                 let _ = vrx.state();
             }
             _ => {
-                vrx.consume(rng.below(2 * RING));
+                vrx.consume(rng.below(2 * ring));
                 let _ = vtx.tail();
                 let _ = vrx.head();
                 let _ = vrx.tail();
-                let _ = vtx.commit(rng.below(2 * RING));
+                let _ = vtx.commit(rng.below(2 * ring));
             }
         }
         if region.is_broken() {
@@ -192,6 +207,88 @@ fn scribbled_control_words_never_move_an_access_outside_the_ring() {
     // to test anything; some must not (harmless words: futex words, need).
     assert!(broken > episodes as u32 / 2, "{broken} of {episodes} broke");
     assert!(broken < episodes as u32, "every episode broke");
+}
+
+/// The same on rings that start small and grow: capacity words that are
+/// valid, stale or invented never move an access outside the ring.
+#[test]
+fn scribbled_capacity_words_never_move_an_access_outside_the_ring() {
+    let mut broken = 0;
+    let episodes = 1500;
+    for seed in 0..episodes {
+        broken += episode_of(seed, 80, 64 << 10) as u32;
+    }
+    assert!(broken > episodes as u32 / 2, "{broken} of {episodes} broke");
+    assert!(broken < episodes as u32, "every episode broke");
+}
+
+/// Each bad capacity or fixed word is found by the end that reads it: the
+/// consumer for its producer's capacity word, the producer for its own
+/// (the peer may scribble it too), the growing producer for the fixed
+/// word. A capacity that is not a power of two, below the minimum, or
+/// beyond the mapped ring resets the connection; it never indexes.
+#[test]
+fn bad_capacity_words_are_violations() {
+    const BIG: usize = 64 << 10;
+    let c2s = CTL_OFFSET[0] + 8; // the attacker's (client's) producer ring
+    let s2c = CTL_OFFSET[1] + 8; // the victim's own producer ring
+    let cases: [(&str, usize, bool, u64); 8] = [
+        ("capacity not a power of two", c2s, true, 12 << 10),
+        ("capacity below the minimum", c2s, true, 2048),
+        ("capacity of one byte", c2s, true, 1),
+        ("capacity beyond the mapped ring", c2s, true, 2 * BIG as u64),
+        ("capacity at the top bit", c2s, true, 1 << 63),
+        ("own capacity not a power of two", s2c, true, 40_000),
+        ("own capacity beyond the mapped ring", s2c, true, 1 << 40),
+        ("fixed word out of its set", FIXED_OFFSET, false, 2),
+    ];
+    for (what, off, wide, value) in cases {
+        let (attacker, region) = two_mappings_of(BIG);
+        let (mut ctx, _) = attacker.endpoints(Side::Client);
+        let (mut stx, mut srx) = region.endpoints(Side::Server);
+        ctx.start_small(4096);
+        stx.start_small(4096);
+        let probe = region.probe(Side::Server);
+        assert_eq!(ctx.write(b"hello"), 5);
+        let mut b = [0u8; 3];
+        assert_eq!(srx.read(&mut b), 3);
+        assert_eq!(stx.write(b"abc"), 3);
+        let _ = ctx.take_reader_wakeup();
+        // The victim's ring empties and wants to grow: it reads the fixed
+        // word at its next write.
+        let mut cb = [0u8; 8];
+        let (_, mut crx) = attacker.endpoints(Side::Client);
+        assert_eq!(crx.read(&mut cb), 3);
+        scribble(&attacker, off, wide, value);
+        let _ = srx.state();
+        let _ = srx.read(&mut [0u8; 64]);
+        let _ = stx.free();
+        let _ = stx.write(&[0x80u8; 9000]);
+        let _ = (probe.rx_state(), probe.tx_free());
+        assert!(region.is_broken(), "{what}: not detected");
+        assert_eq!(srx.state(), ReadState::Broken, "{what}");
+        assert_eq!(stx.write(b"x"), 0, "{what}");
+    }
+    // Valid words are not violations: 0 (the whole ring), the minimum,
+    // the mapped size, and the fixed word's two values.
+    for (off, wide, value) in [
+        (c2s, true, 0),
+        (c2s, true, 4096),
+        (c2s, true, BIG as u64),
+        (FIXED_OFFSET, false, 1),
+        (FIXED_OFFSET, false, 0),
+    ] {
+        let (attacker, region) = two_mappings_of(BIG);
+        let (mut ctx, _) = attacker.endpoints(Side::Client);
+        let (mut stx, mut srx) = region.endpoints(Side::Server);
+        stx.start_small(4096);
+        assert_eq!(ctx.write(b"hello"), 5);
+        let mut b = [0u8; 8];
+        assert_eq!(srx.read(&mut b), 5);
+        scribble(&attacker, off, wide, value);
+        let _ = (srx.state(), srx.read(&mut b), stx.write(&[0x80u8; 9000]));
+        assert!(!region.is_broken(), "word {off} = {value}");
+    }
 }
 
 /// Each kind of bad value is found, by the end that reads it.

@@ -470,3 +470,257 @@ fn misaligned_copies_move_the_right_bytes() {
         pos += n as u64;
     }
 }
+
+/// Pages of ring `i`'s data area that are resident (allocated in the
+/// memfd): `mincore` on the shared mapping.
+fn resident_pages(r: &Region, i: usize) -> usize {
+    let page = 4096;
+    let len = r.ring_size();
+    let mut vec = vec![0u8; len / page];
+    // SAFETY: the range is ring i's data area inside the live mapping
+    // (page aligned: HEADER_LEN and the ring size are page multiples);
+    // mincore writes one byte per page into `vec`, which holds them all.
+    let rc = unsafe {
+        libc::mincore(
+            r.base().add(HEADER_LEN + i * len).cast(),
+            len,
+            vec.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    vec.iter().filter(|b| **b & 1 != 0).count()
+}
+
+/// Request/response traffic that fits the starting size keeps both rings
+/// at that size, however many times the positions wrap: only the first
+/// pages of each ring are ever touched. A ring left at its full size
+/// touches every page for the same traffic (what every connection cost
+/// before rings grew).
+#[test]
+fn small_traffic_touches_only_the_starting_capacity() {
+    const RING: usize = 1 << 20;
+    const START: usize = 16 << 10;
+    for small in [true, false] {
+        let mut r = Mem::new(region_len_for(RING));
+        let (mut ctx, mut crx) = r.ends(Side::Client);
+        let (mut stx, mut srx) = r.ends(Side::Server);
+        if small {
+            ctx.start_small(START);
+            stx.start_small(START);
+        }
+        let mut buf = vec![0u8; 4096];
+        let mut pos = 0u64;
+        // 3 MiB each way in 1 KiB request/response: the positions pass
+        // the full ring size three times.
+        for k in 0..3072u64 {
+            let msg: Vec<u8> = (0..1024).map(|i| pattern(k, pos + i)).collect();
+            assert_eq!(ctx.write(&msg), 1024);
+            assert_eq!(srx.read(&mut buf), 1024);
+            assert_eq!(&buf[..1024], &msg[..]);
+            assert_eq!(stx.write(&buf[..1024]), 1024);
+            assert_eq!(crx.read(&mut buf), 1024);
+            assert_eq!(&buf[..1024], &msg[..]);
+            pos += 1024;
+        }
+        let touched = (resident_pages(&r.0, 0), resident_pages(&r.0, 1));
+        if small {
+            assert_eq!((ctx.capacity(), stx.capacity()), (START, START));
+            assert_eq!((srx.capacity(), crx.capacity()), (START, START));
+            assert_eq!(touched, (START / 4096, START / 4096), "pages touched");
+        } else {
+            assert_eq!(ctx.capacity(), RING);
+            assert_eq!(touched, (RING / 4096, RING / 4096), "pages touched");
+        }
+    }
+}
+
+/// A first write larger than the starting size grows the empty ring to
+/// fit it at once; a write that finds the ring full makes the next empty
+/// moment double it; never beyond the mapped size; the consumer always
+/// reads the bytes back in order.
+#[test]
+fn capacity_grows_at_empty_moments_only() {
+    const RING: usize = 256 << 10;
+    let mut r = Mem::new(region_len_for(RING));
+    let (mut tx, _) = r.ends(Side::Client);
+    let (_, mut rx) = r.ends(Side::Server);
+    tx.start_small(4096);
+    let mut buf = vec![0u8; RING];
+    let src: Vec<u8> = (0..4 * RING).map(|i| pattern(9, i as u64)).collect();
+    let mut sent = 0usize;
+    let mut got = 0usize;
+    let mut check = |rx: &mut Consumer, got: &mut usize| {
+        let n = rx.read(&mut buf);
+        assert_eq!(&buf[..n], &src[*got..*got + n]);
+        *got += n;
+    };
+    // Fresh: 100 bytes start the ring at 4 KiB.
+    sent += tx.write(&src[sent..sent + 100]);
+    assert_eq!(tx.capacity(), 4096);
+    check(&mut rx, &mut got);
+    assert_eq!(rx.capacity(), 4096);
+    // Empty, and a 10,000-byte write: grows to 16 KiB to fit it.
+    sent += tx.write(&src[sent..sent + 10_000]);
+    assert_eq!((tx.capacity(), sent), (16 << 10, 10_100));
+    // Not empty: a write that does not fit fills the ring and no more,
+    // and asks to grow.
+    let n = tx.write(&src[sent..sent + 20_000]);
+    assert_eq!(n, (16 << 10) - 10_000);
+    sent += n;
+    assert!(tx.wants_to_grow());
+    assert_eq!(tx.capacity(), 16 << 10);
+    assert_eq!(tx.write(&src[sent..sent + 1]), 0, "full");
+    check(&mut rx, &mut got);
+    assert_eq!(got, sent);
+    // Empty now: the next write doubles it.
+    sent += tx.write(&src[sent..sent + 1000]);
+    assert_eq!(tx.capacity(), 32 << 10);
+    assert!(!tx.wants_to_grow());
+    check(&mut rx, &mut got);
+    assert_eq!(rx.capacity(), 32 << 10);
+    // A write far larger than the mapped ring: grows to the mapped size.
+    let n = tx.write(&src[sent..sent + 3 * RING]);
+    assert_eq!((n, tx.capacity()), (RING, RING));
+    sent += n;
+    check(&mut rx, &mut got);
+    assert_eq!((got, rx.capacity()), (sent, RING));
+    // Full size: never more, whatever the writes.
+    assert_eq!(tx.write(&src[sent..sent + RING]), RING);
+    assert_eq!(tx.write(&src[sent..sent + 1]), 0);
+    assert!(!tx.wants_to_grow(), "nothing left to grow");
+    assert_eq!(tx.capacity(), RING);
+}
+
+/// A region whose capacity is fixed (the daemon's relay maps it so): the
+/// peer's producer never changes the capacity, whatever start_small says.
+#[test]
+fn a_fixed_region_keeps_the_full_size() {
+    const RING: usize = 64 << 10;
+    let len = region_len_for(RING);
+    let fd = crate::region::sealed_memfd(len).unwrap();
+    let daemon = Region::map_memfd_fixed(std::os::fd::AsFd::as_fd(&fd), len).unwrap();
+    let pod = Region::map_memfd(std::os::fd::AsFd::as_fd(&fd), len).unwrap();
+    let (mut tx, _) = pod.endpoints(Side::Client);
+    let (_, mut rx) = daemon.endpoints(Side::Server);
+    tx.start_small(4096);
+    assert_eq!(tx.write(&[5u8; 100]), 100);
+    assert_eq!(tx.capacity(), RING);
+    // Even a pod that writes a capacity word anyway does not move the
+    // daemon's view of the ring (it only garbles its own bytes).
+    tx.ring.ctl().tail.0.cap.store(4096, Ordering::Relaxed);
+    let mut b = [0u8; 200];
+    assert_eq!(rx.read(&mut b), 100);
+    assert_eq!(rx.capacity(), RING);
+    assert!(!daemon.is_broken() && !pod.is_broken());
+}
+
+/// Growth racing the consumer: a blocking-style writer (wait_room on a
+/// full ring, as the library's blocking write does) and a reader that
+/// sometimes pauses, so the ring fills at every size; random write and
+/// read sizes, every byte checked; the ring reaches its full size and
+/// the reader sees the same capacities the writer set.
+fn grow_two_threads(ring: usize, start: usize, total: u64, max_msg: usize, seed: u64) {
+    let mut r = Mem::new(region_len_for(ring));
+    let (mut p, _) = r.ends(Side::Client);
+    let (_, mut c) = r.ends(Side::Server);
+    let probe = r.0.probe(Side::Server);
+    p.start_small(start);
+    std::thread::scope(|s| {
+        let writer = s.spawn(move || {
+            let mut rng = Rng(seed);
+            let mut buf = vec![0u8; max_msg];
+            let mut sent = 0u64;
+            let mut caps = vec![];
+            while sent < total {
+                let len = (1 + rng.below(max_msg)).min((total - sent) as usize);
+                for (i, b) in buf[..len].iter_mut().enumerate() {
+                    *b = pattern(seed, sent + i as u64);
+                }
+                let mut off = 0;
+                while off < len {
+                    let n = if rng.below(4) == 0 {
+                        // sendfile's path: straight into the ring.
+                        let src = &buf[off..len];
+                        p.write_with(src.len(), |dst| {
+                            dst.copy_from_slice(&src[..dst.len()]);
+                            dst.len()
+                        })
+                    } else {
+                        p.write(&buf[off..len])
+                    };
+                    let _ = p.take_reader_wakeup();
+                    if caps.last() != Some(&p.capacity()) {
+                        caps.push(p.capacity());
+                    }
+                    if n == 0 {
+                        p.wait_room(1000);
+                    }
+                    off += n;
+                }
+                sent += len as u64;
+            }
+            p.close();
+            caps
+        });
+        let mut rng = Rng(seed ^ 0xABCD);
+        let mut buf = vec![0u8; max_msg];
+        let mut got = 0u64;
+        let mut seen = vec![];
+        loop {
+            // The readiness view runs beside the reader, as poll does.
+            let _ = (probe.rx_state(), probe.tx_free());
+            match c.state() {
+                ReadState::Eof => break,
+                ReadState::Empty => std::thread::yield_now(),
+                ReadState::Broken => panic!("an honest peer broke the ring"),
+                ReadState::Data(_) => {
+                    if rng.below(50) == 0 {
+                        // A reader that falls behind: the ring fills.
+                        std::thread::sleep(std::time::Duration::from_micros(200));
+                    }
+                    let want = 1 + rng.below(max_msg);
+                    let n = if rng.below(3) == 0 {
+                        let n = c.peek(&mut buf[..want]);
+                        c.consume(n);
+                        n
+                    } else {
+                        c.read(&mut buf[..want])
+                    };
+                    let _ = c.take_writer_wakeup();
+                    for (i, b) in buf[..n].iter().enumerate() {
+                        assert_eq!(*b, pattern(seed, got + i as u64), "byte {}", got + i as u64);
+                    }
+                    got += n as u64;
+                    if seen.last() != Some(&c.capacity()) {
+                        seen.push(c.capacity());
+                    }
+                }
+            }
+        }
+        assert_eq!(got, total);
+        let caps = writer.join().unwrap();
+        assert_eq!(
+            caps.last(),
+            Some(&ring),
+            "never reached the full ring: {caps:?}"
+        );
+        assert!(caps.windows(2).all(|w| w[0] < w[1]), "capacities {caps:?}");
+        assert!(caps[0] < ring, "never started small: {caps:?}");
+        // Every capacity the reader used is one the writer set.
+        assert!(
+            seen.iter().all(|c| caps.contains(c)),
+            "{seen:?} vs {caps:?}"
+        );
+        assert!(!r.0.is_broken());
+    });
+}
+
+#[test]
+fn growth_races_the_consumer_small_messages() {
+    grow_two_threads(256 << 10, 4096, 64 << 20, 3000, 21);
+}
+
+#[test]
+fn growth_races_the_consumer_bulk_stream() {
+    grow_two_threads(1 << 20, 16 << 10, 256 << 20, 200_000, 22);
+}

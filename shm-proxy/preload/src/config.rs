@@ -19,8 +19,12 @@ pub const DEFAULT_WAIT_SLICE_MS: i32 = 250;
 pub struct Config {
     /// `FLOWLANE_DISABLE=1`: the library passes every call straight through.
     pub disabled: bool,
-    /// `FLOWLANE_RING_SIZE`: bytes per direction (suffix K/M/G allowed).
+    /// `FLOWLANE_RING_SIZE`: bytes per direction (suffix K/M/G allowed):
+    /// the largest a ring grows to.
     pub ring_size: usize,
+    /// `FLOWLANE_RING_INITIAL`: the capacity a ring starts with (grows
+    /// with the traffic up to `ring_size`; at or above it, no growth).
+    pub ring_initial: usize,
     /// `FLOWLANE_SPIN_US`: spin budget before sleeping.
     pub spin_us: u64,
     /// `FLOWLANE_LOG`: 0 = silent (default), 1 error, 2 warn, 3 info, 4 debug.
@@ -91,6 +95,10 @@ fn read_env() -> Config {
         .and_then(|v| parse_size(&v))
         .unwrap_or(ring::DEFAULT_RING_SIZE)
         .clamp(ring::MIN_RING_SIZE, ring::MAX_RING_SIZE);
+    let ring_initial = env(c"FLOWLANE_RING_INITIAL")
+        .and_then(|v| parse_size(&v))
+        .unwrap_or(ring::DEFAULT_INITIAL_RING)
+        .clamp(ring::MIN_RING_SIZE, ring_size);
     let spin_us = env(c"FLOWLANE_SPIN_US")
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(DEFAULT_SPIN_US)
@@ -108,6 +116,7 @@ fn read_env() -> Config {
     Config {
         disabled,
         ring_size,
+        ring_initial,
         spin_us,
         log_level,
         socket,

@@ -150,7 +150,10 @@ impl Conn {
         // Checks the seals and the size before mapping (see `Region`).
         let region = Region::map_memfd(memfd.as_fd(), len)?;
         drop(memfd); // the mapping keeps the memory alive
-        let (tx, rx) = region.endpoints(side);
+        let (mut tx, rx) = region.endpoints(side);
+        // The sending ring starts small and grows with the traffic (no
+        // effect on a relay's region, whose capacity is fixed).
+        tx.start_small(crate::config::get().ring_initial);
         let probe = region.probe(side);
         Ok(Conn {
             id,
@@ -643,7 +646,9 @@ impl Conn {
                 };
             };
             let probe = &self.probe;
-            if self.spin(|| probe.tx_free() > 0 || probe.tx_peer_gone()) {
+            // A ring that wants to grow waits (briefly) for it to empty
+            // instead of refilling the room the reader frees.
+            if !tx.wants_to_grow() && self.spin(|| probe.tx_free() > 0 || probe.tx_peer_gone()) {
                 continue;
             }
             bump(&self.counts.write_sleeps);
@@ -730,7 +735,7 @@ impl Conn {
                 break;
             }
             let probe = &self.probe;
-            if self.spin(|| probe.tx_free() > 0) {
+            if !tx.wants_to_grow() && self.spin(|| probe.tx_free() > 0) {
                 continue;
             }
             tx.wait_room(FUTEX_SLICE_MS);

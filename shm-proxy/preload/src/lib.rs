@@ -35,9 +35,10 @@ extern "C" fn init() {
     }));
     log::log_at!(
         3,
-        "loaded (disabled={}, ring={} bytes, spin={} us, nt stores={}, socket={})",
+        "loaded (disabled={}, ring={} bytes (starting at {}), spin={} us, nt stores={}, socket={})",
         cfg.disabled,
         cfg.ring_size,
+        cfg.ring_initial,
         cfg.spin_us,
         cfg.nt_stores,
         cfg.socket.display()

@@ -11,6 +11,8 @@
 //!   shm-bench connrate ADDR N                  connect + 1-byte echo + close, prints conn/s
 //!                                              and p50/p99 us of connect + first byte
 //!   shm-bench integrity ADDR BYTES SEED        random sizes, both directions, checksummed
+//!   shm-bench idle ADDR N CARRY MSG DIR        N connections carry CARRY bytes each, then
+//!                                              idle until DIR/go (module `memory_bench`)
 //!   shm-bench ceiling SIZE                     the hardware reference (module `ceiling`)
 //! ADDR is ip:port, or unix:PATH for AF_UNIX.
 //!
@@ -23,7 +25,9 @@
 //! them (`ceiling`). `bench --stream` runs just the 64 KiB and 1 MiB stream
 //! rows and the ceiling; `bench --setup` just the connection set-up figures
 //! (module `setup_bench`: pod to pod, pod to a host outside every pod
-//! network, request/response rates, the fallback path's first byte).
+//! network, request/response rates, the fallback path's first byte);
+//! `bench --memory` the memory of 1,000 idle connections beside the 64 KiB
+//! stream and request/response rates (module `memory_bench`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -126,7 +130,24 @@ fn handle(mut c: Box<dyn Conn>) {
     }
 }
 
+/// Raises the soft fd limit to the hard one (a server or client of many
+/// connections at once).
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit struct of our own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 fn serve_tcp(port: u16) {
+    raise_fd_limit();
     let l = TcpListener::bind(("0.0.0.0", port)).expect("bind");
     for c in l.incoming().flatten() {
         let _ = c.set_nodelay(true);
@@ -275,6 +296,16 @@ fn main() {
         "pingpong" => pingpong(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
         "connrate" => connrate(a(2), a(3).parse().unwrap()),
         "integrity" => integrity(a(2), a(3).parse().unwrap(), a(4).parse().unwrap()),
+        "idle" => memory_bench::idle_client(
+            a(2),
+            a(3).parse().unwrap(),
+            a(4).parse().unwrap(),
+            a(5).parse().unwrap(),
+            a(6),
+        ),
+        "bench" if args.iter().any(|x| x == "--memory") => {
+            memory_bench::run(args.iter().any(|x| x == "--quick"))
+        }
         "bench" if args.iter().any(|x| x == "--setup") => {
             setup_bench::run(args.iter().any(|x| x == "--quick"))
         }
@@ -288,12 +319,15 @@ fn main() {
 }
 
 fn usage() -> ! {
-    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | ceiling SIZE | bench [--quick] [--stream | --setup]");
+    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | idle ADDR N CARRY MSG DIR | ceiling SIZE | bench [--quick] [--stream | --setup | --memory]");
     std::process::exit(2)
 }
 
 #[path = "shm-bench/setup_bench.rs"]
 mod setup_bench;
+
+#[path = "shm-bench/memory_bench.rs"]
+mod memory_bench;
 
 mod bench {
     use super::Duration;

@@ -522,7 +522,9 @@ impl Relay {
         let id = self.shared.lock().next_channel_id();
         let name = format!("flowlane-relay-{id}");
         let made = memfd::create_sealed(&name, region_len).and_then(|fd| {
-            let region = Region::map_memfd(fd.as_fd(), region_len as usize)?;
+            // Fixed capacity: the relay's pumps and zero-copy placement
+            // address the whole ring (docs/shm-lane.md, "Rings that grow").
+            let region = Region::map_memfd_fixed(fd.as_fd(), region_len as usize)?;
             Ok((fd, region))
         });
         let (memfd, region) = match made {
@@ -708,7 +710,7 @@ impl Relay {
             return self.fallback(NoChannelReason::NoIntent, FallbackReason::RelayBudget);
         };
         let made = memfd::create_sealed(&format!("flowlane-relay-{id}"), len as u64)
-            .and_then(|fd| Ok((Region::map_memfd(fd.as_fd(), len)?, fd)));
+            .and_then(|fd| Ok((Region::map_memfd_fixed(fd.as_fd(), len)?, fd)));
         let (region, memfd) = match made {
             Ok(m) => m,
             Err(e) => {
