@@ -207,6 +207,23 @@ fn identify(stream: &UnixStream) -> Caller {
 /// of `ProcessId::is_alive`, which reads /proc/PID/stat (slow for a process
 /// with many threads) on every request; see
 /// docs/benchmarks/2026-11-30-daemon-setup.md.
+/// Whether the process identified when the connection was made has exited:
+/// no namespace left to read (a zombie has a /proc entry, with its start
+/// time, but no `ns/net`; a reaped process has neither), or another
+/// process under its pid. A one-way
+/// close report is written just before the application may exit, so it is
+/// often read after its sender is gone; it is accepted then, for the pod
+/// the connection was identified as (`still_the_caller` refuses only a
+/// process that now lives in ANOTHER namespace). What such a report can
+/// do is bounded: it settles one side of a connection of the caller's own
+/// pod, with plausible byte counts, once (docs/daemon.md, "One-way
+/// messages").
+fn caller_exited(caller: &Caller) -> bool {
+    caller
+        .process
+        .is_some_and(|p| netns_inode_of_pid(p.pid).is_err() || !p.is_alive())
+}
+
 fn still_the_caller(caller: &Caller) -> bool {
     let Some(process) = caller.process else {
         return true;
@@ -234,6 +251,17 @@ async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared, la
         };
         let mut intent = false;
         let answer = match proto::decode_request(&body) {
+            // A one-way message is handled and never answered.
+            Ok(req) if req.is_one_way() => {
+                if still_the_caller(&caller) || caller_exited(&caller) {
+                    tracing::trace!(op = req.op_name(), "one-way request");
+                    drop(shared.lock().handle(&caller, req));
+                    continue;
+                }
+                tracing::debug!(?caller, "one-way request from a moved caller; closing");
+                shared.lock().count_fallback(FallbackReason::AuthFailed);
+                return;
+            }
             Ok(_) if !still_the_caller(&caller) => {
                 // The identity was read when the client connected; clients
                 // keep connections open between requests, so it is checked
@@ -399,6 +427,165 @@ mod tests {
         assert!(!still_the_caller(&caller(netns, Some(gone))));
         // Unidentified callers stay unidentified (the broker refuses them).
         assert!(still_the_caller(&caller(None, None)));
+        // One-way reports: a process that exited, not one that moved.
+        assert!(caller_exited(&caller(netns, Some(gone))));
+        assert!(!caller_exited(&caller(netns.map(|n| n + 1), Some(me))));
+        let mut zombie = std::process::Command::new("true").spawn().unwrap();
+        let zpid = zombie.id();
+        let z = ProcessId::of(zpid).unwrap();
+        // Not reaped yet: a zombie as soon as it exits.
+        let t0 = std::time::Instant::now();
+        while netns_inode_of_pid(zpid).is_ok() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "child never exited");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(z.is_alive(), "a zombie keeps its start time");
+        assert!(caller_exited(&caller(netns, Some(z))));
+        zombie.wait().unwrap();
+    }
+
+    /// A daemon serving a socket in a fresh directory, with one pod: the
+    /// test's own namespace, with a client and a server IP.
+    struct TestDaemon {
+        dir: std::path::PathBuf,
+        socket: std::path::PathBuf,
+        view: Shared,
+        rt: tokio::runtime::Runtime,
+        stop: tokio::sync::oneshot::Sender<()>,
+        daemon: tokio::task::JoinHandle<()>,
+    }
+
+    impl TestDaemon {
+        fn start(name: &str) -> TestDaemon {
+            use crate::broker::{DaemonFacts, Limits};
+            use flowlane_registry::{Attachment, Registry};
+
+            let dir =
+                std::env::temp_dir().join(format!("fld-server-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            Registry::new(&dir)
+                .put(&Attachment {
+                    network: "n".into(),
+                    container_id: "c1".into(),
+                    ifname: "eth0".into(),
+                    // Checked like any entry: the test's own namespace.
+                    netns: format!("/proc/{}/ns/net", std::process::id()),
+                    netns_inode: crate::identity::own_netns_inode().unwrap(),
+                    ips: vec!["10.202.9.1/24".into(), "10.202.9.2/24".into()],
+                    mac: String::new(),
+                    pod_namespace: Some("default".into()),
+                    pod_name: Some("pod1".into()),
+                    pod_uid: None,
+                    created_unix: 0,
+                })
+                .unwrap();
+            let socket = dir.join("d.sock");
+            let facts = DaemonFacts {
+                state_dir: dir.clone(),
+                socket: socket.clone(),
+            };
+            let shared = Shared::new(Broker::new(facts, Limits::default()));
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            let listener = {
+                let _in_rt = rt.enter();
+                bind(&socket).unwrap()
+            };
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let view = shared.clone();
+            let daemon = rt.spawn(serve(
+                listener,
+                socket.clone(),
+                shared,
+                Lanes::default(),
+                async {
+                    let _ = stopped.await;
+                },
+            ));
+            TestDaemon {
+                dir,
+                socket,
+                view,
+                rt,
+                stop,
+                daemon,
+            }
+        }
+
+        fn stop(self) {
+            let _ = self.stop.send(());
+            self.rt.block_on(self.daemon).unwrap();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+
+        /// Polls the broker's stats (a node request: read from the broker
+        /// itself) until `done`, for at most 20 s.
+        fn until(&self, done: impl Fn(&proto::Stats) -> bool) -> proto::Stats {
+            let t0 = std::time::Instant::now();
+            loop {
+                let st = self.view.lock().stats();
+                if done(&st) {
+                    return st;
+                }
+                assert!(t0.elapsed() < Duration::from_secs(20), "{st:?}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+
+    /// A one-way close report gets no answer, keeps the connection's
+    /// framing (the next request's answer is its own), and is applied as a
+    /// `report-closed` is. (Both ends here are one process of one pod, so
+    /// the broker files every report under one side; counting each side
+    /// once across real processes is `shm_semantics`' leak test.)
+    #[test]
+    fn one_way_close_reports_are_unanswered_and_applied() {
+        use flowlane_lane::client::DaemonClient;
+        use std::net::SocketAddr;
+
+        let t = TestDaemon::start("oneway");
+        let server: SocketAddr = "10.202.9.2:80".parse().unwrap();
+        let client: SocketAddr = "10.202.9.1:5001".parse().unwrap();
+        let mut c = DaemonClient::connect(&t.socket, Duration::from_secs(10)).unwrap();
+        let mut s = DaemonClient::connect(&t.socket, Duration::from_secs(10)).unwrap();
+        s.register_listener(server).unwrap();
+        let id = c.connect_intent(client, server, 8192).unwrap().unwrap().id;
+        assert_eq!(s.claim_accepted(server, client).unwrap().unwrap().id, id);
+        c.report_closed_one_way(id, 20, 300).unwrap();
+        c.report_closed_one_way(id, 20, 300).unwrap();
+        // The next answer on the same connection is the next request's.
+        let other: SocketAddr = "10.202.9.1:5002".parse().unwrap();
+        let id2 = c.connect_intent(other, server, 8192).unwrap().unwrap().id;
+        assert_ne!(id2, id);
+        assert!(!c.looks_closed(), "the daemon answered a one-way message");
+        let st = t.until(|st| st.requests.get("report-closed-one-way") == Some(&2));
+        let conn = st.connections.iter().find(|x| x.id == id).unwrap();
+        assert_eq!(
+            (conn.bytes_client_to_server, conn.bytes_server_to_client),
+            (300, 20),
+            "{st:?}"
+        );
+        // Checked as report-closed is: counts no connection could carry
+        // change nothing, and still get no answer.
+        s.report_closed_one_way(id, u64::MAX, 0).unwrap();
+        let st = t.until(|st| st.bad_requests == 1);
+        assert_eq!(
+            st.connections
+                .iter()
+                .find(|x| x.id == id)
+                .unwrap()
+                .bytes_server_to_client,
+            20
+        );
+        assert!(!s.looks_closed());
+        // A request that expects an answer cannot go one way.
+        assert!(c.send_one_way(&Request::Stats).is_err());
+        assert!(!c.is_broken());
+        drop((c, s));
+        t.stop();
     }
 
     /// A client that stopped waiting for its intent's answer (the library
@@ -406,66 +593,19 @@ mod tests {
     /// leave a channel behind that the server would claim and attach to.
     #[test]
     fn an_intent_whose_answer_cannot_be_sent_is_dropped() {
-        use crate::broker::{DaemonFacts, Limits};
         use flowlane_lane::client::DaemonClient;
-        use flowlane_registry::{Attachment, Registry};
         use std::io::Write;
         use std::net::SocketAddr;
-        use std::time::Instant;
 
-        let dir = std::env::temp_dir().join(format!("fld-server-{}-late", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        // One pod: the test's own namespace, with a client and a server IP.
-        Registry::new(&dir)
-            .put(&Attachment {
-                network: "n".into(),
-                container_id: "c1".into(),
-                ifname: "eth0".into(),
-                // Checked like any entry: the test's own namespace.
-                netns: format!("/proc/{}/ns/net", std::process::id()),
-                netns_inode: crate::identity::own_netns_inode().unwrap(),
-                ips: vec!["10.202.9.1/24".into(), "10.202.9.2/24".into()],
-                mac: String::new(),
-                pod_namespace: Some("default".into()),
-                pod_name: Some("pod1".into()),
-                pod_uid: None,
-                created_unix: 0,
-            })
-            .unwrap();
-        let socket = dir.join("d.sock");
-        let facts = DaemonFacts {
-            state_dir: dir.clone(),
-            socket: socket.clone(),
-        };
-        let shared = Shared::new(Broker::new(facts, Limits::default()));
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = {
-            let _in_rt = rt.enter();
-            bind(&socket).unwrap()
-        };
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let view = shared.clone();
-        let daemon = rt.spawn(serve(
-            listener,
-            socket.clone(),
-            shared,
-            Lanes::default(),
-            async {
-                let _ = stopped.await;
-            },
-        ));
-
+        let t = TestDaemon::start("late");
+        let socket = &t.socket;
         let server: SocketAddr = "10.202.9.2:80".parse().unwrap();
         let client: SocketAddr = "10.202.9.1:5000".parse().unwrap();
-        let mut d = DaemonClient::connect(&socket, Duration::from_secs(10)).unwrap();
+        let mut d = DaemonClient::connect(socket, Duration::from_secs(10)).unwrap();
         d.register_listener(server).unwrap();
         // The client's connection reads nothing more (what a client that
         // gave up and closed it looks like to the daemon's send).
-        let late = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+        let late = std::os::unix::net::UnixStream::connect(socket).unwrap();
         late.shutdown(std::net::Shutdown::Read).unwrap();
         let intent = Request::ConnectIntent {
             src: client,
@@ -475,23 +615,12 @@ mod tests {
         (&late)
             .write_all(&proto::encode_frame(&intent, proto::MAX_REQUEST_FRAME).unwrap())
             .unwrap();
-        let t0 = Instant::now();
-        loop {
-            // (Stats are a node request: read from the broker itself.)
-            let st = view.lock().stats();
-            if st.fallbacks.get("intent-undelivered") == Some(&1) {
-                assert_eq!(st.lanes["shm"].channels_pending, 0, "{st:?}");
-                break;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(20), "{st:?}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let st = t.until(|st| st.fallbacks.get("intent-undelivered") == Some(&1));
+        assert_eq!(st.lanes["shm"].channels_pending, 0, "{st:?}");
         // The server's claim finds no channel: both ends stay on TCP.
         assert!(d.claim_accepted(server, client).unwrap().is_none());
         drop(late);
         drop(d);
-        let _ = stop.send(());
-        rt.block_on(daemon).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
+        t.stop();
     }
 }

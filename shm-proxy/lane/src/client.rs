@@ -288,6 +288,48 @@ impl DaemonClient {
         })
     }
 
+    /// [`Self::report_closed`] without waiting: the report is written to
+    /// the socket and the daemon sends no answer
+    /// ([`Request::ReportClosedOneWay`]).
+    pub fn report_closed_one_way(
+        &mut self,
+        channel_id: u64,
+        sent: u64,
+        received: u64,
+    ) -> io::Result<()> {
+        self.send_one_way(&Request::ReportClosedOneWay {
+            channel_id,
+            sent,
+            received,
+        })
+    }
+
+    /// Writes a one-way request (no answer is read: none comes).
+    pub fn send_one_way(&mut self, req: &Request) -> io::Result<()> {
+        if self.broken {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "daemon connection is broken",
+            ));
+        }
+        if !req.is_one_way() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the daemon answers this request: use `call`",
+            ));
+        }
+        let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
+        let result = sys::send_all(self.fd, &frame, Instant::now() + self.timeout);
+        if let Err(e) = &result {
+            self.broken = true;
+            if e.kind() == io::ErrorKind::TimedOut {
+                self.timed_out = true;
+                backoff::start(self.path_hash);
+            }
+        }
+        result
+    }
+
     /// A connection stayed on TCP for `reason`.
     pub fn report_fallback(&mut self, reason: FallbackReason) -> io::Result<()> {
         self.expect_ok(&Request::ReportFallback { reason })

@@ -63,6 +63,20 @@ pub enum Request {
     },
     /// A connection stayed on TCP for `reason`.
     ReportFallback { reason: FallbackReason },
+    /// [`Request::ReportClosed`] as a one-way message: the daemon sends no
+    /// answer (not even an error), so a closing connection does not wait
+    /// for the daemon. The report counts exactly as a `report-closed` does
+    /// (once per side); it may also arrive after its process exited (see
+    /// docs/daemon.md, "One-way messages"). Added after protocol 1 without
+    /// a version bump: a daemon that predates it answers `bad-request`,
+    /// which the client's next request notices (the kept connection looks
+    /// closed) and reconnects; that daemon then counts the connection
+    /// closed from its rings, as for a process that died.
+    ReportClosedOneWay {
+        channel_id: u64,
+        sent: u64,
+        received: u64,
+    },
     /// The CNI plugin changed the pod registry.
     RegistryChanged,
     /// Counters, connections and listeners of the node.
@@ -123,6 +137,11 @@ pub struct InjectionInfo {
 }
 
 impl Request {
+    /// True for a message the daemon never answers.
+    pub fn is_one_way(&self) -> bool {
+        matches!(self, Request::ReportClosedOneWay { .. })
+    }
+
     /// Short name for logs and counters.
     pub fn op_name(&self) -> &'static str {
         match self {
@@ -133,6 +152,7 @@ impl Request {
             Request::ClaimAccepted { .. } => "claim-accepted",
             Request::ReportClosed { .. } => "report-closed",
             Request::ReportFallback { .. } => "report-fallback",
+            Request::ReportClosedOneWay { .. } => "report-closed-one-way",
             Request::RegistryChanged => "registry-changed",
             Request::Stats => "stats",
             Request::RelayableIntent { .. } => "relayable-intent",
@@ -565,6 +585,11 @@ mod tests {
             Request::ReportFallback {
                 reason: FallbackReason::Unsupported,
             },
+            Request::ReportClosedOneWay {
+                channel_id: 9,
+                sent: 3,
+                received: 4,
+            },
             Request::RegistryChanged,
             Request::Stats,
             Request::RelayableIntent {
@@ -603,6 +628,17 @@ mod tests {
         let bad =
             br#"{"op":"report-injection","verdict":"maybe","libc":"","reason":"","containers":[]}"#;
         assert!(decode_request(bad).is_err());
+    }
+
+    #[test]
+    fn only_the_one_way_report_goes_unanswered() {
+        for req in all_requests() {
+            assert_eq!(
+                req.is_one_way(),
+                matches!(req, Request::ReportClosedOneWay { .. }),
+                "{req:?}"
+            );
+        }
     }
 
     #[test]

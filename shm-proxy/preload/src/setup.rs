@@ -485,11 +485,13 @@ pub fn to_tcp(conn: &Arc<Conn>) {
     });
 }
 
-/// The connection's last fd in this process closed: tell the daemon.
+/// The connection's last fd in this process closed: tell the daemon, one
+/// way (the close does not wait for an answer; the daemon counts the side
+/// once, docs/shm-lane.md "Closing").
 pub fn closed(conn: &Conn) {
     let (sent, received) = (
         conn.sent.load(std::sync::atomic::Ordering::Relaxed),
         conn.received.load(std::sync::atomic::Ordering::Relaxed),
     );
-    with_daemon(|d| d.report_closed(conn.id, sent, received));
+    with_daemon(|d| d.report_closed_one_way(conn.id, sent, received));
 }

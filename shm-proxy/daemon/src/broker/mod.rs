@@ -461,6 +461,12 @@ impl Broker {
                 sent,
                 received,
             } => self.report_closed(caller, channel_id, sent, received),
+            // The same report; the server sends no answer to it.
+            Request::ReportClosedOneWay {
+                channel_id,
+                sent,
+                received,
+            } => self.report_closed(caller, channel_id, sent, received),
             Request::ReportFallback { reason } => match self.caller_pod(caller) {
                 Ok(_) => {
                     self.counters.fallback(reason);
