@@ -10,6 +10,7 @@ pub mod binaries;
 pub mod cni;
 pub mod cri;
 pub mod fake_api;
+pub mod frameworks;
 pub mod fsutil;
 pub mod host;
 pub mod loop_scripts;
