@@ -11,6 +11,7 @@ pub mod cni;
 pub mod conformance;
 pub mod cri;
 pub mod fake_api;
+pub mod frameworks;
 pub mod fsutil;
 pub mod host;
 pub mod loop_scripts;
