@@ -827,13 +827,18 @@ fn a_third_pod_cannot_cancel_another_pods_relayed_set_up() {
     let c = Cluster::new(2);
     let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
     let (client, attacker, server) = (&n0.pods[0], &n0.pods[1], &n1.pods[0]);
-    // Listens at once (the library registers the listener), accepts late:
-    // the client's set-up waits for the claim meanwhile.
+    // Listens at once (the library registers the listener), accepts only
+    // once the test says so (the file argv[2] exists), after the attacker's
+    // cancel: the client's set-up is still pending when the cancel arrives,
+    // however slow the machine (a fixed sleep let a loaded machine claim it
+    // first, and the cancel of a finished set-up is rightly a no-op).
     const LATE_SERVER: &str = r#"
-import socket, sys, time
+import os, socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(4)
-time.sleep(float(sys.argv[2]))
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+    time.sleep(0.01)
 c, _ = s.accept(); c.sendall(c.recv(64)); c.close()
 "#;
     const CLIENT: &str = r#"
@@ -850,11 +855,13 @@ body = json.dumps({"op": "cancel-intent", "channel_id": int(sys.argv[2])}).encod
 s.sendall(struct.pack("<I", len(body)) + body)
 n = struct.unpack("<I", s.recv(4))[0]; print(s.recv(n).decode())
 "#;
+    let go = c.dir.join("late-server-go");
+    let go_s = go.display().to_string();
     let _srv = n1.serve(
         server,
         true,
         7570,
-        &[PYTHON, "-c", LATE_SERVER, "7570", "0.5"],
+        &[PYTHON, "-c", LATE_SERVER, "7570", &go_s],
     );
     let mut cli = Bg::spawn(n0.cmd(
         client,
@@ -888,6 +895,7 @@ n = struct.unpack("<I", s.recv(4))[0]; print(s.recv(n).decode())
         T,
         "cancel",
     );
+    std::fs::write(&go, b"").expect("go file");
     assert!(answer.contains("forbidden"), "{answer}");
     let auth_failures = n0.stats().auth_failures;
     assert!(auth_failures >= 1);
