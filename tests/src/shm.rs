@@ -592,6 +592,22 @@ pub fn channel_memfds(daemon: u32) -> Vec<(PathBuf, u64)> {
     out
 }
 
+/// Raises the soft fd limit to the hard one (a program holding many
+/// connections at once).
+pub fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit struct of our own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 /// The directory of the python helper scripts used by the tests.
 pub fn scripts_dir() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/shm-scripts"))

@@ -130,24 +130,8 @@ fn handle(mut c: Box<dyn Conn>) {
     }
 }
 
-/// Raises the soft fd limit to the hard one (a server or client of many
-/// connections at once).
-fn raise_fd_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit with a valid rlimit struct of our own.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
-}
-
 fn serve_tcp(port: u16) {
-    raise_fd_limit();
+    flowlane_e2e::shm::raise_fd_limit();
     let l = TcpListener::bind(("0.0.0.0", port)).expect("bind");
     for c in l.incoming().flatten() {
         let _ = c.set_nodelay(true);

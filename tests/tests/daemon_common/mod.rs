@@ -537,7 +537,7 @@ fn agent_command(socket: &Path, line: &str, st: &mut AgentState) -> String {
         }
         // Opens N idle connections to the daemon and keeps them.
         "hold" => {
-            raise_fd_limit();
+            flowlane_e2e::shm::raise_fd_limit();
             for _ in 0..num(1) {
                 match std::os::unix::net::UnixStream::connect(socket) {
                     Ok(s) => held.push(s),
@@ -579,18 +579,4 @@ fn bench(
     times.sort_unstable();
     let pct = |p: usize| times.get(times.len() * p / 100).copied().unwrap_or(0);
     format!("bench {} {} {total} {channels}", pct(50), pct(99))
-}
-
-fn raise_fd_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit with a valid struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-    }
 }

@@ -54,7 +54,7 @@ fn tcp_buffer_bytes() -> f64 {
 /// prints `idle N`.
 pub fn idle_client(addr: &str, n: usize, carry: usize, msg: usize, dir: &str) {
     let dir = std::path::Path::new(dir);
-    super::raise_fd_limit();
+    flowlane_e2e::shm::raise_fd_limit();
     let mut conns = Vec::with_capacity(n);
     let out = vec![3u8; msg];
     let mut inb = vec![0u8; msg];
@@ -126,6 +126,16 @@ fn idle_round(node: &Node, lib: Option<&str>, addr: &str, me: &str, tag: &str) -
     held
 }
 
+/// A rate figure: its row name, the client's arguments (the address at
+/// index 1 is filled in per variant), which number of the client's output
+/// line it is, and the values measured per variant.
+struct Figure {
+    name: &'static str,
+    args: Vec<String>,
+    index: usize,
+    values: Vec<Vec<f64>>,
+}
+
 pub fn run(quick: bool) {
     let node = Node::new("ptmb", 2);
     let s = &node.pods[1];
@@ -164,26 +174,32 @@ pub fn run(quick: bool) {
     let total = if quick { "536870912" } else { "2147483648" };
     let k = variants.len();
     let mut mem = vec![Vec::new(); k];
-    let mut figs: Vec<(&str, Vec<String>, usize, Vec<Vec<f64>>)> = vec![
-        (
-            "stream GB/s, 64 KiB messages",
-            vec!["stream".into(), "-".into(), "65536".into(), total.into()],
-            0,
-            vec![Vec::new(); k],
-        ),
+    // (name, client arguments with the address at 1, figure index, values per variant)
+    let mut figs: Vec<Figure> = [
+        ("stream GB/s, 64 KiB messages", "stream", "65536", total, 0),
         (
             "request/response/s, 1 KiB, one conn",
-            vec!["pingpong".into(), "-".into(), "1024".into(), iters.into()],
+            "pingpong",
+            "1024",
+            iters,
             2,
-            vec![Vec::new(); k],
         ),
         (
             "request/response/s, 64 B, one conn",
-            vec!["pingpong".into(), "-".into(), "64".into(), iters.into()],
+            "pingpong",
+            "64",
+            iters,
             2,
-            vec![Vec::new(); k],
         ),
-    ];
+    ]
+    .into_iter()
+    .map(|(name, prog, size, n, index)| Figure {
+        name,
+        args: vec![prog.into(), "-".into(), size.into(), n.into()],
+        index,
+        values: vec![Vec::new(); k],
+    })
+    .collect();
     for r in 0..rounds {
         for (i, (_, lib, port)) in variants.iter().enumerate() {
             mem[i].push(idle_round(
@@ -194,12 +210,12 @@ pub fn run(quick: bool) {
                 &format!("{r}{i}"),
             ));
         }
-        for (_, args, index, v) in figs.iter_mut() {
+        for f in figs.iter_mut() {
             for (i, (_, lib, port)) in variants.iter().enumerate() {
-                let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
+                let mut a: Vec<&str> = f.args.iter().map(String::as_str).collect();
                 let addr = pod(*port);
                 a[1] = &addr;
-                v[i].push(run(*lib, &a)[*index]);
+                f.values[i].push(run(*lib, &a)[f.index]);
             }
         }
     }
@@ -224,9 +240,9 @@ pub fn run(quick: bool) {
         line += &format!(" {:>15.1}", median(m.clone()) / (1 << 20) as f64);
     }
     println!("{line} {:>9}", "-");
-    for (name, _, _, v) in &figs {
-        let med: Vec<f64> = v.iter().map(|x| median(x.clone())).collect();
-        let mut line = format!("{name:<40}");
+    for f in &figs {
+        let med: Vec<f64> = f.values.iter().map(|x| median(x.clone())).collect();
+        let mut line = format!("{:<40}", f.name);
         for m in &med {
             line += &format!(" {m:>15.2}");
         }
