@@ -306,28 +306,16 @@ impl DaemonClient {
 
     /// Writes a one-way request (no answer is read: none comes).
     pub fn send_one_way(&mut self, req: &Request) -> io::Result<()> {
-        if self.broken {
-            return Err(io::Error::new(
-                io::ErrorKind::NotConnected,
-                "daemon connection is broken",
-            ));
-        }
         if !req.is_one_way() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "the daemon answers this request: use `call`",
             ));
         }
-        let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
-        let result = sys::send_all(self.fd, &frame, Instant::now() + self.timeout);
-        if let Err(e) = &result {
-            self.broken = true;
-            if e.kind() == io::ErrorKind::TimedOut {
-                self.timed_out = true;
-                backoff::start(self.path_hash);
-            }
-        }
-        result
+        self.guarded(|c| {
+            let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
+            sys::send_all(c.fd, &frame, Instant::now() + c.timeout)
+        })
     }
 
     /// A connection stayed on TCP for `reason`.
@@ -352,13 +340,19 @@ impl DaemonClient {
     /// Sends one request and reads its answer (and any fds that came with
     /// it). Public for tests and tools; the typed methods are the API.
     pub fn call(&mut self, req: &Request) -> io::Result<(Response, Vec<OwnedFd>)> {
+        self.guarded(|c| c.call_inner(req))
+    }
+
+    /// Runs one exchange on a connection that is not broken; a failure
+    /// breaks it (and a timeout starts the process-wide backoff).
+    fn guarded<R>(&mut self, f: impl FnOnce(&mut Self) -> io::Result<R>) -> io::Result<R> {
         if self.broken {
             return Err(io::Error::new(
                 io::ErrorKind::NotConnected,
                 "daemon connection is broken",
             ));
         }
-        let result = self.call_inner(req);
+        let result = f(self);
         if let Err(e) = &result {
             self.broken = true;
             if e.kind() == io::ErrorKind::TimedOut {
