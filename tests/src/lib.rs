@@ -12,6 +12,7 @@ pub mod cri;
 pub mod fake_api;
 pub mod fsutil;
 pub mod host;
+pub mod kubelet;
 pub mod loop_scripts;
 pub mod names;
 pub mod netns;
