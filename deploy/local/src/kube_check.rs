@@ -1021,7 +1021,7 @@ flowlane_fallbacks_total{reason="a \"quoted\", odd"} 1
         // another pod's shm connection meanwhile: opened, but few bytes
         *after.opened.get_mut("shm").unwrap() += 1.0;
         *after.bytes_c2s.get_mut("shm").unwrap() += 10.0;
-        let (lane, t, n, _) = lane_from_counters(&[before.clone()], &[after], 8 << 20);
+        let (lane, t, n, _) = lane_from_counters(std::slice::from_ref(&before), &[after], 8 << 20);
         assert_eq!(
             (lane.as_str(), t.as_deref(), n),
             ("relay", Some("relay"), 8 << 20)
