@@ -602,18 +602,7 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
     // the relay (the client's daemon counts it), bytes checked end to end,
     // and the server still sees the client pod's own address.
     for n in [n1, n2] {
-        let published = wait::until(Duration::from_secs(30), || {
-            c.api.nodes().iter().any(|o| {
-                o["metadata"]["name"] == c.nodes[n].name.as_str()
-                    && o["metadata"]["annotations"]["flowlane.io/rdma-lane"].is_string()
-            })
-        });
-        assert!(
-            published,
-            "{} published no lane\n{}",
-            c.nodes[n].name,
-            c.logs()
-        );
+        c.assert_lane_published(n);
     }
     let mut port = 18_610;
     let rode = wait::until(Duration::from_secs(30), || {
@@ -739,6 +728,22 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
 }
 
 impl Cluster {
+    /// Node `n`'s daemon published its RDMA lane on its Node object.
+    fn assert_lane_published(&self, n: usize) {
+        let published = wait::until(Duration::from_secs(30), || {
+            self.api.nodes().iter().any(|o| {
+                o["metadata"]["name"] == self.nodes[n].name.as_str()
+                    && o["metadata"]["annotations"]["flowlane.io/rdma-lane"].is_string()
+            })
+        });
+        assert!(
+            published,
+            "{} published no lane\n{}",
+            self.nodes[n].name,
+            self.logs()
+        );
+    }
+
     /// What the image's /usr/local/lib/flowlane holds (the Dockerfile's
     /// COPY): the release binaries and the shipped preload library.
     fn image_dir(&self) -> PathBuf {
@@ -868,18 +873,7 @@ fn the_connectivity_check_through_the_api_server_names_each_pairs_lane() {
         })
         .collect();
     for n in [n1, n2] {
-        let published = wait::until(Duration::from_secs(30), || {
-            c.api.nodes().iter().any(|o| {
-                o["metadata"]["name"] == c.nodes[n].name.as_str()
-                    && o["metadata"]["annotations"]["flowlane.io/rdma-lane"].is_string()
-            })
-        });
-        assert!(
-            published,
-            "{} published no lane\n{}",
-            c.nodes[n].name,
-            c.logs()
-        );
+        c.assert_lane_published(n);
     }
     // ... and each RDMA node's daemon has the other's lane in its view.
     for (n, other) in [(n1, n2), (n2, n1)] {
