@@ -1,8 +1,28 @@
 //! A fake Kubernetes API server for the e2e tests (Kubernetes cannot run
-//! here; this is the one boundary that is faked): HTTP/1.1 over TLS (a
-//! certificate for its IP, signed by a throwaway CA), one request per
-//! connection (it answers `Connection: close`), Node objects held in memory,
-//! answering list, get and merge-patch of Nodes as the API server does.
+//! here; this is the one boundary that is faked, with the kubelet
+//! ([`crate::kubelet`])): HTTP/1.1 over TLS (a certificate for its IP, signed
+//! by a throwaway CA), one request per connection (it answers `Connection:
+//! close`), objects held in memory, answering as the API server does (its
+//! status codes, `Status` bodies and list shapes):
+//!
+//! - Nodes: list, get, merge patch;
+//! - Namespaces: create (with the `kubernetes.io/metadata.name` label), get,
+//!   delete (Terminating until its pods are gone, which it deletes);
+//! - Pods: create (defaults, 409 when the name is taken, 404 without the
+//!   namespace, then the mutating admission webhooks registered with
+//!   [`FakeApi::set_mutating_webhooks`], matched by their rules and
+//!   namespaceSelector and answered by flowlane-webhook's own library as its
+//!   service routes them, the JSON patch applied; failurePolicy Ignore),
+//!   get, list (all or per namespace, `labelSelector` with `k=v`,
+//!   `fieldSelector` with `spec.nodeName=` / `metadata.name=`), delete
+//!   (graceful for a bound, non-terminal pod: `deletionTimestamp` set and
+//!   the kubelet removes it; otherwise at once);
+//! - `pods/NAME/log`: the container's output the kubelet captured (400 while
+//!   it waits to start);
+//! - `pods/NAME[:PORT]/proxy/PATH`: the request forwarded over HTTP to the
+//!   pod's IP (through [`FakeApi::set_pod_dialer`] when the pods live in
+//!   another network namespace), the pod's answer passed back (503 when it
+//!   cannot be reached).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -14,6 +34,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
+
+pub mod core_v1;
+use core_v1::{collect_namespaces, namespace_defaults, pod_key, proxy, proxy_target};
 
 /// The annotation a node's daemon publishes its RDMA lane in.
 pub const ANNOTATION: &str = "flowlane.io/rdma-lane";
@@ -30,9 +53,20 @@ pub struct Seen {
     pub code: u16,
 }
 
+/// Opens a TCP connection to a pod's address (the proxy subresource).
+pub type PodDialer = Arc<dyn Fn(SocketAddr) -> std::io::Result<TcpStream> + Send + Sync>;
+
 #[derive(Default)]
 pub struct ApiState {
     pub nodes: Vec<Value>,
+    pub namespaces: Vec<Value>,
+    pub pods: Vec<Value>,
+    /// MutatingWebhookConfiguration objects, called on pod creation.
+    pub mutating_webhooks: Vec<Value>,
+    /// Where the kubelet captures a pod's container output: "ns/name".
+    pub pod_logs: BTreeMap<String, PathBuf>,
+    pub pod_dialer: Option<PodDialer>,
+    pub resource_version: u64,
     /// The next N node lists answer 500.
     pub fail_lists: usize,
     /// The next N patches answer 500.
@@ -135,6 +169,43 @@ impl FakeApi {
         let name = node["metadata"]["name"].clone();
         st.nodes.retain(|n| n["metadata"]["name"] != name);
         st.nodes.push(node);
+    }
+
+    /// Adds or replaces a Namespace, as `kubectl apply` would.
+    pub fn put_namespace(&self, ns: Value) {
+        let mut st = self.state.lock().unwrap();
+        let ns = namespace_defaults(ns);
+        let name = ns["metadata"]["name"].clone();
+        st.namespaces.retain(|n| n["metadata"]["name"] != name);
+        st.namespaces.push(ns);
+    }
+
+    /// Adds or replaces a Pod as it is (no admission): what a controller
+    /// and a kubelet already made, e.g. a DaemonSet's running pod.
+    pub fn put_pod(&self, pod: Value) {
+        let mut st = self.state.lock().unwrap();
+        let key = pod_key(&pod);
+        st.pods.retain(|p| pod_key(p) != key);
+        st.pods.push(pod);
+    }
+
+    /// The Pods as the fake holds them now.
+    pub fn pods(&self) -> Vec<Value> {
+        self.state.lock().unwrap().pods.clone()
+    }
+
+    pub fn namespaces(&self) -> Vec<Value> {
+        self.state.lock().unwrap().namespaces.clone()
+    }
+
+    /// Registers a MutatingWebhookConfiguration (as parsed from YAML).
+    pub fn set_mutating_webhooks(&self, config: Value) {
+        self.state.lock().unwrap().mutating_webhooks.push(config);
+    }
+
+    /// How the proxy subresource reaches pods' addresses.
+    pub fn set_pod_dialer(&self, dialer: PodDialer) {
+        self.state.lock().unwrap().pod_dialer = Some(dialer);
     }
 
     /// The Node objects as the fake holds them now.
@@ -283,22 +354,46 @@ fn serve_one(
         body: serde_json::from_slice(&body).unwrap_or(Value::Null),
         code: 0,
     };
-    let (code, answer) = {
-        let mut st = state.lock().unwrap();
-        let (code, answer) = answer(&mut st, &seen);
-        st.seen.push(Seen { code, ..seen });
-        (code, answer)
+    // The proxy subresource talks to the pod outside the state's lock.
+    let (code, reply) = match proxy_target(&seen.path) {
+        Some(target) if seen.method == "GET" => {
+            let (code, reply) = proxy(state, &target, &seen.query);
+            state.lock().unwrap().seen.push(Seen {
+                code,
+                ..seen.clone()
+            });
+            (code, reply)
+        }
+        _ => {
+            let mut st = state.lock().unwrap();
+            let (code, reply) = answer(&mut st, &seen);
+            collect_namespaces(&mut st);
+            st.seen.push(Seen { code, ..seen });
+            (code, reply)
+        }
     };
-    let body = serde_json::to_vec(&answer).unwrap();
+    let (content_type, body) = match reply {
+        Reply::Json(v) => (
+            "application/json".to_string(),
+            serde_json::to_vec(&v).unwrap(),
+        ),
+        Reply::Raw(t, b) => (t, b),
+    };
     let reason = match code {
         200 => "OK",
+        201 => "Created",
+        400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
+        409 => "Conflict",
+        422 => "Unprocessable Entity",
+        503 => "Service Unavailable",
         _ => "Internal Server Error",
     };
     let out = reader.get_mut();
     write!(
         out,
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     )?;
     out.write_all(&body)?;
@@ -306,7 +401,22 @@ fn serve_one(
     out.flush()
 }
 
-fn answer(st: &mut ApiState, req: &Seen) -> (u16, Value) {
+/// An answer's body: a JSON object, or raw bytes with their content type
+/// (logs, proxied responses).
+pub enum Reply {
+    Json(Value),
+    Raw(String, Vec<u8>),
+}
+
+fn answer(st: &mut ApiState, req: &Seen) -> (u16, Reply) {
+    if let Some(r) = core_v1::answer(st, req) {
+        return r;
+    }
+    let (code, v) = answer_nodes(st, req);
+    (code, Reply::Json(v))
+}
+
+fn answer_nodes(st: &mut ApiState, req: &Seen) -> (u16, Value) {
     if req.method == "GET" && req.path == "/api/v1/nodes" {
         if st.fail_lists > 0 {
             st.fail_lists -= 1;

@@ -14,6 +14,7 @@ pub mod fake_api;
 pub mod frameworks;
 pub mod fsutil;
 pub mod host;
+pub mod kubelet;
 pub mod loop_scripts;
 pub mod names;
 pub mod netns;

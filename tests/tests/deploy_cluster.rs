@@ -35,7 +35,17 @@
 //! reachable; pods wired by the chained conflist get the shared-memory lane;
 //! `flowlane diag` on a node is healthy.
 //!
-//! Names: netns `dpu*` (underlay), `dpn*` (nodes); pods 10.234.(10+i).0/24.
+//! `flowlane cluster check --kubernetes` runs against the same set-up
+//! (its own addresses, 10.241.0.0/16), through the fake API server, with a
+//! kubelet double per node that runs the probe pods it creates
+//! (`flowlane_e2e::kubelet`): injection by the webhook's own code at
+//! admission, pods wired by the installed conflist, the daemons' counters
+//! read through the pod proxy subresource of their DaemonSet pods.
+//!
+//! Names: netns `dpu*` (underlay), `dpn*` (nodes); underlay 10.235.0.0/24,
+//! pods 10.234.(10+i).0/24 (the check's cluster: 10.241.0.0/24 and
+//! 10.241.(10+i).0/24). The two tests take turns (one lock): each mounts
+//! over the same host directories and names its veths alike.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -46,12 +56,33 @@ use std::time::Duration;
 use flowlane_e2e::binaries;
 use flowlane_e2e::fake_api::{node_object, FakeApi};
 use flowlane_e2e::fsutil::TempDir;
+use flowlane_e2e::kubelet::{kubelet_expand, Kubelet, NodeHost};
 use flowlane_e2e::netns::Netns;
 use flowlane_e2e::process::{self, ChildGuard};
 use flowlane_e2e::wait;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
-const API_IP: &str = "10.235.0.1";
+/// A cluster's address plan: the underlay /24 (`.1` the API server, `.(10+i)`
+/// node i) and the pods' /16 (node i gets `.(10+i).0/24`).
+#[derive(Clone, Copy)]
+struct Addrs {
+    underlay: &'static str,
+    pods: &'static str,
+}
+
+const ADDRS: Addrs = Addrs {
+    underlay: "10.235.0",
+    pods: "10.234",
+};
+/// The connectivity check's cluster.
+const CHECK_ADDRS: Addrs = Addrs {
+    underlay: "10.241.0",
+    pods: "10.241",
+};
+
+/// The two tests mount over the same host directories: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const NODE_DIRS: &[&str] = &[
     "/etc/cni/net.d",
     "/opt/cni/bin",
@@ -134,28 +165,6 @@ fn rdma_sysfs(dst: &Path, node_ip: &str) {
         .unwrap();
 }
 
-/// `$(VAR)` expanded as the kubelet expands container args.
-fn kubelet_expand(s: &str, env: &BTreeMap<String, String>) -> String {
-    let mut out = String::new();
-    let mut rest = s;
-    while let Some(i) = rest.find("$(") {
-        out.push_str(&rest[..i]);
-        let after = &rest[i + 2..];
-        match after.find(')') {
-            Some(j) if env.contains_key(&after[..j]) => {
-                out.push_str(&env[&after[..j]]);
-                rest = &after[j + 1..];
-            }
-            _ => {
-                out.push_str("$(");
-                rest = after;
-            }
-        }
-    }
-    out.push_str(rest);
-    out
-}
-
 /// The flowlaned container's command line, expanded for a node.
 fn daemon_command(env: &BTreeMap<String, String>) -> Vec<String> {
     let ds = deploy_doc("daemonset.yaml");
@@ -181,6 +190,7 @@ struct Node {
     /// Held for its lifetime: dropping it deletes the node.
     _net: Netns,
     holder: ChildGuard,
+    host: NodeHost,
     daemon: Option<ChildGuard>,
     log: PathBuf,
 }
@@ -188,23 +198,11 @@ struct Node {
 impl Node {
     /// `nsenter` into the node's mount and network namespaces.
     fn command(&self, program: &str) -> Command {
-        let mut c = Command::new("nsenter");
-        c.args([
-            "-t",
-            &self.holder.pid().to_string(),
-            "--mount",
-            "--net",
-            "--",
-        ])
-        .arg(program)
-        .env_remove("CNI_COMMAND");
-        c
+        self.host.command(program)
     }
 
     fn sh(&self, script: &str) -> process::Output {
-        let mut c = self.command("sh");
-        c.args(["-c", script]);
-        process::run(&mut c, Duration::from_secs(60)).unwrap()
+        self.host.sh(script)
     }
 
     fn status(&self) -> Option<Value> {
@@ -216,6 +214,7 @@ impl Node {
 }
 
 struct Cluster {
+    addrs: Addrs,
     underlay: Netns,
     api: FakeApi,
     work: TempDir,
@@ -224,7 +223,8 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn new() -> Cluster {
+    fn new(addrs: Addrs) -> Cluster {
+        let api_ip = format!("{}.1", addrs.underlay);
         // Every directory made on the host for a mount point, parents
         // first (removed in reverse order afterwards).
         let mut created_dirs = Vec::new();
@@ -246,14 +246,15 @@ impl Cluster {
             .ip(&["link", "add", "br0", "type", "bridge"])
             .expect_ok("br0");
         underlay
-            .ip(&["addr", "add", &format!("{API_IP}/24"), "dev", "br0"])
+            .ip(&["addr", "add", &format!("{api_ip}/24"), "dev", "br0"])
             .expect_ok("addr");
         underlay
             .ip(&["link", "set", "br0", "up"])
             .expect_ok("br0 up");
-        let listener = underlay.run(|| std::net::TcpListener::bind((API_IP, 0)).unwrap());
+        let listener = underlay.run(move || std::net::TcpListener::bind((api_ip, 0)).unwrap());
         let api = FakeApi::serve(listener, Vec::new());
         Cluster {
+            addrs,
             underlay,
             api,
             work: TempDir::new("dpc"),
@@ -267,8 +268,8 @@ impl Cluster {
     /// then runs the DaemonSet's init script and daemon on it.
     fn join(&mut self, i: u32, kind: NodeKind) -> usize {
         let name = format!("dp-n{i}");
-        let ip = format!("10.235.0.{}", 10 + i);
-        let cidr = format!("10.234.{}.0/24", 10 + i);
+        let ip = format!("{}.{}", self.addrs.underlay, 10 + i);
+        let cidr = format!("{}.{}.0/24", self.addrs.pods, 10 + i);
         let net = Netns::new("dpn");
         let veth = format!("dpv{}{i}", std::process::id() % 10_000);
         self.underlay
@@ -315,12 +316,18 @@ impl Cluster {
             .unwrap();
         assert_eq!(line.trim(), "ready", "node {name}'s mount namespace");
         let log = self.work.join(format!("{name}.log"));
+        let host = NodeHost {
+            name: name.clone(),
+            ip: ip.clone(),
+            holder_pid: holder.pid(),
+        };
         let mut node = Node {
             name: name.clone(),
             ip: ip.clone(),
             cidr: cidr.clone(),
             _net: net,
             holder,
+            host,
             daemon: None,
             log,
         };
@@ -422,44 +429,17 @@ impl Cluster {
         let netns = format!("/run/netns/{tag}");
         node.sh(&format!("touch {netns} && unshare --net={netns} true"))
             .expect_ok("pod netns");
-        // The runtime's choice: the lexically first config file.
-        let conflist: Value = serde_json::from_str(
-            &node
-                .sh("cat \"$(ls /etc/cni/net.d/*.conflist | sort | head -n1)\"")
-                .expect_ok("conflist")
-                .stdout,
-        )
-        .unwrap();
-        let mut prev: Option<Value> = None;
-        for plugin in conflist["plugins"].as_array().unwrap() {
-            let mut conf = plugin.clone();
-            conf["cniVersion"] = conflist["cniVersion"].clone();
-            conf["name"] = conflist["name"].clone();
-            if let Some(p) = &prev {
-                conf["prevResult"] = p.clone();
-            }
-            let ty = plugin["type"].as_str().unwrap();
-            let mut c = node.command(&format!("/opt/cni/bin/{ty}"));
-            c.env("CNI_COMMAND", "ADD")
-                .env("CNI_CONTAINERID", format!("dp{tag}"))
-                .env("CNI_NETNS", &netns)
-                .env("CNI_IFNAME", "eth0")
-                .env("CNI_PATH", "/opt/cni/bin")
-                .env(
-                    "CNI_ARGS",
-                    // As containerd and CRI-O pass them.
-                    format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=train;K8S_POD_NAME={tag}"),
-                );
-            let out = process::run_with_input(
-                &mut c,
-                conf.to_string().as_bytes(),
-                Duration::from_secs(60),
+        let result = node
+            .host
+            .cni(
+                "ADD",
+                &netns,
+                &format!("dp{tag}"),
+                // As containerd and CRI-O pass them.
+                &format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=train;K8S_POD_NAME={tag}"),
+                None,
             )
-            .unwrap()
-            .expect_ok(&format!("CNI ADD {ty} on {}", node.name));
-            prev = Some(serde_json::from_str(&out.stdout).unwrap());
-        }
-        let result = prev.unwrap();
+            .unwrap_or_else(|e| panic!("CNI ADD on {}: {e}", node.name));
         result["ips"][0]["address"]
             .as_str()
             .unwrap()
@@ -578,7 +558,8 @@ impl Drop for Cluster {
 
 #[test]
 fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
-    let mut c = Cluster::new();
+    let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::new(ADDRS);
     let n1 = c.join(1, NodeKind::PrimaryRdma);
     let n2 = c.join(2, NodeKind::PrimaryRdma);
 
@@ -621,18 +602,7 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
     // the relay (the client's daemon counts it), bytes checked end to end,
     // and the server still sees the client pod's own address.
     for n in [n1, n2] {
-        let published = wait::until(Duration::from_secs(30), || {
-            c.api.nodes().iter().any(|o| {
-                o["metadata"]["name"] == c.nodes[n].name.as_str()
-                    && o["metadata"]["annotations"]["flowlane.io/rdma-lane"].is_string()
-            })
-        });
-        assert!(
-            published,
-            "{} published no lane\n{}",
-            c.nodes[n].name,
-            c.logs()
-        );
+        c.assert_lane_published(n);
     }
     let mut port = 18_610;
     let rode = wait::until(Duration::from_secs(30), || {
@@ -758,13 +728,29 @@ fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
 }
 
 impl Cluster {
+    /// Node `n`'s daemon published its RDMA lane on its Node object.
+    fn assert_lane_published(&self, n: usize) {
+        let published = wait::until(Duration::from_secs(30), || {
+            self.api.nodes().iter().any(|o| {
+                o["metadata"]["name"] == self.nodes[n].name.as_str()
+                    && o["metadata"]["annotations"]["flowlane.io/rdma-lane"].is_string()
+            })
+        });
+        assert!(
+            published,
+            "{} published no lane\n{}",
+            self.nodes[n].name,
+            self.logs()
+        );
+    }
+
     /// What the image's /usr/local/lib/flowlane holds (the Dockerfile's
     /// COPY): the release binaries and the shipped preload library.
     fn image_dir(&self) -> PathBuf {
         let dir = self.work.join("image");
         if !dir.exists() {
             std::fs::create_dir_all(&dir).unwrap();
-            for bin in ["flowlane", "flowlaned"] {
+            for bin in ["flowlane", "flowlaned", "flowlane-cluster"] {
                 std::os::unix::fs::symlink(binaries::build_dir().join(bin), dir.join(bin)).unwrap();
             }
             std::os::unix::fs::symlink(
@@ -787,4 +773,241 @@ impl Cluster {
             .unwrap_or_default()
             .to_string()
     }
+}
+
+/// The DaemonSet's pod on a node, as the DaemonSet controller creates it and
+/// the kubelet reports it (hostNetwork: its IP is the node's). The test runs
+/// that pod's flowlaned itself ([`Cluster::install`]).
+fn daemon_pod(node: &Node) -> Value {
+    let ds: Value = serde_json::to_value(deploy_doc("daemonset.yaml")).unwrap();
+    let template = &ds["spec"]["template"];
+    let mut spec = template["spec"].clone();
+    spec["nodeName"] = json!(node.name);
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("flowlane-node-{}", node.name), "namespace": "flowlane-system",
+                     "labels": template["metadata"]["labels"], "uid": format!("uid-ds-{}", node.name)},
+        "spec": spec,
+        "status": {"phase": "Running", "podIP": node.ip, "podIPs": [{"ip": node.ip}],
+                   "hostIP": node.ip,
+                   "conditions": [{"type": "Ready", "status": "True"}]}
+    })
+}
+
+/// `flowlane cluster check --kubernetes ARGS --json` from the underlay (where
+/// the API server listens): its exit code and report.
+fn check(c: &Cluster, kubeconfig: &Path, args: &[&str]) -> (i32, Value, String) {
+    let mut cmd = c.underlay.command(binaries::flowlane().to_str().unwrap());
+    cmd.args([
+        "cluster",
+        "check",
+        "--kubernetes",
+        "--json",
+        "--timeout",
+        "60",
+    ])
+    .arg("--kubeconfig")
+    .arg(kubeconfig)
+    .args(args);
+    let out = process::run(&mut cmd, Duration::from_secs(300)).unwrap();
+    let report = serde_json::from_str(&out.stdout).unwrap_or(Value::Null);
+    let code = if out.success() { 0 } else { 1 };
+    (code, report, format!("{}\n{}", out.stdout, out.stderr))
+}
+
+fn pair<'a>(report: &'a Value, kind: &str) -> &'a Value {
+    report["pairs"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["kind"] == kind))
+        .unwrap_or(&Value::Null)
+}
+
+#[test]
+fn the_connectivity_check_through_the_api_server_names_each_pairs_lane() {
+    let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Cluster::new(CHECK_ADDRS);
+    let n1 = c.join(1, NodeKind::PrimaryRdma);
+    let n2 = c.join(2, NodeKind::PrimaryRdma);
+    let n3 = c.join(3, NodeKind::Primary);
+
+    // What `kubectl apply -k deploy/kubernetes` leaves in the API: the
+    // namespace, the DaemonSet's pods (their daemons run above), the
+    // webhook's MutatingWebhookConfiguration (answered by its own code).
+    c.api
+        .put_namespace(serde_json::to_value(deploy_doc("namespace.yaml")).unwrap());
+    let webhook_docs = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/webhook.yaml"),
+    )
+    .unwrap();
+    for doc in serde_yaml::Deserializer::from_str(&webhook_docs) {
+        let v: Value = serde_json::to_value(serde_yaml::Value::deserialize(doc).unwrap()).unwrap();
+        if v["kind"] == "MutatingWebhookConfiguration" {
+            c.api.set_mutating_webhooks(v);
+        }
+    }
+    for n in [n1, n2, n3] {
+        c.api.put_pod(daemon_pod(&c.nodes[n]));
+    }
+    // The API server reaches pods over the underlay (the proxy subresource).
+    let underlay = c.underlay.path().to_path_buf();
+    c.api.set_pod_dialer(std::sync::Arc::new(move |addr| {
+        let ns = std::fs::File::open(&underlay)?;
+        std::thread::spawn(move || {
+            flowlane_e2e::netns::enter(&ns).map_err(std::io::Error::other)?;
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+        })
+        .join()
+        .map_err(|_| std::io::Error::other("dialer thread panicked"))?
+    }));
+    let logs = c.work.join("kubelet");
+    std::fs::create_dir_all(&logs).unwrap();
+    let kubelets: Vec<Kubelet> = [n1, n2, n3]
+        .iter()
+        .map(|&n| {
+            Kubelet::start(
+                c.api.state.clone(),
+                c.nodes[n].host.clone(),
+                c.image_dir(),
+                logs.clone(),
+            )
+        })
+        .collect();
+    for n in [n1, n2] {
+        c.assert_lane_published(n);
+    }
+    // ... and each RDMA node's daemon has the other's lane in its view.
+    for (n, other) in [(n1, n2), (n2, n1)] {
+        let other = c.nodes[other].name.clone();
+        let seen = wait::until(Duration::from_secs(30), || {
+            c.nodes[n].status().is_some_and(|s| {
+                s["nodes"]["nodes"].as_array().is_some_and(|t| {
+                    t.iter()
+                        .any(|e| e["name"] == other.as_str() && e["rdma"].is_object())
+                })
+            })
+        });
+        assert!(
+            seen,
+            "{} does not see {other}'s lane\n{}",
+            c.nodes[n].name,
+            c.logs()
+        );
+    }
+    let kc = c.api.kubeconfig(c.work.path());
+
+    // The default pick: the two nodes that publish a lane.
+    let (code, report, out) = check(&c, &kc, &[]);
+    let logs_of_all = || format!("{out}\n{}", c.logs());
+    assert_eq!(code, 0, "{}", logs_of_all());
+    let same = pair(&report, "same-node");
+    assert_eq!(same["client_node"], "dp-n1", "{out}");
+    assert_eq!(same["server_node"], "dp-n1", "{out}");
+    assert_eq!(same["expected"], "shm", "{out}");
+    assert_eq!(same["lane"], "shm", "{out}");
+    assert_eq!(same["bytes_ok"], true, "{out}");
+    assert!(same["lane_bytes"].as_u64().unwrap() >= 8 << 20, "{out}");
+    let cross = pair(&report, "cross-node");
+    assert_eq!(
+        (&cross["client_node"], &cross["server_node"]),
+        (&json!("dp-n1"), &json!("dp-n2")),
+        "{out}"
+    );
+    assert_eq!(cross["expected"], "relay", "{out}");
+    assert_eq!(cross["lane"], "relay", "{out}");
+    assert_eq!(
+        cross["relay_transport"], "relay",
+        "tcp-test's lane label: {out}"
+    );
+    assert_eq!(cross["ok"], true, "{out}");
+    // No NAT between pods: the server saw the client pod's own address.
+    assert_eq!(cross["peer_seen"], cross["client_ip"], "{out}");
+    assert!(
+        cross["client_ip"]
+            .as_str()
+            .unwrap()
+            .starts_with("10.241.11."),
+        "{out}"
+    );
+
+    // A node without a lane: the cross-node pair stays on TCP, says why,
+    // and is no failure.
+    let (code, report, out) = check(&c, &kc, &["--node-a", "dp-n1", "--node-b", "dp-n3"]);
+    assert_eq!(code, 0, "{out}\n{}", c.logs());
+    let cross = pair(&report, "cross-node");
+    assert_eq!(cross["server_node"], "dp-n3", "{out}");
+    assert_eq!(cross["expected"], "tcp", "{out}");
+    assert_eq!(cross["lane"], "tcp", "{out}");
+    assert_eq!(cross["ok"], true, "{out}");
+    assert_eq!(cross["bytes_ok"], true, "{out}");
+    assert!(
+        cross["expected_because"]
+            .as_str()
+            .unwrap()
+            .contains("dp-n3 publishes no RDMA lane"),
+        "{out}"
+    );
+    assert!(
+        !cross["tcp_reasons"].as_object().unwrap().is_empty(),
+        "the daemons counted no fallback reason: {out}"
+    );
+
+    // Injection off (a namespace labelled flowlane.io/inject=disabled, which
+    // neither webhook entry selects): TCP expected for both pairs, not a
+    // failure; the namespace was there before, so it stays.
+    c.api.put_namespace(json!({"metadata": {"name": "no-inject",
+        "labels": {"flowlane.io/inject": "disabled"}}}));
+    let (code, report, out) = check(&c, &kc, &["--namespace", "no-inject"]);
+    assert_eq!(code, 0, "{out}\n{}", c.logs());
+    for kind in ["same-node", "cross-node"] {
+        let p = pair(&report, kind);
+        assert_eq!(
+            (&p["expected"], &p["lane"]),
+            (&json!("tcp"), &json!("tcp")),
+            "{out}"
+        );
+        assert!(
+            p["expected_because"]
+                .as_str()
+                .unwrap()
+                .contains("did not inject"),
+            "{out}"
+        );
+    }
+
+    // Nothing left behind: no pod in the API but the DaemonSet's, the
+    // namespace it made is gone, no sandbox on any node.
+    let left: Vec<String> = c
+        .api
+        .pods()
+        .iter()
+        .filter(|p| p["metadata"]["namespace"] != "flowlane-system")
+        .map(|p| format!("{}/{}", p["metadata"]["namespace"], p["metadata"]["name"]))
+        .collect();
+    assert!(left.is_empty(), "pods left: {left:?}");
+    let namespaces: Vec<Value> = c
+        .api
+        .namespaces()
+        .iter()
+        .map(|n| n["metadata"]["name"].clone())
+        .collect();
+    assert!(
+        !namespaces.contains(&json!("flowlane-check")),
+        "{namespaces:?}"
+    );
+    assert!(namespaces.contains(&json!("no-inject")), "{namespaces:?}");
+    assert!(
+        wait::until(Duration::from_secs(10), || kubelets
+            .iter()
+            .all(|k| k.running().is_empty())),
+        "a kubelet still runs a pod"
+    );
+    for n in [n1, n2, n3] {
+        let netns = c.nodes[n].sh("ls /run/netns").stdout;
+        assert!(
+            !netns.split_whitespace().any(|f| f.starts_with("kl")),
+            "{}: {netns}",
+            c.nodes[n].name
+        );
+    }
+    drop(kubelets);
 }

@@ -18,6 +18,7 @@ pub mod demo;
 pub mod down;
 pub mod exec;
 pub mod journal;
+pub mod kube_check;
 pub mod lanes;
 pub mod probe;
 pub mod procs;

@@ -15,6 +15,9 @@ usage: flowlane cluster up     [--name NAME] [--nodes N] [--pods M] [--pod-netwo
        flowlane cluster status [--name NAME] [--run-root DIR] [--json]
        flowlane cluster exec   [--name NAME] [--run-root DIR] [--preload] POD -- PROGRAM [ARGS...]
        flowlane cluster check  [--name NAME] [--run-root DIR] [--json]
+       flowlane cluster check  --kubernetes [--kubeconfig FILE] [--namespace NS]
+                               [--node-a NODE] [--node-b NODE] [--image IMAGE]
+                               [--flowlane-namespace NS] [--bytes N] [--timeout SECONDS] [--json]
 
 Defaults: --name local --nodes 2 --pods 2 --pod-network 10.210.0.0 (node i
 gets A.B.i.0/24) --plugin flowlane --run-root /run/flowlane-cluster.
@@ -26,6 +29,18 @@ socket, as the deploy layer does for pods. `check` moves 8 MiB between a
 same-node and a cross-node pod pair (with the preload library), verifies
 every byte, and says from the daemons' counters which lane carried them
 (exit 1 if a pair failed, or the same-node pair did not get shared memory).
+
+`check --kubernetes` does the same on a real cluster through its API server
+(kubeconfig: --kubeconfig, else KUBECONFIG, ~/.kube/config, in-cluster):
+probe pods pinned to two nodes (by default a pair whose Node objects both
+publish the flowlane.io/rdma-lane annotation, when there is one) in
+namespace NS (default flowlane-check; created and deleted again when
+missing), opted in to injection, running the image's `flowlane-cluster
+cluster probe`; the lanes from each node daemon's metrics read through the
+pod proxy of its flowlane pod (in --flowlane-namespace, default
+flowlane-system). Expected: same node -> shm, two nodes that both publish
+a lane -> relay, else tcp (not a failure). Exit 1 when a pair failed or did
+not get the lane it should have. Everything created is deleted.
 ";
 
 struct Opts {
@@ -80,6 +95,9 @@ pub fn main(args: &[String]) -> i32 {
     }
     if cmd == "probe" {
         return probe(&args[1..]);
+    }
+    if cmd == "check" && args.iter().any(|a| a == "--kubernetes") {
+        return check_kubernetes(&args[1..]);
     }
     let opts = match parse(&args[1..]) {
         Ok(o) => o,
@@ -213,6 +231,72 @@ fn check(opts: &Opts, bins: &Binaries) -> i32 {
             r.error.is_some() || !r.bytes_ok || (r.kind == "same-node" && r.lane != "shm")
         });
     i32::from(failed)
+}
+
+/// `check --kubernetes ...`: the check on a real cluster (flowlane_cluster::kube_check).
+fn check_kubernetes(args: &[String]) -> i32 {
+    use flowlane_cluster::kube_check::{self, KubeCheckOpts};
+    let mut opts = KubeCheckOpts::default();
+    let mut json = false;
+    let mut it = args.iter();
+    let parsed: Result<(), String> = (|| {
+        while let Some(a) = it.next() {
+            let mut value = || {
+                it.next()
+                    .cloned()
+                    .ok_or_else(|| format!("{a} needs a value"))
+            };
+            match a.as_str() {
+                "--kubernetes" => {}
+                "--json" => json = true,
+                "--kubeconfig" => opts.kubeconfig = Some(PathBuf::from(value()?)),
+                "--namespace" | "-n" => opts.namespace = value()?,
+                "--flowlane-namespace" => opts.flowlane_namespace = value()?,
+                "--node-a" => opts.node_a = Some(value()?),
+                "--node-b" => opts.node_b = Some(value()?),
+                "--image" => opts.image = Some(value()?),
+                "--bytes" => opts.bytes = value()?.parse().map_err(|e| format!("--bytes: {e}"))?,
+                "--timeout" => {
+                    opts.timeout = std::time::Duration::from_secs(
+                        value()?.parse().map_err(|e| format!("--timeout: {e}"))?,
+                    )
+                }
+                other => return Err(format!("unknown option {other:?}")),
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = parsed {
+        eprintln!("flowlane cluster check: {e}\n\n{USAGE}");
+        return 2;
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("flowlane cluster check: {e}");
+            return 1;
+        }
+    };
+    match runtime.block_on(kube_check::run(&opts)) {
+        Ok(report) => {
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).unwrap_or_default()
+                );
+            } else {
+                print!("{}", kube_check::render(&report));
+            }
+            i32::from(!report.ok)
+        }
+        Err(e) => {
+            eprintln!("flowlane cluster check --kubernetes: {e}");
+            1
+        }
+    }
 }
 
 /// `probe serve PORT | probe send ADDR BYTES`: the programs `check` runs in
