@@ -36,8 +36,9 @@ const T: Duration = Duration::from_secs(300);
 /// linearly to 0 over the run, so the end point depends little on that
 /// order: runs of (1 PS, 2 workers) on one lane (loopback) ended at eval
 /// losses within 0.5% of each other, from 1.086 down to ~0.31 (2 PS and 3
-/// workers through the suite: 1.6%). 10% is several times that spread and still fails a lane that drops or corrupts
-/// updates (the loss then stays near its start or diverges).
+/// workers through the suite: 1.6%). 10% is several times that spread and
+/// still fails a lane that drops or corrupts updates (the loss then stays
+/// near its start or diverges).
 const LOSS_TOLERANCE: f64 = 0.10;
 
 fn require_tf() {
