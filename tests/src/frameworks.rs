@@ -710,6 +710,53 @@ pub fn expected_lane(sites: &[Site]) -> impl Fn(&ConnKey) -> &'static str {
     }
 }
 
+/// The checks of a job run with the preload library: every connection
+/// between the job's pods (`evidence`) is a channel of the lane
+/// [`expected_lane`] gives it, no connection fell back to TCP meanwhile
+/// (`counted`), and the daemons counted at least that many opened per lane
+/// (a relayed connection counts on both daemons). Returns a summary line.
+pub fn assert_job_on_lanes(
+    evidence: &Evidence,
+    counted: &Counters,
+    sites: &[Site],
+    what: &str,
+) -> String {
+    let lane_of = expected_lane(sites);
+    evidence.assert_all_on(&lane_of, what);
+    assert!(
+        counted.fallbacks.is_empty(),
+        "{what}: connections stayed on TCP: {counted:?}"
+    );
+    let mut per_lane = Vec::new();
+    for l in ["shm", "relay"] {
+        let want = evidence.job.iter().filter(|k| lane_of(k) == l).count() as u64;
+        let got = counted.opened.get(l).copied().unwrap_or(0);
+        assert!(
+            got >= want,
+            "{what}: {want} connections on {l} now, the daemons counted {got} opened"
+        );
+        per_lane.push(format!("{want} {l}"));
+    }
+    format!(
+        "{what}: {} connections between the job's pods, all on their lane ({}); \
+         daemons counted {:?} opened, no fallback",
+        evidence.job.len(),
+        per_lane.join(", "),
+        counted.opened
+    )
+}
+
+/// The checks of the same job without the library: it made connections
+/// between its pods, and no daemon brokered or counted any of them.
+pub fn assert_job_on_tcp(evidence: &Evidence, counted: &Counters, what: &str) {
+    evidence.assert_none_brokered(what);
+    assert_eq!(
+        counted,
+        &Counters::default(),
+        "{what}: the daemons saw the job"
+    );
+}
+
 /// Every daemon socket among `sites`, once.
 pub fn sockets_of(sites: &[Site]) -> Vec<PathBuf> {
     let set: BTreeSet<PathBuf> = sites.iter().map(|s| s.socket.clone()).collect();
