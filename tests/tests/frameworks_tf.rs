@@ -109,10 +109,13 @@ fn ps_job(p: &Placement, preload: bool, port: u16) -> (Value, Evidence, Counters
     chief.release();
     let result = chief.result_held(T);
     let evidence = Evidence::take(&sites, &sockets);
+    // Counted while the job holds its connections: at teardown, a close
+    // report from a process already exiting is refused (`auth-failed`),
+    // which says nothing about the lane the job's connections rode.
+    let counted = Counters::read(&sockets).since(&before);
     chief.release();
     chief.finish(Duration::from_secs(60));
     drop(servers);
-    let counted = Counters::read(&sockets).since(&before);
     (result, evidence, counted)
 }
 

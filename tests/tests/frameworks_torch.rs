@@ -71,13 +71,16 @@ fn ddp_job(sites: &[Site], preload: bool, port: u16) -> (Vec<Value>, Evidence, C
     ranks.extend((1..sites.len()).map(rank));
     let results: Vec<Value> = ranks.iter_mut().map(|r| r.result_held(T)).collect();
     let evidence = Evidence::take(sites, &sockets);
+    // Counted while the job holds its connections: at teardown, a close
+    // report from a process already exiting is refused (`auth-failed`),
+    // which says nothing about the lane the job's connections rode.
+    let counted = Counters::read(&sockets).since(&before);
     for r in &mut ranks {
         r.release();
     }
     for r in ranks {
         r.finish(Duration::from_secs(60));
     }
-    let counted = Counters::read(&sockets).since(&before);
     (results, evidence, counted)
 }
 
