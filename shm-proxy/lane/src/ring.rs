@@ -203,6 +203,17 @@ pub const WAIT_FUTEX: u32 = 2;
 /// `position + length` cannot overflow.
 pub const POSITION_LIMIT: u64 = 1 << 62;
 
+/// Which position word of a ring this process writes, for
+/// [`Ring::snapshot`]: the head when it consumes, the tail when it produces.
+#[derive(Clone, Copy)]
+enum Own {
+    Head,
+    Tail,
+}
+
+/// Attempts at a `(tail, head)` pair whose own word held still.
+const SNAPSHOT_TRIES: usize = 8;
+
 /// The bits a waiting word may hold.
 const WAIT_BITS: u32 = WAIT_BELL | WAIT_FUTEX;
 
@@ -353,6 +364,45 @@ impl RingRef {
     fn violation(&self) {
         // SAFETY: as in `is_broken`.
         unsafe { &*self.broken }.store(true, Ordering::Relaxed);
+    }
+
+    /// A `(tail, head)` pair that the protocol could have produced at one
+    /// moment, for the lock-free readiness views ([`Probe`]), which run
+    /// beside this process's own reader and writer threads.
+    ///
+    /// Loaded one after the other, the two positions can be inconsistent
+    /// without anyone breaking the protocol: the word this process writes
+    /// (`own`) may move between the loads (another of its threads read or
+    /// wrote), and the peer's word may then move too, so a head loaded
+    /// after the tail can pass it, or a head loaded before it can lag it by
+    /// more than the capacity. Both look like violations to
+    /// [`Ring::bounded`] and would reset a healthy connection. So the own
+    /// word is loaded on both sides of the peer's, and the pair is taken
+    /// when it held still: then the peer's word obeys the protocol against
+    /// it, and a violation is the peer's. `None` when it kept moving: a
+    /// thread of this process is busy on this ring, so the view may answer
+    /// "ready" (a spurious readiness the application's next call resolves),
+    /// and that thread's own calls check the positions under the end's lock.
+    fn snapshot(&self, own: Own) -> Option<(u64, u64)> {
+        let ctl = self.ctl();
+        let (own_word, peer_word) = match own {
+            Own::Head => (&ctl.head.0, &ctl.tail.0.pos),
+            Own::Tail => (&ctl.tail.0.pos, &ctl.head.0),
+        };
+        let mut before = own_word.load(Ordering::Acquire);
+        for _ in 0..SNAPSHOT_TRIES {
+            let theirs = peer_word.load(Ordering::Acquire);
+            let after = own_word.load(Ordering::Acquire);
+            if after == before {
+                return Some(match own {
+                    Own::Head => (theirs, after),
+                    Own::Tail => (after, theirs),
+                });
+            }
+            before = after;
+            std::hint::spin_loop();
+        }
+        None
     }
 
     /// The fill `tail - head`, or `None` (a violation) for a pair the
@@ -597,11 +647,14 @@ impl Probe {
     /// What a read would find now.
     pub fn rx_state(&self) -> ReadState {
         let ring = &self.rx;
-        let ctl = ring.ctl();
         let fill = || {
-            let tail = ctl.tail.0.pos.load(Ordering::Acquire);
+            // Unsettled: another thread of this process is consuming, so
+            // data is flowing; report it as readable (see `snapshot`).
+            let Some((tail, head)) = ring.snapshot(Own::Head) else {
+                return Some(1);
+            };
             let cap = ring.capacity()?;
-            ring.bounded(tail, ctl.head.0.load(Ordering::Acquire), cap)
+            ring.bounded(tail, head, cap)
         };
         if ring.is_broken() {
             return ReadState::Broken;
@@ -624,12 +677,15 @@ impl Probe {
     /// Free room in the sending ring now (0 when broken).
     pub fn tx_free(&self) -> usize {
         let ring = &self.tx;
-        let ctl = ring.ctl();
-        let tail = ctl.tail.0.pos.load(Ordering::Acquire);
+        // Unsettled: another thread of this process is writing; report room
+        // (see `snapshot`), which its next write call settles.
+        let Some((tail, head)) = ring.snapshot(Own::Tail) else {
+            return 1;
+        };
         let Some(cap) = ring.capacity() else {
             return 0;
         };
-        match ring.bounded(tail, ctl.head.0.load(Ordering::Acquire), cap) {
+        match ring.bounded(tail, head, cap) {
             Some(used) if !ring.is_broken() => cap - used,
             _ => 0,
         }

@@ -724,3 +724,67 @@ fn growth_races_the_consumer_small_messages() {
 fn growth_races_the_consumer_bulk_stream() {
     grow_two_threads(1 << 20, 16 << 10, 256 << 20, 200_000, 22);
 }
+
+/// A thread of the application polling readiness (the library's `Probe`)
+/// while other threads of the same process read and write: the probe's two
+/// position loads race those threads, and must never read a healthy ring
+/// as a violation (which resets the connection). With the tail loaded
+/// before the head, the consumer thread could move the head past the
+/// loaded tail between the two loads, and the sender's free-room view had
+/// the mirror race.
+#[test]
+fn readiness_probes_racing_reader_and_writer_threads_see_no_violation() {
+    let mut r = Mem::new(region_len_for(4096));
+    let (mut p, _) = r.ends(Side::Client);
+    let (_, mut c) = r.ends(Side::Server);
+    let rx_probe = r.0.probe(Side::Server);
+    let tx_probe = r.0.probe(Side::Client);
+    // Long enough that the old load order failed in most runs here.
+    let total: u64 = 32 << 20;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let buf = [7u8; 97];
+            let mut sent = 0u64;
+            while sent < total {
+                let n = p.write(&buf[..(total - sent).min(97) as usize]);
+                if n == 0 {
+                    // A broken ring (the failure under test) takes no more.
+                    if p.is_broken() {
+                        return;
+                    }
+                    std::thread::yield_now();
+                }
+                sent += n as u64;
+            }
+            p.close();
+        });
+        s.spawn(|| {
+            let mut buf = [0u8; 61];
+            loop {
+                match c.state() {
+                    ReadState::Eof => break,
+                    ReadState::Broken => panic!("an honest peer broke the ring"),
+                    ReadState::Empty => std::thread::yield_now(),
+                    ReadState::Data(_) => {
+                        c.read(&mut buf);
+                    }
+                }
+            }
+            done.store(true, std::sync::atomic::Ordering::Release);
+        });
+        let mut polls = 0u64;
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            assert!(
+                !matches!(rx_probe.rx_state(), ReadState::Broken),
+                "the receiver's readiness view broke a healthy ring after {polls} polls"
+            );
+            tx_probe.tx_free();
+            assert!(
+                !tx_probe.is_broken(),
+                "the sender's free-room view broke a healthy ring after {polls} polls"
+            );
+            polls += 1;
+        }
+    });
+}
