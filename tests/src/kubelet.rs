@@ -10,8 +10,11 @@
 //!   the kubelet does) run in the pod's namespace with exactly the
 //!   container's env (values only), in a private mount namespace of the
 //!   node where the image's `/usr/local/lib/flowlane` (the release build, as
-//!   the Dockerfile's COPY lays it out) is mounted, and each `hostPath`
-//!   volume at its `mountPath` (read-only when the mount says so);
+//!   the Dockerfile's COPY lays it out) is mounted, and each `hostPath` or
+//!   `emptyDir` volume (a world-writable directory of the pod's; `subPath`
+//!   honoured) at its `mountPath` (read-only when the mount says so), as
+//!   the securityContext's `runAsUser`/`runAsGroup` when it names them;
+//!   init containers first, each to completion (the injection's probe);
 //! - the pod's status (Pending, then Running with podIP/hostIP and container
 //!   states, then Succeeded/Failed with exit codes: restartPolicy Never; a
 //!   container that cannot start leaves the pod Pending with the waiting
@@ -158,8 +161,8 @@ mount -t tmpfs -o mode=0755 image /usr/local/lib
 mkdir /usr/local/lib/flowlane
 mount --bind "$img" /usr/local/lib/flowlane
 while [ "$1" != -- ]; do
-  [ -d "$2" ] || { echo "kubelet: mount point $2 missing" >&2; exit 127; }
   mkdir -p "$1"
+  [ -d "$2" ] || mkdir -p "$2" || { echo "kubelet: cannot make mount point $2" >&2; exit 127; }
   mount --bind "$1" "$2"
   if [ "$3" = ro ]; then mount -o remount,bind,ro "$2"; fi
   shift 3
@@ -167,6 +170,17 @@ done
 shift
 exec nsenter --net="$ns" -- "$@"
 "#;
+
+/// What one container runs (checked before the pod's sandbox is made).
+struct ContainerPlan {
+    name: String,
+    env: BTreeMap<String, String>,
+    argv: Vec<String>,
+    /// (host path, mount path, read-only)
+    mounts: Vec<(String, String, bool)>,
+    /// securityContext's runAsUser and runAsGroup.
+    ids: Option<(u64, u64)>,
+}
 
 /// A pod this kubelet runs.
 struct PodRun {
@@ -371,17 +385,28 @@ impl Loop {
     fn start(&mut self, pod: &Value) -> Result<PodRun, (String, String)> {
         let key = key_of(pod);
         let config_error = |m: String| ("CreateContainerConfigError".to_string(), m);
+        self.counter += 1;
+        let tag = format!("kl{}", self.counter);
         // What each container runs, checked before anything is made.
         let volumes = pod["spec"]["volumes"]
             .as_array()
             .cloned()
             .unwrap_or_default();
-        let mut plans = Vec::new();
-        for c in pod["spec"]["containers"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-        {
+        // emptyDir volumes: a directory of the pod's on the node, world
+        // writable as the kubelet makes them, gone with the test's files.
+        let mut empty_dirs = BTreeMap::new();
+        for v in &volumes {
+            if v.get("emptyDir").is_some() {
+                let name = v["name"].as_str().unwrap_or("");
+                let dir = self.log_dir.join(format!("{tag}-vol-{name}"));
+                std::fs::create_dir_all(&dir)
+                    .map_err(|e| config_error(format!("emptyDir {name}: {e}")))?;
+                use std::os::unix::fs::PermissionsExt;
+                let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777));
+                empty_dirs.insert(name.to_string(), dir);
+            }
+        }
+        let plan = |c: &Value| -> Result<ContainerPlan, (String, String)> {
             let name = c["name"].as_str().unwrap_or("").to_string();
             let mut env = BTreeMap::new();
             for e in c["env"].as_array().cloned().unwrap_or_default() {
@@ -409,27 +434,67 @@ impl Loop {
             }
             let mut mounts = Vec::new();
             for m in c["volumeMounts"].as_array().cloned().unwrap_or_default() {
+                let vname = m["name"].as_str().unwrap_or("");
                 let v = volumes
                     .iter()
                     .find(|v| v["name"] == m["name"])
-                    .ok_or_else(|| config_error(format!("volume {} not found", m["name"])))?;
-                let host = v["hostPath"]["path"].as_str().ok_or_else(|| {
-                    config_error(format!(
-                        "volume {}: only hostPath volumes are supported by the kubelet double",
-                        m["name"]
-                    ))
-                })?;
+                    .ok_or_else(|| config_error(format!("volume {vname} not found")))?;
+                let mut host = if let Some(dir) = empty_dirs.get(vname) {
+                    dir.display().to_string()
+                } else {
+                    v["hostPath"]["path"].as_str().map(str::to_string).ok_or_else(|| {
+                        config_error(format!(
+                            "volume {vname}: only hostPath and emptyDir volumes are supported by the kubelet double"
+                        ))
+                    })?
+                };
+                // subPath: a directory inside the volume, made when missing
+                // (as the kubelet does); no `..` or absolute paths.
+                if let Some(sub) = m["subPath"].as_str().filter(|s| !s.is_empty()) {
+                    if sub.starts_with('/') || sub.split('/').any(|p| p == "..") {
+                        return Err(config_error(format!("volume {vname}: bad subPath {sub}")));
+                    }
+                    let dir = PathBuf::from(&host).join(sub);
+                    std::fs::create_dir_all(&dir)
+                        .map_err(|e| config_error(format!("subPath {sub}: {e}")))?;
+                    use std::os::unix::fs::PermissionsExt;
+                    let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777));
+                    host = dir.display().to_string();
+                }
                 mounts.push((
-                    host.to_string(),
+                    host,
                     m["mountPath"].as_str().unwrap_or("").to_string(),
                     m["readOnly"] == json!(true),
                 ));
             }
-            plans.push((name, env, argv, mounts));
-        }
+            // securityContext.runAsUser/runAsGroup: the process's ids.
+            let sc = &c["securityContext"];
+            let ids = sc["runAsUser"]
+                .as_u64()
+                .map(|u| (u, sc["runAsGroup"].as_u64().unwrap_or(u)));
+            Ok(ContainerPlan {
+                name,
+                env,
+                argv,
+                mounts,
+                ids,
+            })
+        };
+        let inits = pod["spec"]["initContainers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(plan)
+            .collect::<Result<Vec<_>, _>>()?;
+        let plans = pod["spec"]["containers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(plan)
+            .collect::<Result<Vec<_>, _>>()?;
 
-        self.counter += 1;
-        let tag = format!("kl{}", self.counter);
         let netns = format!("/run/netns/{tag}");
         let container_id = format!("kubelet{}{}", std::process::id(), self.counter);
         let cni_args = format!(
@@ -470,33 +535,28 @@ impl Loop {
             exits: Vec::new(),
             finished: false,
         };
-        let names: Vec<String> = plans.iter().map(|p| p.0.clone()).collect();
-        for (name, env, argv, mounts) in plans {
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&log)
-                .map_err(|e| sandbox_error(format!("log: {e}")))?;
-            let mut c = self.node.command("unshare");
-            c.args(["--mount", "--propagation", "private", "--", "sh", "-c"])
-                .arg(CONTAINER_SCRIPT)
-                .arg("sh")
-                .arg(&self.image_dir)
-                .arg(&netns);
-            for (host, path, ro) in &mounts {
-                c.args([host.as_str(), path.as_str(), if *ro { "ro" } else { "rw" }]);
+        let names: Vec<String> = plans.iter().map(|p| p.name.clone()).collect();
+        let hostname = pod["metadata"]["name"].as_str().unwrap_or("").to_string();
+        // Init containers first, each to completion, in order; one that
+        // fails leaves the pod failed to start, as a kubelet reports it.
+        for init in &inits {
+            let mut c = self
+                .container_command(init, &netns, &hostname, &log)
+                .map_err(sandbox_error)?;
+            let ok = c.status().map(|st| st.success()).unwrap_or(false);
+            if !ok {
+                self.teardown(run, Duration::ZERO);
+                return Err((
+                    "Init:Error".into(),
+                    format!("init container {} failed", init.name),
+                ));
             }
-            c.args(["--", "env", "-i"])
-                .arg("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-                .arg(format!(
-                    "HOSTNAME={}",
-                    pod["metadata"]["name"].as_str().unwrap_or("")
-                ))
-                .args(env.iter().map(|(k, v)| format!("{k}={v}")))
-                .args(&argv)
-                .stdin(Stdio::null())
-                .stdout(file.try_clone().map_err(|e| sandbox_error(e.to_string()))?)
-                .stderr(file);
+        }
+        for p in plans {
+            let mut c = self
+                .container_command(&p, &netns, &hostname, &log)
+                .map_err(sandbox_error)?;
+            let name = p.name;
             match c.spawn() {
                 Ok(child) => {
                     run.containers.push((name, child));
@@ -527,6 +587,53 @@ impl Loop {
                 .collect::<Vec<_>>());
         });
         Ok(run)
+    }
+
+    /// One container's process as the runtime starts it: a private mount
+    /// namespace with the image's files and the container's volumes, the
+    /// pod's network namespace, exactly the container's env, its user and
+    /// group when its securityContext names them; output to the pod's log.
+    fn container_command(
+        &self,
+        p: &ContainerPlan,
+        netns: &str,
+        hostname: &str,
+        log: &std::path::Path,
+    ) -> Result<Command, String> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|e| format!("log: {e}"))?;
+        let mut c = self.node.command("unshare");
+        c.args(["--mount", "--propagation", "private", "--", "sh", "-c"])
+            .arg(CONTAINER_SCRIPT)
+            .arg("sh")
+            .arg(&self.image_dir)
+            .arg(netns);
+        for (host, path, ro) in &p.mounts {
+            c.args([host.as_str(), path.as_str(), if *ro { "ro" } else { "rw" }]);
+        }
+        c.arg("--");
+        if let Some((uid, gid)) = p.ids {
+            c.args([
+                "setpriv",
+                "--reuid",
+                &uid.to_string(),
+                "--regid",
+                &gid.to_string(),
+            ])
+            .args(["--clear-groups", "--"]);
+        }
+        c.args(["env", "-i"])
+            .arg("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .arg(format!("HOSTNAME={hostname}"))
+            .args(p.env.iter().map(|(k, v)| format!("{k}={v}")))
+            .args(&p.argv)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().map_err(|e| e.to_string())?)
+            .stderr(file);
+        Ok(c)
     }
 
     /// Stops the containers (SIGTERM, SIGKILL after `grace`), then DEL

@@ -745,7 +745,7 @@ impl Cluster {
     }
 
     /// What the image's /usr/local/lib/flowlane holds (the Dockerfile's
-    /// COPY): the release binaries and the shipped preload library.
+    /// COPY): the release binaries and ship.sh's files.
     fn image_dir(&self) -> PathBuf {
         let dir = self.work.join("image");
         if !dir.exists() {
@@ -753,11 +753,16 @@ impl Cluster {
             for bin in ["flowlane", "flowlaned", "flowlane-cluster"] {
                 std::os::unix::fs::symlink(binaries::build_dir().join(bin), dir.join(bin)).unwrap();
             }
-            std::os::unix::fs::symlink(
-                binaries::shipped_preload(),
-                dir.join("libflowlane_preload.so"),
-            )
-            .unwrap();
+            // The shipped directory (ship.sh): the preload library, the
+            // injection's static probe and its no-op object.
+            let shipped = binaries::build_dir().join("shipped");
+            for file in [
+                "libflowlane_preload.so",
+                "libflowlane_noop.so",
+                "flowlane-probe",
+            ] {
+                std::os::unix::fs::symlink(shipped.join(file), dir.join(file)).unwrap();
+            }
         }
         dir
     }
