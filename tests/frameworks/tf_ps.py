@@ -42,6 +42,7 @@ STEPS = int(os.environ.get("FL_STEPS", "200"))
 BATCH = 128
 D, H = 64, 256
 LR = float(os.environ.get("FL_LR", "0.1"))
+WORKERS = 1  # set from the cluster spec in main()
 
 
 def main():
@@ -68,6 +69,8 @@ def coordinate(resolver):
     # port nobody listens on yet would stay on TCP).
     print("READY", flush=True)
     sys.stdin.readline()
+    global WORKERS
+    WORKERS = max(1, len(resolver.cluster_spec().as_dict().get("worker", [])))
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     rng = np.random.default_rng(1234)
@@ -105,7 +108,11 @@ def coordinate(resolver):
         grads = tape.gradient(loss, params)
         # Linear decay to 0: the last updates are small, so where the run
         # ends depends little on the order of the asynchronous updates.
-        lr = LR * (1.0 - tf.cast(step, tf.float32) / STEPS)
+        # Divided by the workers: their updates land asynchronously on
+        # parameters up to W-1 updates stale, and with the single-worker
+        # rate 3 workers diverged (NaN) in one run on a quiet machine (the
+        # usual rule for asynchronous SGD). One worker keeps LR unchanged.
+        lr = LR / WORKERS * (1.0 - tf.cast(step, tf.float32) / STEPS)
         for v, g in zip(params, grads):
             v.assign_sub(lr * g)
         return loss
@@ -145,8 +152,9 @@ def coordinate(resolver):
                 "steps": STEPS,
                 "steps_per_s": (STEPS - 1) / dt,
                 "first_step_s": warm_s,
-                "eval_loss_first": loss0,
-                "eval_loss_last": loss1,
+                # A diverged run reports null, not NaN (which is no JSON).
+                "eval_loss_first": loss0 if np.isfinite(loss0) else None,
+                "eval_loss_last": loss1 if np.isfinite(loss1) else None,
                 "params_sha256": h.hexdigest(),
             }
         ),
