@@ -171,6 +171,14 @@ shift
 exec nsenter --net="$ns" -- "$@"
 "#;
 
+/// A directory every container user may write (mode 0777), as the kubelet
+/// makes emptyDir volumes and their subPath directories.
+fn world_writable_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))
+}
+
 /// What one container runs (checked before the pod's sandbox is made).
 struct ContainerPlan {
     name: String,
@@ -399,10 +407,8 @@ impl Loop {
             if v.get("emptyDir").is_some() {
                 let name = v["name"].as_str().unwrap_or("");
                 let dir = self.log_dir.join(format!("{tag}-vol-{name}"));
-                std::fs::create_dir_all(&dir)
+                world_writable_dir(&dir)
                     .map_err(|e| config_error(format!("emptyDir {name}: {e}")))?;
-                use std::os::unix::fs::PermissionsExt;
-                let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777));
                 empty_dirs.insert(name.to_string(), dir);
             }
         }
@@ -455,10 +461,8 @@ impl Loop {
                         return Err(config_error(format!("volume {vname}: bad subPath {sub}")));
                     }
                     let dir = PathBuf::from(&host).join(sub);
-                    std::fs::create_dir_all(&dir)
+                    world_writable_dir(&dir)
                         .map_err(|e| config_error(format!("subPath {sub}: {e}")))?;
-                    use std::os::unix::fs::PermissionsExt;
-                    let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777));
                     host = dir.display().to_string();
                 }
                 mounts.push((
@@ -480,20 +484,13 @@ impl Loop {
                 ids,
             })
         };
-        let inits = pod["spec"]["initContainers"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-            .iter()
-            .map(plan)
-            .collect::<Result<Vec<_>, _>>()?;
-        let plans = pod["spec"]["containers"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-            .iter()
-            .map(plan)
-            .collect::<Result<Vec<_>, _>>()?;
+        let plan_all = |list: &Value| {
+            list.as_array()
+                .map(|cs| cs.iter().map(plan).collect::<Result<Vec<_>, _>>())
+                .unwrap_or(Ok(Vec::new()))
+        };
+        let inits = plan_all(&pod["spec"]["initContainers"])?;
+        let plans = plan_all(&pod["spec"]["containers"])?;
 
         let netns = format!("/run/netns/{tag}");
         let container_id = format!("kubelet{}{}", std::process::id(), self.counter);
