@@ -14,13 +14,22 @@ The model: an MLP 64-256-256-1 (~82k float32 parameters) learning a fixed
 teacher (tanh of a linear map) from synthetic batches. Batch i is a pure
 function of i (stateless random ops), so a job with one worker is
 deterministic (its steps run one after the other on one worker: the final
-parameters are bit-identical whatever lane carries the bytes). With more
-workers the updates are asynchronous (each worker reads the parameters,
-computes a gradient and applies it on the PS while others do the same), so
-the order of updates, and the final parameters, vary from run to run.
+parameters are bit-identical whatever lane carries the bytes).
 
-Timing: step 0 is scheduled and joined alone (it traces the function and
-ships it to the workers); steps/s counts steps 1..N-1.
+Two phases:
+1. Round-robin (deterministic, any number of workers): SYNC_STEPS steps, step
+   s placed by the coordinator on worker s mod W (a device scope, as the
+   ClusterCoordinator itself places a closure) and awaited before the next.
+   Every worker reads and updates every PS in turn, one step at a time, so
+   the parameters after this phase are bit-identical whatever lane carries
+   the bytes: the check that no byte of any channel changed.
+2. Asynchronous (the ClusterCoordinator as users run it): STEPS steps
+   scheduled at once. With more than one worker the order in which updates
+   land on the PS depends on timing, so the final parameters vary from run
+   to run on any lane; only one worker makes this phase deterministic.
+
+Timing: step 0 of phase 2 is scheduled and joined alone (it traces the
+function and ships it to the workers); steps/s counts steps 1..N-1.
 
 The chief prints "READY" once imported and waits for a line on stdin
 before it connects. Output of the chief: one JSON line, then "HOLD"; it then keeps every channel
@@ -39,6 +48,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 STEPS = int(os.environ.get("FL_STEPS", "200"))
+SYNC_STEPS = int(os.environ.get("FL_SYNC_STEPS", "60"))
 BATCH = 128
 D, H = 64, 256
 LR = float(os.environ.get("FL_LR", "0.1"))
@@ -100,26 +110,34 @@ def coordinate(resolver):
         h = tf.nn.relu(h @ p[2] + p[3])
         return h @ p[4] + p[5]
 
-    @tf.function
-    def train_step(step):
-        x, y = batch(step, BATCH)
+    def sgd_step(batch_index, lr):
+        x, y = batch(batch_index, BATCH)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(forward(params, x) - y))
         grads = tape.gradient(loss, params)
+        for v, g in zip(params, grads):
+            v.assign_sub(lr * g)
+        return loss
+
+    @tf.function
+    def train_step(step):
         # Linear decay to 0: the last updates are small, so where the run
         # ends depends little on the order of the asynchronous updates.
         # Divided by the workers: their updates land asynchronously on
         # parameters up to W-1 updates stale, and with the single-worker
         # rate 3 workers diverged (NaN) in one run on a quiet machine (the
         # usual rule for asynchronous SGD). One worker keeps LR unchanged.
-        lr = LR / WORKERS * (1.0 - tf.cast(step, tf.float32) / STEPS)
-        for v, g in zip(params, grads):
-            v.assign_sub(lr * g)
-        return loss
+        return sgd_step(step, LR / WORKERS * (1.0 - tf.cast(step, tf.float32) / STEPS))
 
     @tf.function
     def worker_fn(step):
         return strategy.run(train_step, args=(step,))
+
+    @tf.function
+    def sync_step(step):
+        # Its own batches (indices from 10**5) and its own decay.
+        lr = LR * (1.0 - tf.cast(step, tf.float32) / SYNC_STEPS)
+        return sgd_step(step + 10**5, lr)
 
     # Evaluated on the coordinator from the parameters it reads back
     # from the PS tasks: one fixed batch, never trained on.
@@ -129,7 +147,22 @@ def coordinate(resolver):
         p = [v.read_value() for v in params]
         return float(tf.reduce_mean(tf.square(forward(p, x_eval) - y_eval)).numpy())
 
+    def params_sha256():
+        h = hashlib.sha256()
+        for v in params:
+            h.update(v.read_value().numpy().tobytes())
+        return h.hexdigest()
+
     loss0 = eval_loss()
+    # Phase 1, round-robin: the same arithmetic in the same order on every
+    # lane. The step's learning rate is the single-worker one (one update
+    # at a time, nothing stale), decaying over this phase alone.
+    for s in range(SYNC_STEPS):
+        with tf.device(f"/job:worker/replica:0/task:{s % WORKERS}"):
+            out = sync_step(tf.constant(s, tf.int64))
+        out.numpy()  # awaits the step, its updates included
+    loss_sync = eval_loss()
+    sha_sync = params_sha256()
     t0 = time.perf_counter()
     coordinator.schedule(worker_fn, args=(tf.constant(0, tf.int64),))
     coordinator.join()
@@ -140,9 +173,6 @@ def coordinate(resolver):
     coordinator.join()
     dt = time.perf_counter() - t1
     loss1 = eval_loss()
-    h = hashlib.sha256()
-    for v in params:
-        h.update(v.read_value().numpy().tobytes())
     spec = resolver.cluster_spec().as_dict()
     print(
         json.dumps(
@@ -154,8 +184,11 @@ def coordinate(resolver):
                 "first_step_s": warm_s,
                 # A diverged run reports null, not NaN (which is no JSON).
                 "eval_loss_first": loss0 if np.isfinite(loss0) else None,
+                "eval_loss_sync": loss_sync if np.isfinite(loss_sync) else None,
                 "eval_loss_last": loss1 if np.isfinite(loss1) else None,
-                "params_sha256": h.hexdigest(),
+                "sync_steps": SYNC_STEPS,
+                "params_sha256_sync": sha_sync,
+                "params_sha256": params_sha256(),
             }
         ),
         flush=True,

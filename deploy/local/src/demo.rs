@@ -179,7 +179,7 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
             cfg.gpu.name(),
             cfg.gpu.precision()
         ),
-        gpu: format!("{} ({})", cfg.gpu.name(), cfg.gpu.precision()),
+        gpu: cfg.gpu.label(),
         generated_unix: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -311,6 +311,17 @@ pub fn merge_rdma_rows(rep: &mut Report, path: &Path) -> Result<(), String> {
     let text =
         std::fs::read_to_string(path).map_err(|e| format!("RDMA rows {}: {e}", path.display()))?;
     let (notes, rows) = match serde_json::from_str::<Report>(&text) {
+        // Rows that model another GPU's compute would sit beside this
+        // report's as if comparable: refuse them.
+        Ok(r) if !r.gpu.is_empty() && r.gpu != rep.gpu => {
+            return Err(format!(
+                "RDMA rows {}: measured with {} compute times, this report models {}: run rdma-demo --gpu {}",
+                path.display(),
+                r.gpu,
+                rep.gpu,
+                rep.gpu.split(' ').next().unwrap_or_default()
+            ))
+        }
         Ok(r) => (r.notes, r.runs),
         Err(_) => (
             Vec::new(),
@@ -834,6 +845,7 @@ mod tests {
         };
         Report {
             title: "t".into(),
+            gpu: cfg.gpu.label(),
             scale: cfg.scale,
             notes: notes(&cfg, &cfg.models),
             runs: vec![row(1, 100.0), row(2, 150.0)],
@@ -925,6 +937,13 @@ mod tests {
         assert!(merge_rdma_rows(&mut rep, &shm)
             .unwrap_err()
             .contains("\"shm\""));
+        // Rows that model another GPU than the report's.
+        let k80 = dir.0.join("k80.json");
+        let mut other: Report = serde_json::from_str(RECORDED).unwrap();
+        other.gpu = Gpu::K80.label();
+        std::fs::write(&k80, serde_json::to_string(&other).unwrap()).unwrap();
+        let e = merge_rdma_rows(&mut rep, &k80).unwrap_err();
+        assert!(e.contains("K80 (FP32)") && e.contains("--gpu A100"), "{e}");
         assert_eq!(rep, before, "a refused file changes nothing");
     }
 }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use flowlane_e2e::rdma_vm::{RdmaRig, RigConfig};
-use flowlane_workloads::models::{self, ModelProfile};
+use flowlane_workloads::models::{self, Gpu, ModelProfile};
 use flowlane_workloads::report::{self, LaneEvidence, Report, RunRecord};
 use flowlane_workloads::stats::WorkerResult;
 
@@ -35,7 +35,7 @@ const POD1: &str = "rig-n1p0";
 const POD2: &str = "rig-n2p0";
 const RUN_TIMEOUT: Duration = Duration::from_secs(600);
 const USAGE: &str =
-    "usage: rdma-demo [--out FILE] [--scale F] [--steps N] [--warmup N] [--models a,b] [--no-ps]";
+    "usage: rdma-demo [--out FILE] [--gpu K80|V100|A100|H100] [--scale F] [--steps N] [--warmup N] [--models a,b] [--no-ps]";
 
 #[derive(Clone)]
 struct Args {
@@ -44,6 +44,9 @@ struct Args {
     steps: u32,
     warmup: u32,
     models: Vec<ModelProfile>,
+    /// Whose compute times per step the rows model: the same default as
+    /// `flowlane demo` (the report refuses to merge rows of another GPU).
+    gpu: Gpu,
     ps: bool,
 }
 
@@ -57,6 +60,7 @@ fn parse_args() -> Result<Args> {
             .iter()
             .filter_map(|m| models::by_name(m))
             .collect(),
+        gpu: Gpu::A100,
         ps: true,
     };
     let mut it = std::env::args().skip(1);
@@ -74,6 +78,9 @@ fn parse_args() -> Result<Args> {
             .with_context(|| format!("{k} needs a value\n{USAGE}"))?;
         match k.as_str() {
             "--out" => a.out = PathBuf::from(v),
+            "--gpu" => {
+                a.gpu = Gpu::parse(&v).with_context(|| format!("unknown GPU {v:?}\n{USAGE}"))?
+            }
             "--scale" => {
                 a.scale = match v.split_once('/') {
                     Some((n, d)) => n.parse::<f64>()? / d.parse::<f64>()?,
@@ -289,12 +296,19 @@ fn record(
     pods: &Pods,
     port: u16,
 ) -> RunRecord {
-    let (workload, workers, servers, placement) = match kind {
-        Kind::AllReduce { workers: 1 } => ("allreduce", 1, 0, "1 pod".to_string()),
-        Kind::AllReduce { workers } => {
-            ("allreduce", workers, 0, format!("cross node {POD1},{POD2}"))
-        }
-        Kind::PsSync => ("ps-sync", 1, 1, format!("cross node {POD1}>{POD2}")),
+    // The job's TCP connections (none joins two pods of one node: one pod
+    // per guest): a ring of W >= 2 opens W (each member to its successor),
+    // a lone member none, the PS job one (its worker to its server).
+    let (workload, workers, servers, placement, connections) = match kind {
+        Kind::AllReduce { workers: 1 } => ("allreduce", 1, 0, "1 pod".to_string(), 0),
+        Kind::AllReduce { workers } => (
+            "allreduce",
+            workers,
+            0,
+            format!("cross node {POD1},{POD2}"),
+            u64::from(workers),
+        ),
+        Kind::PsSync => ("ps-sync", 1, 1, format!("cross node {POD1}>{POD2}"), 1),
     };
     let mut rec = RunRecord {
         workload: workload.into(),
@@ -305,6 +319,8 @@ fn record(
         workers,
         servers,
         batch: m.batch,
+        connections,
+        same_node_connections: 0,
         ..Default::default()
     };
     let before: Vec<_> = [1, 2].iter().map(|&n| counters(rig, n)).collect();
@@ -382,7 +398,11 @@ fn main() -> Result<()> {
         Ok(_) => progress("warm-up ring over the RDMA lane done"),
         Err(e) => progress(&format!("warm-up ring: {e:#} (continuing)")),
     }
-    let scaled: Vec<ModelProfile> = a.models.iter().map(|m| m.scaled(a.scale)).collect();
+    let scaled: Vec<ModelProfile> = a
+        .models
+        .iter()
+        .map(|m| m.on(a.gpu).scaled(a.scale))
+        .collect();
     let mut kinds = vec![
         Kind::AllReduce { workers: 1 },
         Kind::AllReduce { workers: 2 },
@@ -401,8 +421,7 @@ fn main() -> Result<()> {
             .unwrap_or(0),
         scale: a.scale,
         notes: notes(&a, &scaled, &rig),
-        // The rig models the talk's K80 compute times (models::by_name).
-        gpu: "K80 (FP32)".into(),
+        gpu: a.gpu.label(),
         findings: Vec::new(),
         runs: Vec::new(),
     };

@@ -91,6 +91,12 @@ impl Gpu {
 
     /// The numeric precision the figures are for (what people train with on
     /// that generation).
+    /// The report's `gpu` field: name and precision, e.g. "A100 (mixed
+    /// precision)". Reports of different labels are not merged.
+    pub fn label(self) -> String {
+        format!("{} ({})", self.name(), self.precision())
+    }
+
     pub fn precision(self) -> &'static str {
         match self {
             Gpu::K80 => "FP32",
