@@ -43,6 +43,8 @@ fn rdma_demo_writes_rows_measured_on_the_rdma_lane() {
         .expect("the rows file is a report");
     // all-reduce W=1, W=2 and PS, each over tcp and rdma.
     assert_eq!(rep.runs.len(), 6, "{stdout}");
+    // The default GPU, as `flowlane demo`'s (whose merge refuses another).
+    assert_eq!(rep.gpu, "A100 (mixed precision)");
     for r in &rep.runs {
         assert!(r.error.is_none(), "{r:?}");
         assert!(r.images_per_s > 0.0 && r.evidence.counters_read, "{r:?}");
@@ -51,6 +53,10 @@ fn rdma_demo_writes_rows_measured_on_the_rdma_lane() {
             ("rdma", true) => {
                 assert_eq!(r.lane_measured, "rdma", "{r:?}");
                 assert!(r.evidence.rdma_bytes >= r.tensor_bytes, "{r:?}");
+                // Every connection of the job (2 for the ring of 2, 1 for
+                // the PS) was an RDMA channel.
+                assert!(r.connections > 0, "{r:?}");
+                assert_eq!(r.evidence.rdma_connections, r.connections, "{r:?}");
             }
             _ => {
                 assert_eq!(r.lane_measured, "tcp", "{r:?}");
