@@ -5,28 +5,32 @@
 //! `flowlane cluster|demo ARGS` executes `flowlane-cluster cluster|demo ARGS`
 //! (found beside `flowlane`, then on `PATH`), the way `git` runs its
 //! subcommands; run directly it takes the same arguments.
+//!
+//! The command line is clap's (`args.rs`): `--flag value` and
+//! `--flag=value`, generated help, `completions SHELL`.
 
+mod args;
 mod cluster;
 mod demo;
 
-const USAGE: &str = "\
-flowlane-cluster: the local training cluster and the demo (run by `flowlane cluster` and `flowlane demo`)
-  flowlane-cluster cluster up|down|status|exec|check [options]
-  flowlane-cluster demo [options]
-";
+use clap::{CommandFactory, Parser};
+
+use args::{Cli, Command};
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let code = match args.first().map(String::as_str) {
-        Some("cluster") => cluster::main(&args[1..]),
-        Some("demo") => demo::main(&args[1..]),
-        Some("help") | Some("--help") | Some("-h") | None => {
-            print!("{USAGE}");
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::Cluster(c) => cluster::main(c),
+        Command::Demo(d) => demo::main(d),
+        Command::Completions { shell } => {
+            // Named as people type it: `flowlane cluster ...`.
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "flowlane",
+                &mut std::io::stdout(),
+            );
             0
-        }
-        Some(other) => {
-            eprintln!("flowlane-cluster: unknown command {other:?}\n\n{USAGE}");
-            2
         }
     };
     std::process::exit(code);
