@@ -17,7 +17,7 @@ const STEPS: usize = 8;
 const WORKERS: usize = 2;
 
 fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads/python/grpc_ps.py")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/workloads/python/grpc_ps.py")
 }
 
 struct Cluster {
