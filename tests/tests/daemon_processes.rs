@@ -308,7 +308,7 @@ fn status_tells_which_processes_run_the_library_and_why_others_do_not() {
     // The table: the counts per pod, then a row per process on TCP.
     let text = status(&node, false);
     println!("{text}");
-    assert!(text.contains("PROCESSES: 2 pods"), "{text}");
+    assert!(text.contains("PROCESSES: 2 pods with processes"), "{text}");
     assert!(text.contains("ON TCP: 6"), "{text}");
     for (pid, reasons) in &expected {
         let why: Vec<&str> = reasons.iter().map(|r| r.name()).collect();

@@ -255,7 +255,7 @@ fn render(s: &Stats) -> String {
 /// the lane (the JSON form lists the idle ones too).
 fn render_processes(p: &flowlane_lane::proto::ProcessScan) -> String {
     let mut out = format!(
-        "\nPROCESSES: {} pods, scanned {} ago in {} ms{}\n",
+        "\nPROCESSES: {} pods with processes, scanned {} ago in {} ms{}\n",
         p.pods.len(),
         duration(p.age_ms / 1000),
         p.duration_ms,
@@ -445,7 +445,7 @@ mod tests {
         };
         let t = render(&s);
         assert!(
-            t.contains("PROCESSES: 1 pods, scanned 2s ago in 7 ms\n"),
+            t.contains("PROCESSES: 1 pods with processes, scanned 2s ago in 7 ms\n"),
             "{t}"
         );
         assert!(
