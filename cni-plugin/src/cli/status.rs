@@ -255,7 +255,7 @@ fn render(s: &Stats) -> String {
 /// the lane (the JSON form lists the idle ones too).
 fn render_processes(p: &flowlane_lane::proto::ProcessScan) -> String {
     let mut out = format!(
-        "\nPROCESSES: {} pods with processes, scanned {} ago in {} ms{}\n",
+        "\nPROCESSES: {} pods with processes, scanned {} ago in {} ms{}{}\n",
         p.pods.len(),
         duration(p.age_ms / 1000),
         p.duration_ms,
@@ -263,6 +263,14 @@ fn render_processes(p: &flowlane_lane::proto::ProcessScan) -> String {
             ""
         } else {
             " (cut short by its bounds: some processes not seen)"
+        },
+        if p.unreadable > 0 {
+            format!(
+                "; {} processes not readable by the daemon (it needs CAP_SYS_PTRACE)",
+                p.unreadable
+            )
+        } else {
+            String::new()
         }
     );
     if p.pods.is_empty() {
@@ -417,6 +425,7 @@ mod tests {
                 age_ms: 2500,
                 duration_ms: 7,
                 complete: true,
+                unreadable: 0,
                 pods: vec![PodProcesses {
                     pod: "default/app".into(),
                     lane: 3,
@@ -462,6 +471,9 @@ mod tests {
             "idle processes are counted only: {t}"
         );
         s.processes.as_mut().unwrap().complete = false;
-        assert!(render(&s).contains("cut short"));
+        s.processes.as_mut().unwrap().unreadable = 2;
+        let t = render(&s);
+        assert!(t.contains("cut short"), "{t}");
+        assert!(t.contains("; 2 processes not readable"), "{t}");
     }
 }

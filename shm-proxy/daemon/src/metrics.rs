@@ -189,8 +189,13 @@ fn families(stats: &Stats) -> Vec<Family> {
         }
         out.push(gauge(
             "flowlane_pod_processes",
-            "The pods' processes at the last scan: lane (runs the preload library, nothing bypasses it), tcp (holds TCP sockets and cannot use the lane), idle (cannot use the lane, holds no TCP socket).",
-            [("lane", lane), ("tcp", tcp), ("idle", idle)]
+            "The pods' processes at the last scan: lane (runs the preload library, nothing bypasses it), tcp (holds TCP sockets and cannot use the lane), idle (cannot use the lane, holds no TCP socket), unreadable (the daemon may not read it).",
+            [
+                ("lane", lane),
+                ("tcp", tcp),
+                ("idle", idle),
+                ("unreadable", u64::from(p.unreadable)),
+            ]
                 .into_iter()
                 .map(|(k, v)| (vec![("state", k.to_string())], v))
                 .collect(),
@@ -458,6 +463,10 @@ mod tests {
         );
         assert!(
             t.contains("flowlane_pod_processes{state=\"tcp\"} 3\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("flowlane_pod_processes{state=\"unreadable\"} 0\n"),
             "{t}"
         );
         assert!(

@@ -350,6 +350,10 @@ pub struct ProcessScan {
     /// False when the scan stopped at its time or process bound: pods may
     /// have more processes than listed.
     pub complete: bool,
+    /// Pod processes the daemon was not allowed to read (it needs root
+    /// with CAP_SYS_PTRACE): not in any count below.
+    #[serde(default)]
+    pub unreadable: u32,
     /// Per pod with at least one process, by pod name.
     pub pods: Vec<PodProcesses>,
 }

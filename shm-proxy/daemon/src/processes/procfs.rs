@@ -65,9 +65,9 @@ pub fn library_in_maps(maps: impl BufRead) -> Library {
 }
 
 /// The library in process `pid` (`None`: the process is gone or hidden).
-pub fn library_of(pid: u32) -> Option<Library> {
-    let f = std::fs::File::open(format!("/proc/{pid}/maps")).ok()?;
-    Some(library_in_maps(BufReader::new(f)))
+pub fn library_of(pid: u32) -> io::Result<Library> {
+    let f = std::fs::File::open(format!("/proc/{pid}/maps"))?;
+    Ok(library_in_maps(BufReader::new(f)))
 }
 
 /// What a process's fds are, as far as the lane cares.
@@ -239,7 +239,7 @@ mod tests {
         let tcp = tcp_inodes(me).unwrap();
         assert!(fds.sockets.iter().any(|i| tcp.contains(i)), "{fds:?}");
         drop(l);
-        assert_eq!(library_of(me), Some(Library::Absent));
+        assert_eq!(library_of(me).unwrap(), Library::Absent);
         assert!(exe_path(me).contains("flowlaned"), "{}", exe_path(me));
     }
 }

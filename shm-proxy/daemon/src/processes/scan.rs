@@ -139,6 +139,7 @@ impl Scanner {
         let mut tcp_of: HashMap<PodId, HashSet<u64>> = HashMap::new();
         let mut used = HashSet::new();
         let mut complete = true;
+        let mut unreadable = 0;
         let entries = match std::fs::read_dir("/proc") {
             Ok(d) => d,
             Err(e) => {
@@ -169,12 +170,18 @@ impl Scanner {
             if !pods.contains(netns) {
                 continue;
             }
-            // Kernel threads and zombies have no executable: not programs.
-            let Ok(key) = procfs::exe_key(pid) else {
-                continue;
-            };
-            let (Some(library), Ok(fds)) = (procfs::library_of(pid), procfs::fds_of(pid)) else {
-                continue;
+            // Kernel threads and zombies have no executable; a process
+            // that exited meanwhile is gone: neither is counted. One the
+            // daemon may not read (no CAP_SYS_PTRACE) is counted as such.
+            let read = procfs::exe_key(pid)
+                .and_then(|key| Ok((key, procfs::library_of(pid)?, procfs::fds_of(pid)?)));
+            let (key, library, fds) = match read {
+                Ok(r) => r,
+                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                    unreadable += 1;
+                    continue;
+                }
+                Err(_) => continue,
             };
             let facts = self.exe_facts(pid, key, &mut used);
             let verdict = classify_process(facts, library, &fds);
@@ -213,10 +220,17 @@ impl Scanner {
             p.off_lane.truncate(MAX_LISTED);
         }
         pods.sort_by(|a, b| a.pod.cmp(&b.pod));
+        if unreadable > 0 {
+            tracing::warn!(
+                unreadable,
+                "process scan: pod processes the daemon may not read (it needs root with CAP_SYS_PTRACE)"
+            );
+        }
         ProcessScan {
             age_ms: 0,
             duration_ms: started.elapsed().as_millis() as u64,
             complete,
+            unreadable,
             pods,
         }
     }
