@@ -318,6 +318,30 @@ fn status_tells_which_processes_run_the_library_and_why_others_do_not() {
             .unwrap_or_else(|| panic!("no row for pid {pid}: {text}"));
         assert!(row.contains(&why.join(",")), "{row} lacks {why:?}");
     }
+    // A figure, not an assertion: what two scans of the node took (the
+    // one above, and one at least two seconds later).
+    let first = scan.duration_ms;
+    let t1 = Instant::now();
+    let later = loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let s: Stats = serde_json::from_str(&status(&node, true)).unwrap();
+        let p = s.processes.unwrap();
+        // Ended after t1 + 2.3 s: a scan that began after this wait did.
+        if p.age_ms < 200 && t1.elapsed() > Duration::from_millis(2500) {
+            break p.duration_ms;
+        }
+        assert!(t1.elapsed() < Duration::from_secs(60), "no later scan");
+    };
+    let host = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        })
+        .count();
+    println!(
+        "figure process-scan: {host} processes on the host, 9 in pods: scans of {first} ms and {later} ms"
+    );
     // Metrics come from the same answer: checked in metrics.rs's unit tests.
     drop((lane, plain, noop, c_static, go_static, go_dynamic, uring));
     std::fs::remove_dir_all(&dir).unwrap();
