@@ -243,6 +243,85 @@ fn render(s: &Stats) -> String {
             .collect();
         out += &table(&["POD", "CONTAINERS", "GETS", "LIBC", "WHY"], &rows);
     }
+    if let Some(p) = &s.processes {
+        out += &render_processes(p);
+    }
+    out
+}
+
+/// The daemon's scan of the pods' processes: per pod how many run the
+/// library (LANE), how many hold TCP sockets without it (TCP) or hold none
+/// now (IDLE), and why; then each process that holds TCP sockets without
+/// the lane (the JSON form lists the idle ones too).
+fn render_processes(p: &flowlane_lane::proto::ProcessScan) -> String {
+    let mut out = format!(
+        "\nPROCESSES: {} pods with processes, scanned {} ago in {} ms{}{}\n",
+        p.pods.len(),
+        duration(p.age_ms / 1000),
+        p.duration_ms,
+        if p.complete {
+            ""
+        } else {
+            " (cut short by its bounds: some processes not seen)"
+        },
+        if p.unreadable > 0 {
+            format!(
+                "; {} processes not readable by the daemon (it needs CAP_SYS_PTRACE)",
+                p.unreadable
+            )
+        } else {
+            String::new()
+        }
+    );
+    if p.pods.is_empty() {
+        return out;
+    }
+    let why = |reasons: &mut dyn Iterator<Item = (String, u32)>| -> String {
+        reasons
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let rows: Vec<Vec<String>> = p
+        .pods
+        .iter()
+        .map(|pod| {
+            vec![
+                pod.pod.clone(),
+                pod.lane.to_string(),
+                pod.tcp.to_string(),
+                pod.idle.to_string(),
+                why(&mut pod.reasons.iter().map(|(r, n)| (r.name().to_string(), *n))),
+            ]
+        })
+        .collect();
+    out += &table(&["POD", "LANE", "TCP", "IDLE", "WHY NOT"], &rows);
+    let on_tcp: Vec<Vec<String>> = p
+        .pods
+        .iter()
+        .flat_map(|pod| {
+            pod.off_lane
+                .iter()
+                .filter(|o| o.tcp_sockets > 0)
+                .map(move |o| {
+                    vec![
+                        format!("  {}", pod.pod),
+                        o.pid.to_string(),
+                        o.tcp_sockets.to_string(),
+                        o.reasons
+                            .iter()
+                            .map(|r| r.name())
+                            .collect::<Vec<_>>()
+                            .join(","),
+                        o.exe.clone(),
+                    ]
+                })
+        })
+        .collect();
+    if !on_tcp.is_empty() {
+        let _ = writeln!(out, "\nON TCP: {}", on_tcp.len());
+        out += &table(&["  POD", "PID", "TCP", "WHY", "EXE"], &on_tcp);
+    }
     out
 }
 
@@ -330,10 +409,71 @@ mod tests {
             reason: "musl cannot load a glibc library".into(),
         });
         let t = render(&s);
+        assert!(!t.contains("PROCESSES"), "no scan: {t}");
         assert!(t.contains("INJECTION: 1"), "{t}");
         assert!(
             t.contains("default/mixed  tool,sidecar  tcp   musl  musl cannot load a glibc library"),
             "{t}"
         );
+    }
+
+    #[test]
+    fn renders_the_process_scan() {
+        use flowlane_lane::proto::{OffLaneProcess, OffLaneReason, PodProcesses, ProcessScan};
+        let mut s = Stats {
+            processes: Some(ProcessScan {
+                age_ms: 2500,
+                duration_ms: 7,
+                complete: true,
+                unreadable: 0,
+                pods: vec![PodProcesses {
+                    pod: "default/app".into(),
+                    lane: 3,
+                    tcp: 1,
+                    idle: 1,
+                    reasons: [(OffLaneReason::Static, 2), (OffLaneReason::IoUring, 1)]
+                        .into_iter()
+                        .collect(),
+                    off_lane: vec![
+                        OffLaneProcess {
+                            pid: 812,
+                            exe: "/srv/app".into(),
+                            tcp_sockets: 2,
+                            reasons: vec![OffLaneReason::Static, OffLaneReason::IoUring],
+                        },
+                        OffLaneProcess {
+                            pid: 1,
+                            exe: "/pause".into(),
+                            tcp_sockets: 0,
+                            reasons: vec![OffLaneReason::Static],
+                        },
+                    ],
+                }],
+            }),
+            ..Stats::default()
+        };
+        let t = render(&s);
+        assert!(
+            t.contains("PROCESSES: 1 pods with processes, scanned 2s ago in 7 ms\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("default/app  3     1    1     static 2, io-uring 1"),
+            "{t}"
+        );
+        assert!(t.contains("ON TCP: 1"), "{t}");
+        assert!(
+            t.contains("  default/app  812  2    static,io-uring  /srv/app"),
+            "{t}"
+        );
+        assert!(
+            !t.contains("/pause"),
+            "idle processes are counted only: {t}"
+        );
+        s.processes.as_mut().unwrap().complete = false;
+        s.processes.as_mut().unwrap().unreadable = 2;
+        let t = render(&s);
+        assert!(t.contains("cut short"), "{t}");
+        assert!(t.contains("; 2 processes not readable"), "{t}");
     }
 }

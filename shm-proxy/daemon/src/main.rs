@@ -18,6 +18,7 @@ mod nodes;
 mod peer_table;
 mod pod_routes;
 mod pods;
+mod processes;
 mod rdma_lane;
 mod relay;
 mod ring_watch;
@@ -102,6 +103,12 @@ struct Args {
     /// (`relay-budget`). Default: the container's memory limit less 128 MiB.
     #[arg(long)]
     relay_memory_budget: Option<u64>,
+    /// Seconds between two scans of the pods' processes (which run the
+    /// preload library, which cannot use the lane and why: `flowlane
+    /// status`); a status request also asks for a scan when the last is
+    /// more than a second old. 0: no scan.
+    #[arg(long, default_value_t = 10.0)]
+    process_scan_interval: f64,
     /// Check the flags (as the daemon would at start) and exit: 0 and a
     /// summary on stdout when they are valid, else 2 and the reason.
     #[arg(long)]
@@ -138,6 +145,9 @@ impl Args {
                 self.lane_transport,
                 LANE_TRANSPORTS.join(", ")
             );
+        }
+        if !(self.process_scan_interval.is_finite() && self.process_scan_interval >= 0.0) {
+            anyhow::bail!("--process-scan-interval must be a number of seconds, 0 for no scan");
         }
         self.nodes.check(self.nodes_file.as_deref())?;
         if self.relay_listen().is_some() && self.nodes_file.is_none() && !self.nodes.kubernetes {
@@ -358,9 +368,17 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         n.set_lane_port(None);
     }
     peer_table::start(&args.socket, shared.clone(), nodes.clone(), relay.is_some());
+    let processes = (args.process_scan_interval > 0.0).then(|| {
+        processes::Processes::start(
+            args.state_dir.clone(),
+            Duration::from_secs_f64(args.process_scan_interval),
+            processes::Bounds::default(),
+        )
+    });
     let lanes = stats::Lanes {
         relay,
         nodes: nodes.clone(),
+        processes,
     };
     let listener = server::bind(&args.socket)?;
     tracing::info!(

@@ -175,6 +175,37 @@ fn families(stats: &Stats) -> Vec<Family> {
             stats.lane_errors.get("rdma").map(|e| by("kind", e)).unwrap_or_default(),
         ),
     ];
+    if let Some(p) = &stats.processes {
+        // Node-wide: a label per pod would grow with the pods.
+        let (mut lane, mut tcp, mut idle) = (0, 0, 0);
+        let mut reasons = std::collections::BTreeMap::<String, u64>::new();
+        for pod in &p.pods {
+            lane += u64::from(pod.lane);
+            tcp += u64::from(pod.tcp);
+            idle += u64::from(pod.idle);
+            for (r, n) in &pod.reasons {
+                *reasons.entry(r.name().to_string()).or_default() += u64::from(*n);
+            }
+        }
+        out.push(gauge(
+            "flowlane_pod_processes",
+            "The pods' processes at the last scan: lane (runs the preload library, nothing bypasses it), tcp (holds TCP sockets and cannot use the lane), idle (cannot use the lane, holds no TCP socket), unreadable (the daemon may not read it).",
+            [
+                ("lane", lane),
+                ("tcp", tcp),
+                ("idle", idle),
+                ("unreadable", u64::from(p.unreadable)),
+            ]
+                .into_iter()
+                .map(|(k, v)| (vec![("state", k.to_string())], v))
+                .collect(),
+        ));
+        out.push(gauge(
+            "flowlane_pod_processes_off_lane",
+            "The pods' processes that cannot use the lane at the last scan, by reason (no-library, noop-library, static, go, io-uring, unknown-exe; a process may count under several).",
+            by("reason", &reasons),
+        ));
+    }
     if let Some(m) = stats.relay_memory {
         out.push(gauge(
             "flowlane_relay_memory_budget_bytes",
@@ -404,6 +435,49 @@ mod tests {
                 assert!(l.starts_with(current), "{l} outside {current}");
             }
         }
+    }
+
+    #[test]
+    fn the_process_scan_is_summed_over_pods() {
+        use flowlane_lane::proto::{OffLaneReason, PodProcesses, ProcessScan};
+        let pod = |lane, tcp, reasons: &[(OffLaneReason, u32)]| PodProcesses {
+            lane,
+            tcp,
+            reasons: reasons.iter().copied().collect(),
+            ..PodProcesses::default()
+        };
+        let st = Stats {
+            processes: Some(ProcessScan {
+                pods: vec![
+                    pod(2, 1, &[(OffLaneReason::Go, 1)]),
+                    pod(1, 2, &[(OffLaneReason::Go, 1), (OffLaneReason::Static, 2)]),
+                ],
+                ..ProcessScan::default()
+            }),
+            ..Stats::default()
+        };
+        let t = prometheus_text(&st);
+        assert!(
+            t.contains("flowlane_pod_processes{state=\"lane\"} 3\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("flowlane_pod_processes{state=\"tcp\"} 3\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("flowlane_pod_processes{state=\"unreadable\"} 0\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("flowlane_pod_processes_off_lane{reason=\"go\"} 2\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("flowlane_pod_processes_off_lane{reason=\"static\"} 2\n"),
+            "{t}"
+        );
+        assert!(!prometheus_text(&Stats::default()).contains("flowlane_pod_processes"));
     }
 
     #[test]

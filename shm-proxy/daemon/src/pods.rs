@@ -123,6 +123,10 @@ impl PodTable {
         self.by_ip.keys().copied()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
     pub fn contains(&self, id: PodId) -> bool {
         self.by_id.contains_key(&id)
     }

@@ -13,16 +13,29 @@ const LISTEN: &str = "0A";
 /// True when the network namespace of `pid` has a TCP socket listening on
 /// `port` (any address, either family).
 pub fn netns_listens_on(pid: u32, port: u16) -> io::Result<bool> {
+    each_tcp_table(pid, |mut table| {
+        let mut text = String::new();
+        io::Read::read_to_string(&mut table, &mut text)?;
+        Ok(table_listens_on(&text, port))
+    })
+}
+
+/// Calls `f` on `/proc/PID/net/tcp`, then `tcp6`, until it answers true
+/// (the answer); false when neither did, NotFound when neither exists (a
+/// kernel without IPv6 has only the first).
+pub fn each_tcp_table(
+    pid: u32,
+    mut f: impl FnMut(std::fs::File) -> io::Result<bool>,
+) -> io::Result<bool> {
     let mut found_any_file = false;
     for file in ["tcp", "tcp6"] {
-        match std::fs::read_to_string(format!("/proc/{pid}/net/{file}")) {
+        match std::fs::File::open(format!("/proc/{pid}/net/{file}")) {
             Ok(table) => {
                 found_any_file = true;
-                if table_listens_on(&table, port) {
+                if f(table)? {
                     return Ok(true);
                 }
             }
-            // No IPv6 in this kernel: the IPv4 table decides.
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }

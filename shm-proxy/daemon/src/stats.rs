@@ -1,7 +1,8 @@
 //! The node's stats answer (`flowlane status`, `/metrics`), built by asking
 //! each part of the daemon for its own: the broker answers for the
 //! same-node lane, the pods, listeners and counters; the relay for its lane
-//! and the connections it carries; the cross-node view for the nodes. The
+//! and the connections it carries; the cross-node view for the nodes; the
+//! process scan for the pods' processes (`processes/`). The
 //! broker knows nothing of the relay: the dependency runs one way (the
 //! relay asks the broker to admit its intents, `broker/admission.rs`).
 
@@ -11,6 +12,7 @@ use flowlane_lane::proto::{ConnectionInfo, LaneStats, RelayMemory, Response, Sta
 
 use crate::broker::{Answer, Broker};
 use crate::nodes::Nodes;
+use crate::processes::Processes;
 use crate::relay::Relay;
 
 /// What the relay reports for a stats answer.
@@ -31,6 +33,8 @@ pub struct RelayReport {
 pub struct Lanes {
     pub relay: Option<Arc<Relay>>,
     pub nodes: Option<Arc<Nodes>>,
+    /// The pods' processes (`processes/`), unless `--process-scan-interval 0`.
+    pub processes: Option<Arc<Processes>>,
 }
 
 impl Lanes {
@@ -77,6 +81,9 @@ impl Lanes {
         }
         if let Some(nodes) = &self.nodes {
             stats.nodes = Some(nodes.view_json());
+        }
+        if let Some(p) = &self.processes {
+            stats.processes = p.report();
         }
     }
 }

@@ -333,6 +333,93 @@ pub struct Stats {
     /// reported and in older daemons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub injections: Vec<InjectionInfo>,
+    /// The node's pods' processes as the daemon's last `/proc` scan found
+    /// them: which run the library, which cannot use the lane and why;
+    /// absent when the scan is off and in older daemons.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub processes: Option<ProcessScan>,
+}
+
+/// One scan of the node's pod processes (`flowlaned` walks `/proc`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessScan {
+    /// Milliseconds since the scan ended, when the answer was made.
+    pub age_ms: u64,
+    /// How long the scan took.
+    pub duration_ms: u64,
+    /// False when the scan stopped at its time or process bound: pods may
+    /// have more processes than listed.
+    pub complete: bool,
+    /// Pod processes the daemon was not allowed to read (it needs root
+    /// with CAP_SYS_PTRACE): not in any count below.
+    #[serde(default)]
+    pub unreadable: u32,
+    /// Per pod with at least one process, by pod name.
+    pub pods: Vec<PodProcesses>,
+}
+
+/// The processes of one pod (those in its network namespace).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodProcesses {
+    pub pod: String,
+    /// Processes that run the preload library and nothing that bypasses it.
+    pub lane: u32,
+    /// Processes that hold TCP sockets and cannot use the lane.
+    pub tcp: u32,
+    /// Processes that cannot use the lane and hold no TCP socket now.
+    pub idle: u32,
+    /// Processes off the lane by reason (one process may have several).
+    pub reasons: BTreeMap<OffLaneReason, u32>,
+    /// The processes that cannot use the lane, each with why (at most 64
+    /// per pod, those holding TCP sockets first; `lane + tcp + idle`
+    /// counts them all).
+    pub off_lane: Vec<OffLaneProcess>,
+}
+
+/// A pod process that cannot use the lane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffLaneProcess {
+    pub pid: u32,
+    /// Its executable's path as the kernel reports it (from the pod's own
+    /// file system: display only), cut to 256 bytes.
+    pub exe: String,
+    /// TCP sockets it holds (listening ones included).
+    pub tcp_sockets: u32,
+    /// Every reason found, at least one.
+    pub reasons: Vec<OffLaneReason>,
+}
+
+/// Why a process cannot use the lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OffLaneReason {
+    /// Dynamically linked, without the library (`LD_PRELOAD` unset).
+    NoLibrary,
+    /// The probe's no-op object is loaded in its place: the image cannot
+    /// load the library (musl, too old a glibc).
+    NoopLibrary,
+    /// Statically linked (no program interpreter): `LD_PRELOAD` is ignored.
+    Static,
+    /// A Go program: its runtime makes socket system calls itself, past libc.
+    Go,
+    /// It holds an io_uring, whose socket operations bypass libc.
+    IoUring,
+    /// Its executable could not be read or is no ELF file the scan parses.
+    UnknownExe,
+}
+
+impl OffLaneReason {
+    /// The kebab-case name (as in JSON and the metrics' labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            OffLaneReason::NoLibrary => "no-library",
+            OffLaneReason::NoopLibrary => "noop-library",
+            OffLaneReason::Static => "static",
+            OffLaneReason::Go => "go",
+            OffLaneReason::IoUring => "io-uring",
+            OffLaneReason::UnknownExe => "unknown-exe",
+        }
+    }
 }
 
 /// Memory the relay holds for its connections (`--relay-memory-budget`).

@@ -104,6 +104,7 @@ impl Broker {
             nodes: None,
             lane_errors: BTreeMap::new(),
             relay_memory: None,
+            processes: None,
             injections: self
                 .injections
                 .list(|pod| self.pods.get(pod).map(|p| p.name.clone())),
