@@ -12,7 +12,9 @@
 //!   namespace, then the mutating admission webhooks registered with
 //!   [`FakeApi::set_mutating_webhooks`], matched by their rules and
 //!   namespaceSelector and answered by flowlane-webhook's own library as its
-//!   service routes them, the JSON patch applied; failurePolicy Ignore),
+//!   service routes them, the JSON patch applied; failurePolicy Ignore; then
+//!   Pod Security admission at the namespace's `pod-security.kubernetes.io/enforce`
+//!   level, [`pod_security`], 403 on a violation),
 //!   get, list (all or per namespace, `labelSelector` with `k=v`,
 //!   `fieldSelector` with `spec.nodeName=` / `metadata.name=`), delete
 //!   (graceful for a bound, non-terminal pod: `deletionTimestamp` set and
@@ -36,6 +38,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 pub mod core_v1;
+pub mod pod_security;
 use core_v1::{collect_namespaces, namespace_defaults, pod_key, proxy, proxy_target};
 
 /// The annotation a node's daemon publishes its RDMA lane in.

@@ -10,9 +10,13 @@
 //!   the kubelet does) run in the pod's namespace with exactly the
 //!   container's env (values only), in a private mount namespace of the
 //!   node where the image's `/usr/local/lib/flowlane` (the release build, as
-//!   the Dockerfile's COPY lays it out) is mounted, and each `hostPath` or
-//!   `emptyDir` volume (a world-writable directory of the pod's; `subPath`
-//!   honoured) at its `mountPath` (read-only when the mount says so), as
+//!   the Dockerfile's COPY lays it out) is mounted, and each `hostPath`,
+//!   `emptyDir` (a world-writable directory of the pod's; `subPath`
+//!   honoured) or `csi` volume of flowlane's driver (published before the
+//!   sandbox by the node's CSI plugin, the real `flowlane-csi` running in the
+//!   node's mount namespace and registered at start, as the kubelet drives it:
+//!   [`crate::csi`]; unpublished after teardown) at its `mountPath` (read-only
+//!   when the mount says so), as
 //!   the securityContext's `runAsUser`/`runAsGroup` when it names them;
 //!   init containers first, each to completion (the injection's probe);
 //! - the pod's status (Pending, then Running with podIP/hostIP and container
@@ -37,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::csi::{CsiPlugin, PodRef};
 use crate::fake_api::{core_v1::now_rfc3339, ApiState};
 use crate::process;
 
@@ -201,6 +206,8 @@ struct PodRun {
     containers: Vec<(String, Child)>,
     exits: Vec<Option<i32>>,
     finished: bool,
+    /// The CSI volumes published for it: (pod uid, volume name).
+    csi_volumes: Vec<(String, String)>,
 }
 
 pub struct Kubelet {
@@ -221,6 +228,16 @@ impl Kubelet {
     ) -> Kubelet {
         let stop = Arc::new(AtomicBool::new(false));
         let runs_seen = Arc::new(Mutex::new(Vec::new()));
+        // The node's CSI plugin (the DaemonSet's "csi" container), in the
+        // node's mount namespace, publishing the node's own directories.
+        let mut csi = CsiPlugin::spawn_in(
+            Some(node.holder_pid),
+            &log_dir.join(format!("{}-kubelet-root", node.name)),
+            std::path::Path::new(flowlane_webhook::inject::HOST_LIB_DIR),
+            std::path::Path::new(flowlane_webhook::inject::SOCKET_DIR),
+            &node.name,
+        );
+        csi.register(true, "");
         let thread = {
             let (stop, runs_seen) = (stop.clone(), runs_seen.clone());
             std::thread::spawn(move || {
@@ -232,6 +249,7 @@ impl Kubelet {
                     runs: Vec::new(),
                     tried: Vec::new(),
                     counter: 0,
+                    csi,
                 };
                 while !stop.load(Ordering::SeqCst) {
                     k.sync();
@@ -275,6 +293,8 @@ struct Loop {
     /// Pods it tried and could not start (left Pending with the reason).
     tried: Vec<String>,
     counter: u32,
+    /// The node's CSI plugin.
+    csi: CsiPlugin,
 }
 
 fn key_of(p: &Value) -> String {
@@ -403,6 +423,23 @@ impl Loop {
         // emptyDir volumes: a directory of the pod's on the node, world
         // writable as the kubelet makes them, gone with the test's files.
         let mut empty_dirs = BTreeMap::new();
+        // CSI volumes: where the plugin will mount each (published below,
+        // once every container's plan holds).
+        let pod_ref = PodRef::of(pod);
+        let mut csi_targets = BTreeMap::new();
+        for v in &volumes {
+            if v["csi"].is_object() {
+                let name = v["name"].as_str().unwrap_or("");
+                if v["csi"]["driver"] != flowlane_webhook::inject::CSI_DRIVER {
+                    return Err(config_error(format!(
+                        "volume {name}: CSI driver {} is not registered on this node",
+                        v["csi"]["driver"]
+                    )));
+                }
+                let target = self.csi.volume_dir(&pod_ref.uid, name).join("mount");
+                csi_targets.insert(name.to_string(), (target, v.clone()));
+            }
+        }
         for v in &volumes {
             if v.get("emptyDir").is_some() {
                 let name = v["name"].as_str().unwrap_or("");
@@ -447,10 +484,12 @@ impl Loop {
                     .ok_or_else(|| config_error(format!("volume {vname} not found")))?;
                 let mut host = if let Some(dir) = empty_dirs.get(vname) {
                     dir.display().to_string()
+                } else if let Some((target, _)) = csi_targets.get(vname) {
+                    target.display().to_string()
                 } else {
                     v["hostPath"]["path"].as_str().map(str::to_string).ok_or_else(|| {
                         config_error(format!(
-                            "volume {vname}: only hostPath and emptyDir volumes are supported by the kubelet double"
+                            "volume {vname}: only hostPath, emptyDir and csi volumes are supported by the kubelet double"
                         ))
                     })?
                 };
@@ -491,6 +530,21 @@ impl Loop {
         };
         let inits = plan_all(&pod["spec"]["initContainers"])?;
         let plans = plan_all(&pod["spec"]["containers"])?;
+        // The kubelet mounts the volumes before it makes the sandbox.
+        let mut csi_volumes = Vec::new();
+        for (name, (_, v)) in &csi_targets {
+            if let Err(e) = self.csi.publish(&pod_ref, v) {
+                self.unpublish_all(&csi_volumes);
+                return Err((
+                    "ContainerCreating".into(),
+                    format!(
+                        "MountVolume.SetUp failed for volume {name}: {}",
+                        e.message()
+                    ),
+                ));
+            }
+            csi_volumes.push((pod_ref.uid.clone(), name.clone()));
+        }
 
         let netns = format!("/run/netns/{tag}");
         let container_id = format!("kubelet{}{}", std::process::id(), self.counter);
@@ -505,12 +559,14 @@ impl Loop {
             .node
             .sh(&format!("touch {netns} && unshare --net={netns} true"));
         if !made.success() {
+            self.unpublish_all(&csi_volumes);
             return Err(sandbox_error(format!("pod netns: {}", made.stderr)));
         }
         let result = match self.node.cni("ADD", &netns, &container_id, &cni_args, None) {
             Ok(r) => r,
             Err(e) => {
                 self.node.sh(&format!("umount {netns}; rm -f {netns}"));
+                self.unpublish_all(&csi_volumes);
                 return Err(sandbox_error(e));
             }
         };
@@ -531,6 +587,7 @@ impl Loop {
             containers: Vec::new(),
             exits: Vec::new(),
             finished: false,
+            csi_volumes,
         };
         let names: Vec<String> = plans.iter().map(|p| p.name.clone()).collect();
         let hostname = pod["metadata"]["name"].as_str().unwrap_or("").to_string();
@@ -661,5 +718,16 @@ impl Loop {
             Some(&r.result),
         );
         self.node.sh(&format!("umount {0}; rm -f {0}", r.netns));
+        self.unpublish_all(&r.csi_volumes);
+    }
+
+    /// NodeUnpublishVolume of each (pod uid, volume), as the kubelet's
+    /// volume manager does once the pod's containers are gone.
+    fn unpublish_all(&self, volumes: &[(String, String)]) {
+        for (uid, name) in volumes {
+            if let Err(e) = self.csi.unpublish(uid, name) {
+                eprintln!("kubelet: NodeUnpublishVolume {uid}/{name}: {e:?}");
+            }
+        }
     }
 }

@@ -10,6 +10,7 @@ pub mod binaries;
 pub mod cni;
 pub mod conformance;
 pub mod cri;
+pub mod csi;
 pub mod fake_api;
 pub mod frameworks;
 pub mod fsutil;

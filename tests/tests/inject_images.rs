@@ -21,6 +21,13 @@
 //! Every container starts and exits as its program does; the probes' verdicts
 //! reach `flowlane status` (the daemon's stats) and the pod's status (the
 //! termination message).
+//!
+//! The node's library and socket directories reach the pods as the webhook
+//! injects them, CSI ephemeral inline volumes: before a pod's sandbox, each is
+//! published by flowlane's CSI node plugin (the real `flowlane-csi`, registered
+//! and called as the kubelet does, `flowlane_e2e::csi`), and the containers mount
+//! the target path the plugin bind-mounted; after the pod is removed, each is
+//! unpublished and no mount is left.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{symlink, PermissionsExt};
@@ -30,6 +37,7 @@ use std::time::Duration;
 
 use flowlane_e2e::binaries::{self, reference_plugin};
 use flowlane_e2e::cri::{self, Containerd, ContainerdConfig};
+use flowlane_e2e::csi::{mounts_under, CsiPlugin, PodRef};
 use flowlane_e2e::fsutil::TempDir;
 use flowlane_e2e::host::LinkGuard;
 use flowlane_e2e::process::{self, ChildGuard};
@@ -199,14 +207,14 @@ struct PodRun {
     /// The app containers' ids, by name.
     apps: BTreeMap<String, String>,
     logs: PathBuf,
+    /// The CSI volumes published for it: (pod uid, volume name).
+    csi_volumes: Vec<(String, String)>,
 }
 
 struct Cluster {
     ctrd: Containerd,
     w: PathBuf,
     logs: PathBuf,
-    /// Host directories standing for the webhook's hostPath volumes.
-    socket_dir: PathBuf,
 }
 
 impl Cluster {
@@ -300,11 +308,42 @@ impl Cluster {
         })
     }
 
-    /// Runs `pod` (already mutated): sandbox, each init container to its end
-    /// (exit 0 required, as the kubelet requires), then the app containers.
-    /// `node_lib` stands for the node's `/opt/flowlane/lib`.
-    fn run(&self, pod: &Value, node_lib: &Path) -> PodRun {
+    /// Runs `pod` (already mutated): its CSI volumes published by `csi` (the
+    /// node's plugin: its library directory stands for the node's
+    /// `/opt/flowlane/lib`), sandbox, each init container to its end (exit 0
+    /// required, as the kubelet requires), then the app containers.
+    fn run(&self, pod: &Value, csi: &CsiPlugin) -> PodRun {
         let name = pod["metadata"]["name"].as_str().unwrap().to_string();
+        let pod_ref = PodRef {
+            uid: format!("uid-{name}"),
+            name: name.clone(),
+            namespace: NAMESPACE.into(),
+            service_account: "default".into(),
+        };
+        // Volumes first, as the kubelet mounts them before the sandbox.
+        let pod_dir = self.w.join("pods").join(&name);
+        std::fs::create_dir_all(&pod_dir).unwrap();
+        let mut volumes = BTreeMap::new();
+        let mut csi_volumes = Vec::new();
+        for v in pod["spec"]["volumes"].as_array().unwrap() {
+            let vname = v["name"].as_str().unwrap().to_string();
+            assert!(v.get("hostPath").is_none(), "no hostPath is injected: {v}");
+            let host = if v["csi"].is_object() {
+                assert_eq!(v["csi"]["driver"], inject::CSI_DRIVER, "{v}");
+                let target = csi
+                    .publish(&pod_ref, v)
+                    .unwrap_or_else(|e| panic!("NodePublishVolume {vname}: {e:?}"));
+                csi_volumes.push((pod_ref.uid.clone(), vname.clone()));
+                (target, false)
+            } else {
+                assert!(v["emptyDir"].is_object(), "{v}");
+                let d = pod_dir.join("volumes").join(&vname);
+                std::fs::create_dir_all(&d).unwrap();
+                std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
+                (d, true)
+            };
+            volumes.insert(vname, host);
+        }
         let sandbox_config = cri::pod_sandbox_config(&name, NAMESPACE, &self.logs);
         let sandbox = self
             .ctrd
@@ -320,26 +359,6 @@ impl Cluster {
             .unwrap_or_default()
             .to_string();
         assert!(ip.starts_with("10.247.61."), "{name}: {status}");
-        let pod_dir = self.w.join("pods").join(&name);
-        std::fs::create_dir_all(&pod_dir).unwrap();
-        let mut volumes = BTreeMap::new();
-        for v in pod["spec"]["volumes"].as_array().unwrap() {
-            let vname = v["name"].as_str().unwrap().to_string();
-            let host = if let Some(path) = v["hostPath"]["path"].as_str() {
-                match path {
-                    p if p == inject::HOST_LIB_DIR => (node_lib.to_path_buf(), false),
-                    p if p == inject::SOCKET_DIR => (self.socket_dir.clone(), false),
-                    other => panic!("unexpected hostPath {other}"),
-                }
-            } else {
-                assert!(v["emptyDir"].is_object(), "{v}");
-                let d = pod_dir.join("volumes").join(&vname);
-                std::fs::create_dir_all(&d).unwrap();
-                std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
-                (d, true)
-            };
-            volumes.insert(vname, host);
-        }
         let create = |c: &Value| -> String {
             let req = json!({
                 "pod_sandbox_id": sandbox,
@@ -382,6 +401,7 @@ impl Cluster {
             verdicts,
             apps,
             logs,
+            csi_volumes,
         }
     }
 }
@@ -586,8 +606,16 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         ctrd,
         w: w.path().to_path_buf(),
         logs,
-        socket_dir,
     };
+    // The node's CSI plugin, registered as the kubelet does; a second one (a
+    // kubelet root of its own) offers the build machine's library.
+    let csi = CsiPlugin::start(&w.join("kubelet"), &lib, &socket_dir, "csi-inject-node");
+    let csi_newer = CsiPlugin::start(
+        &w.join("kubelet-newer"),
+        &newer_lib,
+        &socket_dir,
+        "csi-inject-node-newer",
+    );
 
     // The server: bookworm, on the lane.
     let srv_name = flowlane_e2e::names::unique("isrv");
@@ -600,7 +628,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
             json!([])
         )]),
     );
-    let srv = cluster.run(&srv_pod, &lib);
+    let srv = cluster.run(&srv_pod, &csi);
     assert!(
         srv.verdict().starts_with("flowlane: lane (glibc 2.36)"),
         "{}",
@@ -623,7 +651,8 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
     struct Case<'a> {
         kind: &'a str,
         image: &'a str,
-        node_lib: &'a Path,
+        /// The node's CSI plugin, i.e. which library the node offers.
+        csi: &'a CsiPlugin,
         env: Value,
         lane: bool,
         verdict: &'a str,
@@ -632,7 +661,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         Case {
             kind: "glibc 2.36 (bookworm)",
             image: BOOKWORM,
-            node_lib: &lib,
+            csi: &csi,
             env: json!([]),
             lane: true,
             verdict: "flowlane: lane (glibc 2.36)",
@@ -640,7 +669,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         Case {
             kind: "glibc 2.31 (bullseye)",
             image: BULLSEYE,
-            node_lib: &lib,
+            csi: &csi,
             env: json!([]),
             lane: true,
             verdict: "flowlane: lane (glibc 2.31)",
@@ -648,7 +677,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         Case {
             kind: "glibc 2.31 with a library that needs 2.34",
             image: BULLSEYE,
-            node_lib: &newer_lib,
+            csi: &csi_newer,
             env: json!([]),
             lane: false,
             verdict: "flowlane: tcp (glibc 2.31): the image's libc.so.6 lacks GLIBC_2.3",
@@ -656,7 +685,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         Case {
             kind: "musl (Debian's musl loader, musl-linked client)",
             image: MUSL,
-            node_lib: &lib,
+            csi: &csi,
             env: json!([]),
             lane: false,
             verdict: "flowlane: tcp (musl): musl cannot load a glibc library",
@@ -664,7 +693,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         Case {
             kind: "static binary, no loader",
             image: STATIC,
-            node_lib: &lib,
+            csi: &csi,
             env: json!([]),
             lane: false,
             verdict: "flowlane: tcp (none): no dynamic loader",
@@ -672,7 +701,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         Case {
             kind: "own LD_PRELOAD in the pod spec",
             image: BOOKWORM,
-            node_lib: &lib,
+            csi: &csi,
             env: json!([{"name": "LD_PRELOAD", "value": MARKER}]),
             lane: true,
             verdict: "flowlane: lane (glibc 2.36)",
@@ -680,7 +709,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         Case {
             kind: "own LD_PRELOAD in the image's ENV",
             image: BOOKWORM_ENV,
-            node_lib: &lib,
+            csi: &csi,
             env: json!([]),
             lane: true,
             verdict: "flowlane: lane (glibc 2.36)",
@@ -708,7 +737,7 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
             );
         }
         let before = shm_opened(&socket);
-        let run = cluster.run(&pod, case.node_lib);
+        let run = cluster.run(&pod, case.csi);
         let code = wait_exit(&cluster.ctrd, &run.apps["client"])
             .unwrap_or_else(|| panic!("{}: the client did not end", case.kind));
         let out = run.log("client");
@@ -822,11 +851,24 @@ fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
         out.lines().next().unwrap_or("")
     );
 
+    // Pods removed, then their volumes unpublished (by whichever node's
+    // plugin published them; unpublishing an absent target is a success).
     for p in &pods {
         let id = json!({"pod_sandbox_id": p.sandbox});
         cluster.ctrd.call("StopPodSandbox", &id);
         cluster.ctrd.call("RemovePodSandbox", &id);
+        for (uid, vol) in &p.csi_volumes {
+            for plugin in [&csi, &csi_newer] {
+                plugin
+                    .unpublish(uid, vol)
+                    .unwrap_or_else(|e| panic!("NodeUnpublishVolume {vol}: {e:?}"));
+            }
+        }
     }
+    for root in [w.join("kubelet"), w.join("kubelet-newer")] {
+        assert_eq!(mounts_under(&root), Vec::<PathBuf>::new(), "no mount left");
+    }
+    drop((csi, csi_newer));
     let id = json!({"pod_sandbox_id": sandbox});
     cluster.ctrd.call("StopPodSandbox", &id);
     cluster.ctrd.call("RemovePodSandbox", &id);

@@ -4,17 +4,23 @@
 //! What an injected pod gets (nothing else changes):
 //! - per distinct image of its injected containers, an init container
 //!   `flowlane-probe-<k>` that runs IN THAT IMAGE the node's static probe
-//!   (`deploy/probe/probe.c`, from the hostPath volume `flowlane-preload`, the node's
+//!   (`deploy/probe/probe.c`, from the volume `flowlane-preload`, the node's
 //!   `/opt/flowlane/lib`, mounted read-only at `/opt/flowlane/node`). The probe reads
 //!   the image's dynamic loader and libraries and writes into the emptyDir volume
 //!   `flowlane-lib` (subPath `p<k>`) either the preload library (the image's libraries
 //!   define every symbol version it needs) or a no-op object (musl, no loader, glibc
 //!   too old): never fatal, the app starts either way;
 //! - in each injected container: `flowlane-lib` (subPath `p<k>` of its image's probe)
-//!   at `/opt/flowlane/lib` and `flowlane-run` (hostPath `/run/flowlane`, the daemon's
+//!   at `/opt/flowlane/lib` and `flowlane-run` (the node's `/run/flowlane`, the daemon's
 //!   socket directory) at `/run/flowlane`, both read-only;
 //!   `LD_PRELOAD=/opt/flowlane/lib/libflowlane_preload.so` (appended with `:` to a
 //!   value the container already sets) and `FLOWLANE_SOCKET=/run/flowlane/flowlaned.sock`.
+//!
+//! The node's two directories reach the pod as CSI ephemeral inline volumes of
+//! flowlane's CSI node plugin (`deploy/csi/`, driver [`CSI_DRIVER`], attribute
+//! `content: lib|run`), not hostPath: Pod Security "baseline" and "restricted"
+//! forbid hostPath and allow `csi`, so an injected pod passes both when the pod
+//! itself does (the probe's securityContext is what "restricted" asks).
 //!
 //! The patch is idempotent per container: a container that already has the mounts is
 //! left alone, so a re-invocation (reinvocationPolicy IfNeeded) only touches containers
@@ -36,9 +42,13 @@ pub const SKIP_CONTAINERS_ANNOTATION: &str = "flowlane.io/skip-containers";
 /// Where app containers find the library (the pod's emptyDir, filled by the probe).
 pub const PRELOAD_DIR: &str = "/opt/flowlane/lib";
 pub const PRELOAD_LIB: &str = "/opt/flowlane/lib/libflowlane_preload.so";
-/// The node's flowlane library directory (hostPath; the DaemonSet installs the
-/// library, the no-op object and the probe there).
+/// The node's flowlane library directory (the DaemonSet installs the library, the
+/// no-op object and the probe there; the CSI plugin publishes it as `content: lib`).
 pub const HOST_LIB_DIR: &str = "/opt/flowlane/lib";
+/// flowlane's CSI driver (the CSIDriver object; `deploy/csi`'s `DRIVER_NAME`).
+pub const CSI_DRIVER: &str = "csi.flowlane.io";
+/// The volume attribute that picks the node directory a CSI volume shows.
+pub const CSI_CONTENT: &str = "content";
 /// Where the probe containers see [`HOST_LIB_DIR`].
 pub const NODE_LIB_DIR: &str = "/opt/flowlane/node";
 /// The probe, as the init containers run it.
@@ -393,22 +403,16 @@ fn container_patch(index: usize, container: &Value, probes: &mut Probes) -> Cont
 }
 
 /// The pod-level volumes, added once: the node's library directory and the daemon's
-/// socket directory (hostPath, `DirectoryOrCreate`), and the pod's own `flowlane-lib`
-/// emptyDir the probes fill.
+/// socket directory (CSI ephemeral inline volumes of [`CSI_DRIVER`], read-only), and
+/// the pod's own `flowlane-lib` emptyDir the probes fill.
 fn volume_ops(pod: &Value) -> Vec<Value> {
     let volumes = pod["spec"]["volumes"]
         .as_array()
         .cloned()
         .unwrap_or_default();
     let wanted = [
-        (
-            PRELOAD_VOLUME,
-            json!({"hostPath": {"path": HOST_LIB_DIR, "type": "DirectoryOrCreate"}}),
-        ),
-        (
-            SOCKET_VOLUME,
-            json!({"hostPath": {"path": SOCKET_DIR, "type": "DirectoryOrCreate"}}),
-        ),
+        (PRELOAD_VOLUME, csi_volume("lib")),
+        (SOCKET_VOLUME, csi_volume("run")),
         // A few MiB: the library (or the no-op object) per distinct image.
         (LIB_VOLUME, json!({"emptyDir": {"sizeLimit": "256Mi"}})),
     ];
@@ -421,6 +425,15 @@ fn volume_ops(pod: &Value) -> Vec<Value> {
         })
         .collect();
     append_ops("/spec/volumes", pod["spec"]["volumes"].is_array(), missing)
+}
+
+/// A read-only CSI ephemeral inline volume of flowlane's plugin showing `content`.
+pub fn csi_volume(content: &str) -> Value {
+    json!({"csi": {
+        "driver": CSI_DRIVER,
+        "readOnly": true,
+        "volumeAttributes": {CSI_CONTENT: content},
+    }})
 }
 
 /// JSON Patch ops that append `items` to the array at `path`, creating it if absent.

@@ -229,8 +229,8 @@ fn assert_injected(c: &Value, ld_preload: &str) {
 
 fn assert_pod_volumes(pod: &Value) {
     let volumes = pod["spec"]["volumes"].as_array().unwrap();
-    assert!(volumes.contains(&json!({"name": "flowlane-preload", "hostPath": {"path": "/opt/flowlane/lib", "type": "DirectoryOrCreate"}})));
-    assert!(volumes.contains(&json!({"name": "flowlane-run", "hostPath": {"path": "/run/flowlane", "type": "DirectoryOrCreate"}})));
+    assert!(volumes.contains(&json!({"name": "flowlane-preload", "csi": {"driver": "csi.flowlane.io", "readOnly": true, "volumeAttributes": {"content": "lib"}}})));
+    assert!(volumes.contains(&json!({"name": "flowlane-run", "csi": {"driver": "csi.flowlane.io", "readOnly": true, "volumeAttributes": {"content": "run"}}})));
     assert!(volumes.contains(&json!({"name": "flowlane-lib", "emptyDir": {"sizeLimit": "256Mi"}})));
     // one probe per distinct image, in that image
     let images: std::collections::BTreeSet<&str> = pod["spec"]["containers"]

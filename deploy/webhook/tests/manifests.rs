@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, PodSpec, Service, ServiceAccount,
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::storage::v1::CSIDriver;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -115,6 +116,7 @@ struct Objects {
     deployments: Vec<Deployment>,
     services: Vec<Service>,
     webhooks: Vec<MutatingWebhookConfiguration>,
+    csi_drivers: Vec<CSIDriver>,
 }
 
 /// Every object document of the tree, with its file.
@@ -154,6 +156,7 @@ fn load_documents(docs: Vec<(PathBuf, Value)>) -> Objects {
             "admissionregistration.k8s.io/v1/MutatingWebhookConfiguration" => {
                 objects.webhooks.push(typed(&doc, &file))
             }
+            "storage.k8s.io/v1/CSIDriver" => objects.csi_drivers.push(typed(&doc, &file)),
             other => panic!(
                 "{}: kind {other} is not checked by this test; add it",
                 file.display()
@@ -1192,4 +1195,104 @@ fn every_binary_a_manifest_runs_is_in_the_image() {
             "{bin} in the image"
         );
     }
+}
+
+/// The CSI node plugin serves exactly the volumes the webhook injects: the
+/// CSIDriver is the webhook's driver, inline (Ephemeral) only, no attach, pod
+/// info on mount (the plugin checks the pod uid against the target path), no
+/// fsGroup change; the DaemonSet's "csi" container registers where the kubelet
+/// looks, mounts the kubelet's pods directory Bidirectional (privileged, as the
+/// API server requires for that), and publishes the same node directories the
+/// install step fills and flowlaned serves its socket in.
+#[test]
+fn the_csi_plugin_serves_the_injected_volumes() {
+    use flowlane_webhook::inject;
+    let objects = load(&deploy_dir());
+    assert_eq!(objects.csi_drivers.len(), 1);
+    let driver = &objects.csi_drivers[0];
+    assert_eq!(driver.metadata.name.as_deref(), Some(inject::CSI_DRIVER));
+    let spec = &driver.spec;
+    assert_eq!(spec.attach_required, Some(false));
+    assert_eq!(spec.pod_info_on_mount, Some(true));
+    assert_eq!(
+        spec.volume_lifecycle_modes.as_deref(),
+        Some(&["Ephemeral".to_string()][..])
+    );
+    assert_eq!(spec.fs_group_policy.as_deref(), Some("None"));
+    // every csi volume the webhook injects names this driver, read-only
+    for content in ["lib", "run"] {
+        let v = inject::csi_volume(content);
+        assert_eq!(v["csi"]["driver"], inject::CSI_DRIVER);
+        assert_eq!(v["csi"]["readOnly"], true);
+    }
+
+    let pod = node_agent(&objects);
+    let csi = container(pod, "csi");
+    assert_valid_privilege(csi);
+    let sc = csi.security_context.as_ref().unwrap();
+    assert_eq!(sc.privileged, Some(true), "Bidirectional needs privileged");
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(
+        pod.containers[0].name, "flowlaned",
+        "the components patch containers/0"
+    );
+    let host_of = |mount: &str| {
+        let m = csi
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.mount_path == mount)
+            .unwrap_or_else(|| panic!("csi mounts {mount}"));
+        let v = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == m.name)
+            .unwrap();
+        (
+            v.host_path.as_ref().expect("a hostPath").path.clone(),
+            m.clone(),
+        )
+    };
+    let (pods_dir, m) = host_of("/var/lib/kubelet/pods");
+    assert_eq!(pods_dir, "/var/lib/kubelet/pods");
+    assert_eq!(m.mount_propagation.as_deref(), Some("Bidirectional"));
+    assert_eq!(
+        host_of("/var/lib/kubelet/plugins_registry").0,
+        "/var/lib/kubelet/plugins_registry"
+    );
+    assert_eq!(
+        host_of("/var/lib/kubelet/plugins/csi.flowlane.io").0,
+        "/var/lib/kubelet/plugins/csi.flowlane.io"
+    );
+    let args: Vec<&str> = csi.args.iter().flatten().map(String::as_str).collect();
+    let arg = |flag: &str| {
+        args.iter()
+            .find_map(|a| a.strip_prefix(&format!("--{flag}=")))
+            .unwrap_or_else(|| panic!("--{flag} in {args:?}"))
+    };
+    assert_eq!(arg("kubelet-dir"), "/var/lib/kubelet");
+    assert_eq!(arg("node-id"), "$(NODE_NAME)");
+    let (lib, m) = host_of(arg("lib-dir"));
+    assert_eq!(
+        (lib.as_str(), m.read_only),
+        (inject::HOST_LIB_DIR, Some(true))
+    );
+    let (run, m) = host_of(arg("run-dir"));
+    assert_eq!(
+        (run.as_str(), m.read_only),
+        (inject::SOCKET_DIR, Some(true))
+    );
+    let node_name = csi
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "NODE_NAME")
+        .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+        .map(|f| f.field_path.as_str());
+    assert_eq!(node_name, Some("spec.nodeName"));
+    assert_flags_exist(
+        &release_dir().join("flowlane-csi"),
+        csi.args.as_ref().unwrap(),
+    );
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::{status_body, ApiState, Reply, Seen};
+use super::{pod_security, status_body, ApiState, Reply, Seen};
 
 /// "namespace/name" of an object.
 pub fn pod_key(p: &Value) -> String {
@@ -353,6 +353,19 @@ fn create_pod(st: &mut ApiState, ns: &str, body: &Value) -> (u16, Reply) {
         pod["spec"]["terminationGracePeriodSeconds"] = json!(30);
     }
     admit(st, &namespace, &mut pod);
+    // Pod Security runs after the mutating webhooks, on the pod they produced.
+    let level = pod_security::enforced_level(&namespace);
+    let violations = pod_security::evaluate(level, &pod);
+    if !violations.is_empty() {
+        return (
+            403,
+            Reply::Json(status_body(
+                403,
+                "Forbidden",
+                &pod_security::forbidden_message(&name, level, &violations),
+            )),
+        );
+    }
     pod["metadata"]["resourceVersion"] = json!(next_rv(st));
     pod["status"] = json!({"phase": "Pending", "qosClass": "BestEffort"});
     st.pods.push(pod.clone());

@@ -147,14 +147,18 @@ fn annotation_opt_in_injects_every_container_and_keeps_the_rest() {
     }
     let volumes = after["spec"]["volumes"].as_array().unwrap();
     assert_eq!(volumes.len(), 4);
+    // No hostPath: the node's directories come from flowlane's CSI plugin.
     assert_eq!(
-        volumes[1]["hostPath"],
-        json!({"path": HOST_LIB_DIR, "type": "DirectoryOrCreate"})
+        volumes[1],
+        json!({"name": "flowlane-preload", "csi": {"driver": CSI_DRIVER, "readOnly": true,
+            "volumeAttributes": {"content": "lib"}}})
     );
     assert_eq!(
-        volumes[2]["hostPath"],
-        json!({"path": SOCKET_DIR, "type": "DirectoryOrCreate"})
+        volumes[2],
+        json!({"name": "flowlane-run", "csi": {"driver": CSI_DRIVER, "readOnly": true,
+            "volumeAttributes": {"content": "run"}}})
     );
+    assert!(volumes.iter().all(|v| v.get("hostPath").is_none()));
     assert_eq!(volumes[3]["name"], "flowlane-lib");
     assert!(volumes[3]["emptyDir"].is_object());
     assert_eq!(
