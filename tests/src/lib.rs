@@ -22,6 +22,7 @@ pub mod outside;
 pub mod process;
 pub mod rdma_vm;
 pub mod result;
+pub mod services;
 pub mod shm;
 pub mod shm_scripts;
 pub mod traffic;
