@@ -18,6 +18,7 @@ pub mod kubelet;
 pub mod loop_scripts;
 pub mod names;
 pub mod netns;
+pub mod node_ns;
 pub mod outside;
 pub mod process;
 pub mod rdma_vm;

@@ -18,15 +18,14 @@
 //! in 10.96.212.0/24 (inside the node namespaces only). Everything is
 //! removed on drop, also when a test panics.
 
-use crate::shm::{build_dir, fresh_netns, preload_lib, run_cni, sh, sh_ok, Pod};
-use flowlane_lane::client::DaemonClient;
+use crate::node_ns;
+use crate::shm::{build_dir, fresh_netns, preload_lib, sh, sh_ok, Pod};
 use flowlane_lane::proto::Stats;
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
 
 /// The Service CIDR the daemons serve (`--service-cidr`).
 pub const SERVICE_CIDR: &str = "10.96.212.0/24";
@@ -206,52 +205,39 @@ pub struct SvcNode {
 }
 
 impl SvcNode {
+    /// This node's end of the underlay link.
+    fn underlay_end(&self) -> node_ns::Underlay<'_> {
+        node_ns::Underlay {
+            netns: &self.netns,
+            addr: self.underlay,
+            cidr: &self.cidr,
+        }
+    }
+
     pub fn socket(&self) -> PathBuf {
         self.dir.join("d.sock")
     }
 
-    fn cni(&self, command: &str, pod_ns: &str, id: &str) -> std::process::Output {
-        let conf = serde_json::json!({
+    fn cni_conf(&self) -> String {
+        serde_json::json!({
             "cniVersion": "1.0.0", "name": "svcnet", "type": "flowlane", "bridge": "svcbr0",
             "isGateway": true, "isDefaultGateway": true,
             "stateDir": self.dir.join("state"), "daemonSocket": self.socket(),
             "ipam": {"type": "flowlane", "ranges": [[{"subnet": self.cidr}]],
                      "dataDir": self.dir.join("ipam")},
         })
-        .to_string();
-        let mut plugin = Command::new("ip");
-        plugin
-            .args(["netns", "exec", &self.netns])
-            .arg(build_dir().join("flowlane"));
-        run_cni(plugin, &conf, command, pod_ns, id).expect("run the CNI plugin")
+        .to_string()
     }
 
     fn add_pod(&mut self) {
         let ns = format!("{}p{}", self.netns, self.pods.len());
-        fresh_netns(&ns);
-        let id = format!("{ns}-{}", std::process::id());
-        let out = self.cni("ADD", &ns, &id);
-        assert!(
-            out.status.success(),
-            "CNI ADD in {}: {}",
-            self.netns,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let ip = v["ips"][0]["address"]
-            .as_str()
-            .and_then(|a| a.split('/').next()?.parse().ok())
-            .expect("pod IP in the CNI result");
-        self.pods.push(Pod {
-            netns: ns,
-            ip,
-            container_id: id,
-        });
+        let pod = node_ns::add_pod_in(&self.netns, &self.cni_conf(), &ns);
+        self.pods.push(pod);
     }
 
     fn start_daemon(&mut self) {
         let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
-        let child = Command::new("ip")
+        let mut child = Command::new("ip")
             .args(["netns", "exec", &self.netns])
             .arg(build_dir().join("flowlaned"))
             .arg("--state-dir")
@@ -264,35 +250,17 @@ impl SvcNode {
             .stderr(log)
             .spawn()
             .expect("start flowlaned");
+        node_ns::wait_daemon(&mut child, &self.socket(), || self.log());
         self.daemon = Some(child);
-        let t0 = Instant::now();
-        while self.stats_opt().is_none() {
-            if let Some(st) = self.daemon.as_mut().unwrap().try_wait().unwrap() {
-                panic!("flowlaned exited ({st}): {}", self.log());
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "flowlaned did not come up: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
     }
 
-    fn stats_opt(&self) -> Option<Stats> {
-        DaemonClient::connect(&self.socket(), Duration::from_secs(2))
-            .ok()?
-            .stats()
-            .ok()
-    }
-
     /// The daemon's counters.
     pub fn stats(&self) -> Stats {
-        self.stats_opt().expect("daemon stats")
+        node_ns::daemon_stats(&self.socket()).expect("daemon stats")
     }
 
     /// Programs kube-proxy's rules for `services` in this node's namespace.
@@ -342,7 +310,6 @@ impl SvcNode {
 pub struct SvcCluster {
     pub nodes: Vec<SvcNode>,
     dir: PathBuf,
-    link: String,
 }
 
 impl SvcCluster {
@@ -357,7 +324,6 @@ impl SvcCluster {
         let mut c = SvcCluster {
             nodes: Vec::new(),
             dir: dir.clone(),
-            link: format!("{tag}u"),
         };
         for i in 0..nodes as u8 {
             let netns = format!("{tag}n{i}");
@@ -381,8 +347,9 @@ impl SvcCluster {
                 daemon: None,
             });
         }
-        if nodes == 2 {
-            c.join_nodes();
+        if let [a, b] = &c.nodes[..] {
+            // The veth pair lives in the node namespaces: it goes with them.
+            node_ns::join(&format!("{tag}u"), [a.underlay_end(), b.underlay_end()]);
         }
         for node in &mut c.nodes {
             for _ in 0..pods {
@@ -393,52 +360,13 @@ impl SvcCluster {
         c
     }
 
-    /// The underlay veth between the two nodes, with host-gw routes.
-    fn join_nodes(&self) {
-        let (a, b) = (format!("{}0", self.link), format!("{}1", self.link));
-        let _ = sh(&["ip", "link", "del", &a]);
-        sh_ok(&[
-            "ip",
-            "link",
-            "add",
-            &a,
-            "netns",
-            &self.nodes[0].netns,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &b,
-            "netns",
-            &self.nodes[1].netns,
-        ]);
-        for i in 0..2 {
-            let (me, other) = (&self.nodes[i], &self.nodes[1 - i]);
-            let dev = format!("{}{i}", self.link);
-            let addr = format!("{}/24", me.underlay);
-            sh_ok(&["ip", "-n", &me.netns, "addr", "add", &addr, "dev", &dev]);
-            sh_ok(&["ip", "-n", &me.netns, "link", "set", &dev, "up"]);
-            let via = other.underlay.to_string();
-            sh_ok(&[
-                "ip",
-                "-n",
-                &me.netns,
-                "route",
-                "add",
-                &other.cidr,
-                "via",
-                &via,
-            ]);
-        }
-    }
-
     /// The daemons' logs (for failure messages).
     pub fn logs(&self) -> String {
         self.nodes
             .iter()
             .map(|n| {
                 let log = n.log();
-                let tail = &log[log.len().saturating_sub(6000)..];
+                let tail = crate::frameworks::tail(&log, 6000);
                 format!("--- {} daemon log (tail) ---\n{tail}", n.netns)
             })
             .collect()
@@ -448,19 +376,12 @@ impl SvcCluster {
 impl Drop for SvcCluster {
     fn drop(&mut self) {
         for node in &mut self.nodes {
-            if let Some(mut d) = node.daemon.take() {
-                // SAFETY: signalling our own child process.
-                unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
-                let t0 = Instant::now();
-                while d.try_wait().ok().flatten().is_none() && t0.elapsed() < Duration::from_secs(5)
-                {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                let _ = d.kill();
-                let _ = d.wait();
+            if let Some(d) = node.daemon.take() {
+                node_ns::stop_daemon(d);
             }
+            let conf = node.cni_conf();
             for p in std::mem::take(&mut node.pods) {
-                let _ = node.cni("DEL", &p.netns, &p.container_id);
+                let _ = node_ns::cni_in(&node.netns, &conf, "DEL", &p.netns, &p.container_id);
                 let _ = sh(&["ip", "netns", "del", &p.netns]);
             }
             let _ = sh(&["ip", "netns", "del", &node.netns]);

@@ -378,3 +378,44 @@ fn svc_a_pod_cannot_claim_a_service_connection_sent_to_another() {
         c.logs()
     );
 }
+
+/// `shm-bench connrate` (connect, 1-byte echo, close) in `pod`: connections/s.
+fn connrate(node: &SvcNode, pod: &Pod, preload: bool, addr: &str, n: usize) -> f64 {
+    let bin = flowlane_e2e::shm::build_dir().join("shm-bench");
+    let n = n.to_string();
+    let argv = [bin.to_str().unwrap(), "connrate", addr, &n];
+    let out = run_ok(node.cmd(pod, preload, &argv), T, "connrate");
+    let rate = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("connrate printed {out:?}"));
+    rate
+}
+
+#[test]
+fn svc_figures_connection_set_up_through_a_service() {
+    // Figures only (printed, never asserted: the machine is shared); what
+    // is asserted is which lane carried the connections.
+    const N: usize = 300;
+    let c = SvcCluster::new(1, 2);
+    let node = &c.nodes[0];
+    let (client, server) = (&node.pods[0], &node.pods[1]);
+    node.kube_proxy(ProxyMode::Nftables, &[service(60, &[server])]);
+    let bin = flowlane_e2e::shm::build_dir().join("shm-bench");
+    let port = TARGET.to_string();
+    let _srv = Bg::spawn(node.cmd(server, true, &[bin.to_str().unwrap(), "serve", &port]));
+    wait_listening(server, TARGET);
+    let svc = format!("{}:{PORT}", cluster_ip(60));
+    let pod = format!("{}:{TARGET}", server.ip);
+    let tcp_svc = connrate(node, client, false, &svc, N);
+    let before = node.stats();
+    let lane_svc = connrate(node, client, true, &svc, N);
+    let lane_pod = connrate(node, client, true, &pod, N);
+    let (opened, fallbacks) = since(&before, &node.stats());
+    assert_eq!((opened, fallbacks), (2 * N as u64, BTreeMap::new()));
+    println!(
+        "figure service-connrate tcp-via-service={tcp_svc:.0} lane-via-service={lane_svc:.0} \
+         lane-to-pod-ip={lane_pod:.0} connections/s ({N} each)"
+    );
+}
