@@ -222,6 +222,9 @@ impl SvcNode {
         serde_json::json!({
             "cniVersion": "1.0.0", "name": "svcnet", "type": "flowlane", "bridge": "svcbr0",
             "isGateway": true, "isDefaultGateway": true,
+            // A pod may reach itself through its Service (kube-proxy
+            // masquerades that hairpin), as kubelet's bridge does.
+            "hairpinMode": true,
             "stateDir": self.dir.join("state"), "daemonSocket": self.socket(),
             "ipam": {"type": "flowlane", "ranges": [[{"subnet": self.cidr}]],
                      "dataDir": self.dir.join("ipam")},
