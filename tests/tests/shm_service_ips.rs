@@ -74,7 +74,16 @@ socket.create_connection = lambda a, *r, **k: _connect(a, source_address=("", in
 /// `bytes` checksummed both ways from `client` (with the library) to
 /// the Service at `ip`, from source port 40000 + `seed`.
 fn echo(node: &SvcNode, client: &Pod, ip: Ipv4Addr, bytes: u64, seed: u32) {
-    let (ip, port, n) = (ip.to_string(), PORT.to_string(), bytes.to_string());
+    echo_to(node, client, SocketAddrV4::new(ip, PORT), bytes, seed);
+}
+
+/// [`echo`] to any address.
+fn echo_to(node: &SvcNode, client: &Pod, to: SocketAddrV4, bytes: u64, seed: u32) {
+    let (ip, port, n) = (
+        to.ip().to_string(),
+        to.port().to_string(),
+        bytes.to_string(),
+    );
     let src = format!("SRC_PORT={}", 40000 + seed);
     let script = format!("{FIXED_SOURCE_PORT}{ECHO_CLIENT}");
     let seed = seed.to_string();
@@ -510,4 +519,28 @@ fn svc_a_pod_reaching_itself_through_its_service_stays_on_tcp_at_once() {
         "{}",
         c.logs()
     );
+}
+
+#[test]
+fn svc_a_source_port_remapped_by_the_nodes_nat_still_gets_the_lane() {
+    // The same client port to the same backend, through the Service and
+    // then directly (and the other way round), while conntrack holds the
+    // first entry: the node's NAT remaps the second connection's source
+    // port (the reply tuples would clash), so the server sees another peer
+    // than the client announced. The daemon finds the announced source
+    // in conntrack by the reply tuple.
+    let c = SvcCluster::new(1, 2);
+    let node = &c.nodes[0];
+    let (client, server) = (&node.pods[0], &node.pods[1]);
+    node.kube_proxy(ProxyMode::Iptables, &[service(90, &[server])]);
+    let srv = backend(node, server, true);
+    let direct = SocketAddrV4::new(server.ip, TARGET);
+    let before = node.stats();
+    echo(node, client, cluster_ip(90), 64 << 10, 7);
+    echo_to(node, client, direct, 64 << 10, 7);
+    echo_to(node, client, direct, 64 << 10, 8);
+    echo(node, client, cluster_ip(90), 64 << 10, 8);
+    assert_eq!(accepted(srv), 4);
+    let (opened, fallbacks) = since(&before, &node.stats());
+    assert_eq!((opened, fallbacks), (4, BTreeMap::new()), "{}", c.logs());
 }

@@ -30,6 +30,15 @@ pub trait Conntrack: Send {
     /// The entry whose original direction is `src` → `dst` (TCP), `None`
     /// when there is none.
     fn lookup(&mut self, src: SocketAddr, dst: SocketAddr) -> io::Result<Option<Mapping>>;
+
+    /// The original direction (source, destination) of the entry whose
+    /// reply direction is `reply_src` → `reply_dst` (TCP): what a client
+    /// sent, seen from the server's side of a NATed connection.
+    fn original_of(
+        &mut self,
+        reply_src: SocketAddr,
+        reply_dst: SocketAddr,
+    ) -> io::Result<Option<(SocketAddr, SocketAddr)>>;
 }
 
 const NETLINK_NETFILTER: libc::c_int = 12;
@@ -150,11 +159,13 @@ impl Kernel {
     }
 }
 
-impl Conntrack for Kernel {
-    fn lookup(&mut self, src: SocketAddr, dst: SocketAddr) -> io::Result<Option<Mapping>> {
+impl Kernel {
+    /// The entry whose `by` tuple (orig or reply) is `src` → `dst`: its
+    /// (original, reply) tuples.
+    fn get(&mut self, by: u16, src: SocketAddr, dst: SocketAddr) -> io::Result<Option<Tuples>> {
         self.seq = self.seq.wrapping_add(1);
         let seq = self.seq;
-        self.send(&get_request(seq, src, dst)?)?;
+        self.send(&get_request_by(seq, by, src, dst)?)?;
         let mut buf = vec![0u8; BUF_LEN];
         loop {
             let n = self.recv(&mut buf)?;
@@ -164,6 +175,32 @@ impl Conntrack for Kernel {
             }
         }
     }
+}
+
+impl Conntrack for Kernel {
+    fn lookup(&mut self, src: SocketAddr, dst: SocketAddr) -> io::Result<Option<Mapping>> {
+        Ok(self.get(CTA_TUPLE_ORIG, src, dst)?.map(|t| Mapping {
+            reply_src: t.reply.0,
+            reply_dst: t.reply.1,
+        }))
+    }
+
+    fn original_of(
+        &mut self,
+        reply_src: SocketAddr,
+        reply_dst: SocketAddr,
+    ) -> io::Result<Option<(SocketAddr, SocketAddr)>> {
+        Ok(self
+            .get(CTA_TUPLE_REPLY, reply_src, reply_dst)?
+            .map(|t| t.orig))
+    }
+}
+
+/// Both directions of one entry, (source, destination) each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tuples {
+    orig: (SocketAddr, SocketAddr),
+    reply: (SocketAddr, SocketAddr),
 }
 
 fn push_attr(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
@@ -183,7 +220,14 @@ fn nested(kind: u16, body: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
 }
 
 /// The GET request for the entry whose original tuple is `src` → `dst`.
+#[cfg(test)]
 fn get_request(seq: u32, src: SocketAddr, dst: SocketAddr) -> io::Result<Vec<u8>> {
+    get_request_by(seq, CTA_TUPLE_ORIG, src, dst)
+}
+
+/// The GET request for the entry whose `by` tuple (`CTA_TUPLE_ORIG` or
+/// `CTA_TUPLE_REPLY`) is `src` → `dst`.
+fn get_request_by(seq: u32, by: u16, src: SocketAddr, dst: SocketAddr) -> io::Result<Vec<u8>> {
     let (src, dst) = (canonical(src), canonical(dst));
     let family = match (src.ip(), dst.ip()) {
         (IpAddr::V4(_), IpAddr::V4(_)) => libc::AF_INET,
@@ -210,7 +254,7 @@ fn get_request(seq: u32, src: SocketAddr, dst: SocketAddr) -> io::Result<Vec<u8>
         push_attr(v, CTA_PROTO_SRC_PORT, &src.port().to_be_bytes());
         push_attr(v, CTA_PROTO_DST_PORT, &dst.port().to_be_bytes());
     });
-    let tuple = nested(CTA_TUPLE_ORIG, |v| {
+    let tuple = nested(by, |v| {
         v.extend_from_slice(&ips);
         v.extend_from_slice(&proto);
     });
@@ -269,7 +313,7 @@ fn attrs(mut b: &[u8]) -> io::Result<Vec<(u16, &[u8])>> {
 
 /// The answer to request `seq` in one datagram: `None` when the datagram
 /// holds no message of that request; `Some(Ok(None))` for "no such entry".
-fn parse_answer(mut b: &[u8], seq: u32) -> io::Result<Option<io::Result<Option<Mapping>>>> {
+fn parse_answer(mut b: &[u8], seq: u32) -> io::Result<Option<io::Result<Option<Tuples>>>> {
     while b.len() >= 16 {
         let len = u32_at(b, 0).ok_or_else(|| bad("header"))? as usize;
         let kind = u16_at(b, 4).ok_or_else(|| bad("header"))?;
@@ -296,16 +340,27 @@ fn parse_answer(mut b: &[u8], seq: u32) -> io::Result<Option<io::Result<Option<M
     Ok(None)
 }
 
-/// The reply tuple of one entry (after the nfgenmsg header).
-fn parse_entry(body: &[u8]) -> io::Result<Mapping> {
+/// Both tuples of one entry (after the nfgenmsg header).
+fn parse_entry(body: &[u8]) -> io::Result<Tuples> {
     let attrs_of_entry = attrs(body.get(4..).ok_or_else(|| bad("short entry"))?)?;
-    let reply = attrs_of_entry
-        .iter()
-        .find(|(k, _)| *k == CTA_TUPLE_REPLY)
-        .ok_or_else(|| bad("entry without a reply tuple"))?
-        .1;
+    let tuple = |kind: u16| {
+        let payload = attrs_of_entry
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .ok_or_else(|| bad("entry without both tuples"))?
+            .1;
+        parse_tuple(payload)
+    };
+    Ok(Tuples {
+        orig: tuple(CTA_TUPLE_ORIG)?,
+        reply: tuple(CTA_TUPLE_REPLY)?,
+    })
+}
+
+/// One tuple's (source, destination).
+fn parse_tuple(tuple: &[u8]) -> io::Result<(SocketAddr, SocketAddr)> {
     let (mut src_ip, mut dst_ip, mut src_port, mut dst_port) = (None, None, None, None);
-    for (kind, payload) in attrs(reply)? {
+    for (kind, payload) in attrs(tuple)? {
         match kind {
             CTA_TUPLE_IP => {
                 for (k, p) in attrs(payload)? {
@@ -339,11 +394,10 @@ fn parse_entry(body: &[u8]) -> io::Result<Mapping> {
         }
     }
     match (src_ip, dst_ip, src_port, dst_port) {
-        (Some(si), Some(di), Some(sp), Some(dp)) => Ok(Mapping {
-            reply_src: SocketAddr::new(si, sp),
-            reply_dst: SocketAddr::new(di, dp),
-        }),
-        _ => Err(bad("incomplete reply tuple")),
+        (Some(si), Some(di), Some(sp), Some(dp)) => {
+            Ok((SocketAddr::new(si, sp), SocketAddr::new(di, dp)))
+        }
+        _ => Err(bad("incomplete tuple")),
     }
 }
 
@@ -386,13 +440,8 @@ mod tests {
         let backend = sa("10.212.1.7:8080");
         let msg = entry_message(7, (client, svc), (backend, client));
         let got = parse_answer(&msg, 7).unwrap().unwrap().unwrap().unwrap();
-        assert_eq!(
-            got,
-            Mapping {
-                reply_src: backend,
-                reply_dst: client
-            }
-        );
+        assert_eq!(got.reply, (backend, client));
+        assert_eq!(got.orig, (client, svc));
         // Another request's answer is skipped.
         assert!(parse_answer(&msg, 8).unwrap().is_none());
     }
@@ -445,7 +494,7 @@ mod tests {
         let backend = sa("[fd00::7]:8080");
         let msg = entry_message(2, (client, svc), (backend, client));
         let got = parse_answer(&msg, 2).unwrap().unwrap().unwrap().unwrap();
-        assert_eq!(got.reply_src, backend);
+        assert_eq!(got.reply.0, backend);
         assert!(get_request(1, sa("10.0.0.1:1"), svc).is_err());
     }
 }

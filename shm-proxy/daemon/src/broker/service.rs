@@ -157,6 +157,9 @@ impl Broker {
             service: true,
         };
         let Some((dst, resolved)) = self.pending.get(&key).map(|p| (p.dst, p.server_pod)) else {
+            if let Some(key) = self.remapped_claim(pod, local, peer) {
+                return Ok(key);
+            }
             return Err(self.no_channel(
                 NoChannelReason::NoIntent,
                 FallbackReason::ClaimWithoutIntent,
@@ -175,14 +178,68 @@ impl Broker {
         Ok(key)
     }
 
+    /// The pending channel of a connection whose source port the node's NAT
+    /// remapped (its reply tuple would have clashed with an entry an
+    /// earlier, DNATed connection still holds): the server sees `peer`,
+    /// conntrack's original source is what the client announced. Direct
+    /// and Service channels alike, each checked as its own claim is.
+    fn remapped_claim(
+        &mut self,
+        pod: PodId,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Option<IntentKey> {
+        let ct = self.services.conntrack.as_mut()?;
+        let (src, dst) = match ct.original_of(local, peer) {
+            Ok(Some((src, dst))) => (canonical(src), canonical(dst)),
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!(error = %e, %local, %peer, "conntrack lookup failed");
+                return None;
+            }
+        };
+        // Only the port may differ: another address is a masquerade.
+        if src.ip() != peer.ip() || src == peer {
+            return None;
+        }
+        let direct = IntentKey {
+            src,
+            dst_port: local.port(),
+            service: false,
+        };
+        if dst == canonical(local)
+            && self
+                .pending
+                .get(&direct)
+                .is_some_and(|p| p.server_pod == Some(pod) && canonical(p.dst) == dst)
+        {
+            tracing::debug!(client = %src, seen_as = %peer, "claim of a source-port-remapped connection");
+            return Some(direct);
+        }
+        let service = IntentKey {
+            src,
+            dst_port: 0,
+            service: true,
+        };
+        let (svc, resolved) = self.pending.get(&service).map(|p| (p.dst, p.server_pod))?;
+        let ok = svc == dst
+            && resolved.is_none_or(|s| s == pod)
+            && self.backend_of(src, svc) == Some(canonical(local));
+        ok.then_some(service)
+    }
+
     /// The backend the connection `src` → `service` reached, per
     /// conntrack; `None` when there is no entry (yet), it cannot be asked,
-    /// or the connection was source-NATed too (the backend sees another
-    /// peer than `src`: kube-proxy's hairpin masquerade).
+    /// or the connection was source-NATed to another address (the backend
+    /// sees another peer than `src`: kube-proxy's hairpin masquerade).
     fn backend_of(&mut self, src: SocketAddr, service: SocketAddr) -> Option<SocketAddr> {
         let ct = self.services.conntrack.as_mut()?;
         match ct.lookup(src, service) {
-            Ok(Some(m)) if canonical(m.reply_dst) == canonical(src) => Some(canonical(m.reply_src)),
+            // The port may have been remapped (see `remapped_claim`), the
+            // address not.
+            Ok(Some(m)) if m.reply_dst.ip().to_canonical() == src.ip().to_canonical() => {
+                Some(canonical(m.reply_src))
+            }
             Ok(Some(m)) => {
                 tracing::debug!(%src, %service, reply_dst = %m.reply_dst, "service connection source-NATed too");
                 None

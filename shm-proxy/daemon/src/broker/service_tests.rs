@@ -28,6 +28,17 @@ impl Conntrack for Table {
     fn lookup(&mut self, src: SocketAddr, dst: SocketAddr) -> std::io::Result<Option<Mapping>> {
         Ok(self.0.lock().unwrap().get(&(src, dst)).copied())
     }
+
+    fn original_of(
+        &mut self,
+        reply_src: SocketAddr,
+        reply_dst: SocketAddr,
+    ) -> std::io::Result<Option<(SocketAddr, SocketAddr)>> {
+        let t = self.0.lock().unwrap();
+        Ok(t.iter()
+            .find(|(_, m)| (m.reply_src, m.reply_dst) == (reply_src, reply_dst))
+            .map(|(orig, _)| *orig))
+    }
 }
 
 const SVC: &str = "10.96.212.10:80";
@@ -250,4 +261,53 @@ fn without_any_flowlane_listener_no_channel_is_made() {
         &intent(&mut n.broker, 1, CLIENT, SVC).response,
         NoChannelReason::NoListener
     ));
+}
+
+#[test]
+fn a_source_port_remapped_by_nat_still_pairs_with_its_own_backend_only() {
+    let (mut n, ct) = service_node("svc-remap");
+    let b = &mut n.broker;
+    // A Service connection from CLIENT whose source port the node's NAT
+    // remapped to 40100 (an earlier entry held the plain reply tuple).
+    let id = channel(&intent(b, 1, CLIENT, SVC));
+    ct.0.lock().unwrap().insert(
+        (sa(CLIENT), sa(SVC)),
+        Mapping {
+            reply_src: sa("10.202.9.2:8080"),
+            reply_dst: sa("10.202.9.1:40100"),
+        },
+    );
+    assert_eq!(resolve(b, 1, id), Response::Ok);
+    // Another pod cannot claim it under the remapped port either.
+    assert!(!matches!(
+        claim(b, 3, "10.202.9.3:8080", "10.202.9.1:40100").response,
+        Response::Channel { .. }
+    ));
+    assert_eq!(
+        channel(&claim(b, 2, "10.202.9.2:8080", "10.202.9.1:40100")),
+        id
+    );
+    // A direct connection remapped the same way.
+    let direct = "10.202.9.1:40001";
+    let r = b.handle(
+        &pod(1),
+        Request::ConnectIntent {
+            src: sa(direct),
+            dst: sa("10.202.9.2:8080"),
+            region_len: 8192,
+        },
+    );
+    let id = channel(&r);
+    ct.0.lock().unwrap().insert(
+        (sa(direct), sa("10.202.9.2:8080")),
+        Mapping {
+            reply_src: sa("10.202.9.2:8080"),
+            reply_dst: sa("10.202.9.1:40101"),
+        },
+    );
+    assert_eq!(
+        channel(&claim(b, 2, "10.202.9.2:8080", "10.202.9.1:40101")),
+        id
+    );
+    assert_eq!(b.stats().lanes["shm"].connections_opened, 2);
 }
