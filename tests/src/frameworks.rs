@@ -10,7 +10,8 @@
 //! [`crate::shm::Node::new_in`]; relay pods 10.245.0-99.0/24, underlay
 //! 10.245.100-149.0/24).
 
-use crate::shm::{build_dir, fresh_netns, preload_lib, run_cni, sh, sh_ok, Pod};
+use crate::node_ns;
+use crate::shm::{build_dir, fresh_netns, preload_lib, sh, sh_ok, Pod};
 use flowlane_lane::client::DaemonClient;
 use flowlane_lane::proto::Stats;
 use std::collections::{BTreeMap, BTreeSet};
@@ -436,47 +437,34 @@ pub struct RelayNode {
 }
 
 impl RelayNode {
+    /// This node's end of the underlay link.
+    fn underlay_end(&self) -> node_ns::Underlay<'_> {
+        node_ns::Underlay {
+            netns: &self.netns,
+            addr: self.underlay,
+            cidr: &self.cidr,
+        }
+    }
+
     pub fn socket(&self) -> PathBuf {
         self.dir.join("d.sock")
     }
 
-    fn cni(&self, command: &str, pod_ns: &str, id: &str) -> std::process::Output {
-        let conf = serde_json::json!({
+    fn cni_conf(&self) -> String {
+        serde_json::json!({
             "cniVersion": "1.0.0", "name": "ffnet", "type": "flowlane", "bridge": "ffbr0",
             "isGateway": true, "isDefaultGateway": true,
             "stateDir": self.dir.join("state"), "daemonSocket": self.socket(),
             "ipam": {"type": "flowlane", "ranges": [[{"subnet": self.cidr}]],
                      "dataDir": self.dir.join("ipam")},
         })
-        .to_string();
-        let mut plugin = Command::new("ip");
-        plugin
-            .args(["netns", "exec", &self.netns])
-            .arg(build_dir().join("flowlane"));
-        run_cni(plugin, &conf, command, pod_ns, id).expect("run the CNI plugin")
+        .to_string()
     }
 
     fn add_pod(&mut self) {
         let ns = format!("{}p{}", self.netns, self.pods.len());
-        fresh_netns(&ns);
-        let id = format!("{ns}-{}", std::process::id());
-        let out = self.cni("ADD", &ns, &id);
-        assert!(
-            out.status.success(),
-            "CNI ADD in {}: {}",
-            self.netns,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let ip = v["ips"][0]["address"]
-            .as_str()
-            .and_then(|a| a.split('/').next()?.parse().ok())
-            .expect("pod IP in the CNI result");
-        self.pods.push(Pod {
-            netns: ns,
-            ip,
-            container_id: id,
-        });
+        let pod = node_ns::add_pod_in(&self.netns, &self.cni_conf(), &ns);
+        self.pods.push(pod);
     }
 
     fn start_daemon(&mut self, nodes_file: &Path) {
@@ -485,7 +473,7 @@ impl RelayNode {
         std::fs::write(&key, LANE_KEY).unwrap();
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
         let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
-        let child = Command::new("ip")
+        let mut child = Command::new("ip")
             .args(["netns", "exec", &self.netns])
             .arg(build_dir().join("flowlaned"))
             .arg("--state-dir")
@@ -504,22 +492,8 @@ impl RelayNode {
             .stderr(log)
             .spawn()
             .expect("start flowlaned");
+        node_ns::wait_daemon(&mut child, &self.socket(), || self.log());
         self.daemon = Some(child);
-        let t0 = Instant::now();
-        while DaemonClient::connect(&self.socket(), Duration::from_secs(2))
-            .and_then(|mut c| c.stats())
-            .is_err()
-        {
-            if let Some(st) = self.daemon.as_mut().unwrap().try_wait().unwrap() {
-                panic!("flowlaned exited ({st}): {}", self.log());
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "flowlaned did not come up: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
 
     pub fn log(&self) -> String {
@@ -582,41 +556,10 @@ impl RelayPair {
                 daemon: None,
             });
         }
-        let (a, b) = (format!("{link}0"), format!("{link}1"));
-        let _ = sh(&["ip", "link", "del", &a]);
-        sh_ok(&[
-            "ip",
-            "link",
-            "add",
-            &a,
-            "netns",
-            &c.nodes[0].netns,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &b,
-            "netns",
-            &c.nodes[1].netns,
-        ]);
-        for i in 0..2 {
-            let (me, other) = (&c.nodes[i], &c.nodes[1 - i]);
-            let dev = format!("{link}{i}");
-            let addr = format!("{}/24", me.underlay);
-            sh_ok(&["ip", "-n", &me.netns, "addr", "add", &addr, "dev", &dev]);
-            sh_ok(&["ip", "-n", &me.netns, "link", "set", &dev, "up"]);
-            let via = other.underlay.to_string();
-            sh_ok(&[
-                "ip",
-                "-n",
-                &me.netns,
-                "route",
-                "add",
-                &other.cidr,
-                "via",
-                &via,
-            ]);
-        }
+        node_ns::join(
+            &link,
+            [c.nodes[0].underlay_end(), c.nodes[1].underlay_end()],
+        );
         let nodes: Vec<_> = c
             .nodes
             .iter()
@@ -670,19 +613,12 @@ pub fn tail(s: &str, n: usize) -> &str {
 impl Drop for RelayPair {
     fn drop(&mut self) {
         for node in &mut self.nodes {
-            if let Some(mut d) = node.daemon.take() {
-                // SAFETY: signalling our own child process.
-                unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
-                let t0 = Instant::now();
-                while d.try_wait().ok().flatten().is_none() && t0.elapsed() < Duration::from_secs(5)
-                {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                let _ = d.kill();
-                let _ = d.wait();
+            if let Some(d) = node.daemon.take() {
+                node_ns::stop_daemon(d);
             }
+            let conf = node.cni_conf();
             for p in std::mem::take(&mut node.pods) {
-                let _ = node.cni("DEL", &p.netns, &p.container_id);
+                let _ = node_ns::cni_in(&node.netns, &conf, "DEL", &p.netns, &p.container_id);
                 let _ = sh(&["ip", "netns", "del", &p.netns]);
             }
             let _ = sh(&["ip", "netns", "del", &node.netns]);

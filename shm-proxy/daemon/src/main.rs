@@ -8,6 +8,7 @@
 
 mod broker;
 mod channel_store;
+mod conntrack;
 mod counters;
 mod identity;
 mod injections;
@@ -109,10 +110,36 @@ struct Args {
     /// more than a second old. 0: no scan.
     #[arg(long, default_value_t = 10.0)]
     process_scan_interval: f64,
+    /// The cluster's Service CIDR (repeatable, e.g. 10.96.0.0/12):
+    /// connections to a Service IP get the lane of the backend kube-proxy
+    /// sent them to, read from the node's conntrack table (needs
+    /// CAP_NET_ADMIN in the node's network namespace). Without it Service
+    /// connections stay on TCP. See docs/daemon.md "Service IPs".
+    #[arg(long, value_parser = parse_cidr, value_delimiter = ',')]
+    service_cidr: Vec<flowlane_lane::peer_table::Entry>,
     /// Check the flags (as the daemon would at start) and exit: 0 and a
     /// summary on stdout when they are valid, else 2 and the reason.
     #[arg(long)]
     check_config: bool,
+}
+
+/// `ADDRESS/PREFIX`, IPv4 or IPv6, with no host bits set.
+fn parse_cidr(s: &str) -> Result<flowlane_lane::peer_table::Entry, String> {
+    let (ip, prefix) = s
+        .split_once('/')
+        .ok_or_else(|| format!("{s}: not ADDRESS/PREFIX"))?;
+    let ip: std::net::IpAddr = ip.parse().map_err(|e| format!("{s}: {e}"))?;
+    let max = if ip.is_ipv4() { 32 } else { 128 };
+    let prefix: u8 = prefix
+        .parse()
+        .ok()
+        .filter(|p| *p <= max)
+        .ok_or_else(|| format!("{s}: prefix must be 0..={max}"))?;
+    let entry = flowlane_lane::peer_table::Entry::new(ip, prefix);
+    if entry.addr != flowlane_lane::peer_table::Entry::host(ip).addr {
+        return Err(format!("{s}: host bits set"));
+    }
+    Ok(entry)
 }
 
 /// The transports `--lane-transport` accepts (`tcp-test` only in a build
@@ -329,6 +356,29 @@ fn start_relay(
     Ok(Some(relay))
 }
 
+/// Connections to Service IPs, when `--service-cidr` names them: the
+/// broker resolves them through the kernel's conntrack table. The ranges
+/// the peer table lists (none when conntrack cannot be opened: Service
+/// connections then stay on TCP without asking).
+fn start_services(args: &Args, shared: &server::Shared) -> Vec<flowlane_lane::peer_table::Entry> {
+    if args.service_cidr.is_empty() {
+        return Vec::new();
+    }
+    match conntrack::Kernel::open() {
+        Ok(ct) => {
+            shared
+                .lock()
+                .set_services(args.service_cidr.clone(), Box::new(ct));
+            tracing::info!(ranges = ?args.service_cidr, "Service IPs resolved through conntrack");
+            args.service_cidr.clone()
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot open the conntrack table (ctnetlink); Service connections stay on TCP");
+            Vec::new()
+        }
+    }
+}
+
 async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
     let facts = DaemonFacts {
         state_dir: args.state_dir.clone(),
@@ -367,7 +417,14 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         // port, or peers would keep trying a lane nobody serves.
         n.set_lane_port(None);
     }
-    peer_table::start(&args.socket, shared.clone(), nodes.clone(), relay.is_some());
+    let services = start_services(&args, &shared);
+    peer_table::start(
+        &args.socket,
+        shared.clone(),
+        nodes.clone(),
+        relay.is_some(),
+        services,
+    );
     let processes = (args.process_scan_interval > 0.0).then(|| {
         processes::Processes::start(
             args.state_dir.clone(),

@@ -283,7 +283,9 @@ async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared, la
                 tracing::trace!(op = req.op_name(), "request");
                 intent = matches!(
                     req,
-                    Request::ConnectIntent { .. } | Request::RelayableIntent { .. }
+                    Request::ConnectIntent { .. }
+                        | Request::RelayableIntent { .. }
+                        | Request::ServiceIntent { .. }
                 );
                 match lanes.relay.as_ref().filter(|r| r.takes(&req)) {
                     // Cross-node set-ups block (lane open, handshake with

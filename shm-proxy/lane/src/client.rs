@@ -279,6 +279,34 @@ impl DaemonClient {
         }
     }
 
+    /// [`Self::connect_intent`] for a Service IP `dst` (the peer table's
+    /// Service ranges): a channel when the Service may have a lane behind
+    /// it; after connect, [`Self::resolve_service`] says whether it does.
+    pub fn service_intent(
+        &mut self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: usize,
+    ) -> io::Result<Option<Channel>> {
+        self.expect_channel(&Request::ServiceIntent {
+            src,
+            dst,
+            region_len: region_len as u64,
+        })
+    }
+
+    /// After the connect of service channel `channel_id`: true when its
+    /// backend is a local pod with a flowlane listener (wait for the
+    /// server's attach), false to stay on TCP now (the daemon dropped the
+    /// channel and counted why).
+    pub fn resolve_service(&mut self, channel_id: u64) -> io::Result<bool> {
+        match self.call(&Request::ResolveService { channel_id })? {
+            (Response::Ok, _) => Ok(true),
+            (Response::NoChannel { .. }, _) => Ok(false),
+            (other, _) => Err(self.unexpected(other)),
+        }
+    }
+
     /// A channel ended; `sent`/`received` are the application bytes moved.
     pub fn report_closed(&mut self, channel_id: u64, sent: u64, received: u64) -> io::Result<()> {
         self.expect_ok(&Request::ReportClosed {

@@ -65,11 +65,16 @@ pub enum FallbackReason {
     /// The server daemon refused the stream (see `stream_foreign_client` /
     /// `stream_duplicate` in its lane errors).
     RelayStreamRefused,
+    /// A connection to a Service IP whose backend the node's conntrack
+    /// table did not name when the client asked (no entry yet, or the
+    /// connection was also source-NATed, as kube-proxy does for a pod that
+    /// reaches itself through its Service).
+    ServiceUnresolved,
 }
 
 impl FallbackReason {
     /// Every reason, in declaration order.
-    pub const ALL: [FallbackReason; 22] = [
+    pub const ALL: [FallbackReason; 23] = [
         FallbackReason::NoDaemon,
         FallbackReason::NotLocalPod,
         FallbackReason::NoPeerLibrary,
@@ -92,6 +97,7 @@ impl FallbackReason {
         FallbackReason::RelaySetupFailed,
         FallbackReason::RelayRefused,
         FallbackReason::RelayStreamRefused,
+        FallbackReason::ServiceUnresolved,
     ];
 
     /// Stable name: on the wire, in counters, `flowlane status` and the
@@ -120,6 +126,7 @@ impl FallbackReason {
             FallbackReason::RelaySetupFailed => "relay-setup-failed",
             FallbackReason::RelayRefused => "relay-refused",
             FallbackReason::RelayStreamRefused => "relay-stream-refused",
+            FallbackReason::ServiceUnresolved => "service-unresolved",
         }
     }
 

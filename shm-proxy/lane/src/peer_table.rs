@@ -3,10 +3,14 @@
 //! preload library on every `connect` without a system call.
 //!
 //! A destination outside the table (another node without a lane, an
-//! address outside every pod network, a Service IP) stays on TCP without a
-//! daemon round trip; one inside it is asked about as before. The daemon
-//! lists its node's pods' addresses (one per entry, full prefix) and, when
-//! its relay runs, the pod CIDRs of the other nodes that offer a lane.
+//! address outside every pod network) stays on TCP without a daemon round
+//! trip; one inside it is asked about as before. The daemon lists its
+//! node's pods' addresses (one per entry, full prefix) and, when its relay
+//! runs, the pod CIDRs of the other nodes that offer a lane. After those
+//! entries come the cluster's Service CIDRs (`--service-cidr`): a
+//! destination in one of them is a Service IP ([`Verdict::Service`]), whose
+//! backend only the node's conntrack table names once the connection is
+//! made (docs/shm-lane.md, "Service IPs").
 //!
 //! Layout (little-endian 32-bit words, all read and written atomically):
 //!
@@ -17,6 +21,7 @@
 //! | 2 | generation: a seqlock, odd while the daemon rewrites the table |
 //! | 3 | number of entries |
 //! | 4 | flags: [`FLAG_INCOMPLETE`] |
+//! | 5 | number of Service entries, stored right after the entries (a reader that predates them ignores the word: Service IPs stay "not a peer" for it, as they were) |
 //! | 16.. | entries of [`ENTRY_WORDS`] words: the address as IPv6 (IPv4 mapped to `::ffff:a.b.c.d`) in four big-endian words, then the prefix length (0..=128, of the IPv6 form) |
 //!
 //! The file is hostile input for its readers only in the sense that it is
@@ -52,6 +57,7 @@ const W_VERSION: usize = 1;
 const W_GEN: usize = 2;
 const W_COUNT: usize = 3;
 const W_FLAGS: usize = 4;
+const W_SERVICES: usize = 5;
 
 /// How often a reader retries a table the daemon was rewriting.
 const READ_ATTEMPTS: usize = 4;
@@ -90,6 +96,11 @@ impl Entry {
         Entry::new(ip, 128)
     }
 
+    /// Whether `ip` is inside this prefix.
+    pub fn holds(&self, ip: IpAddr) -> bool {
+        self.contains(ipv6_form(ip))
+    }
+
     fn contains(&self, addr: u128) -> bool {
         addr & mask(self.prefix) == self.addr & mask(self.prefix)
     }
@@ -124,6 +135,9 @@ pub enum Verdict {
     /// The table cannot say (being rewritten, malformed, another version):
     /// ask the daemon.
     Unknown,
+    /// A Service IP (a cluster Service CIDR): ask the daemon with a service
+    /// intent, and resolve the backend after connect.
+    Service,
 }
 
 /// A table in memory: the words of a mapping (shared with the daemon).
@@ -172,10 +186,27 @@ impl<'a> Table<'a> {
             return None;
         }
         let count = usize::try_from(self.word(W_COUNT)?).ok()?;
-        if count > capacity(self.words.len() * 4) {
+        let services = usize::try_from(self.word(W_SERVICES)?).ok()?;
+        if count.checked_add(services)? > capacity(self.words.len() * 4) {
             return None;
         }
-        for i in 0..count {
+        // Service ranges first: they never hold a pod.
+        if self.any_contains(count, services, addr)? {
+            return Some(Verdict::Service);
+        }
+        if self.any_contains(0, count, addr)? {
+            return Some(Verdict::Candidate);
+        }
+        if self.word(W_FLAGS)? & FLAG_INCOMPLETE != 0 {
+            return Some(Verdict::Unknown);
+        }
+        Some(Verdict::NotPeer)
+    }
+
+    /// Whether one of the `n` entries from index `first` holds `addr`
+    /// (`None`: a malformed entry).
+    fn any_contains(&self, first: usize, n: usize, addr: u128) -> Option<bool> {
+        for i in first..first + n {
             let base = HEADER_WORDS + i * ENTRY_WORDS;
             let mut a: u128 = 0;
             for k in 0..4 {
@@ -186,23 +217,29 @@ impl<'a> Table<'a> {
                 return None;
             }
             if (Entry { addr: a, prefix }).contains(addr) {
-                return Some(Verdict::Candidate);
+                return Some(true);
             }
         }
-        if self.word(W_FLAGS)? & FLAG_INCOMPLETE != 0 {
-            return Some(Verdict::Unknown);
-        }
-        Some(Verdict::NotPeer)
+        Some(false)
     }
 
-    /// Rewrites the table (the daemon, the only writer). Entries beyond
-    /// the capacity are left out and the table marked incomplete.
+    /// Rewrites the table (the daemon, the only writer) without Service
+    /// ranges.
     pub fn publish(&self, entries: &[Entry]) {
+        self.publish_with_services(entries, &[]);
+    }
+
+    /// Rewrites the table: `entries` (possible lane peers) and `services`
+    /// (Service CIDRs). Services are written first (they are few and a
+    /// missing one would cost a Service connection its lane); entries
+    /// beyond the capacity are left out and the table marked incomplete.
+    pub fn publish_with_services(&self, entries: &[Entry], services: &[Entry]) {
         let cap = capacity(self.words.len() * 4);
         if self.words.len() < HEADER_WORDS {
             return;
         }
-        let n = entries.len().min(cap);
+        let s = services.len().min(cap);
+        let n = entries.len().min(cap - s);
         let gen = self.words[W_GEN].load(Ordering::Relaxed);
         // Odd: readers that see it (or see it change) retry.
         let odd = gen | 1;
@@ -212,13 +249,14 @@ impl<'a> Table<'a> {
         self.words[W_MAGIC].store(MAGIC, Ordering::Relaxed);
         self.words[W_VERSION].store(VERSION, Ordering::Relaxed);
         self.words[W_COUNT].store(n as u32, Ordering::Relaxed);
-        let flags = if n < entries.len() {
+        self.words[W_SERVICES].store(s as u32, Ordering::Relaxed);
+        let flags = if n < entries.len() || s < services.len() {
             FLAG_INCOMPLETE
         } else {
             0
         };
         self.words[W_FLAGS].store(flags, Ordering::Relaxed);
-        for (i, e) in entries[..n].iter().enumerate() {
+        for (i, e) in entries[..n].iter().chain(&services[..s]).enumerate() {
             let base = HEADER_WORDS + i * ENTRY_WORDS;
             for k in 0..4 {
                 let w = (e.addr >> (96 - 32 * k)) as u32;
@@ -395,6 +433,30 @@ mod tests {
             w[W_VERSION].store(VERSION, Ordering::Relaxed);
             let _ = t.lookup(ip("10.1.0.5"));
         }
+    }
+
+    #[test]
+    fn service_ranges_follow_the_entries_and_older_readers_skip_them() {
+        let w = words(FILE_LEN / 4);
+        let t = Table::new(&w);
+        t.publish_with_services(
+            &[Entry::host(ip("10.1.0.5"))],
+            &[Entry::new(ip("10.96.0.0"), 12)],
+        );
+        assert_eq!(t.lookup(ip("10.96.3.4")), Verdict::Service);
+        assert_eq!(t.lookup(ip("10.1.0.5")), Verdict::Candidate);
+        assert_eq!(t.lookup(ip("10.112.0.1")), Verdict::NotPeer);
+        // What a reader without word 5 sees: the same table, no Services.
+        let services = w[W_SERVICES].swap(0, Ordering::Relaxed);
+        assert_eq!(t.lookup(ip("10.96.3.4")), Verdict::NotPeer);
+        assert_eq!(t.lookup(ip("10.1.0.5")), Verdict::Candidate);
+        // A Service count beyond the mapping is a page not understood.
+        w[W_SERVICES].store(u32::MAX, Ordering::Relaxed);
+        assert_eq!(t.lookup(ip("10.96.3.4")), Verdict::Unknown);
+        w[W_SERVICES].store(services, Ordering::Relaxed);
+        // Republished without Services.
+        t.publish(&[Entry::host(ip("10.1.0.5"))]);
+        assert_eq!(t.lookup(ip("10.96.3.4")), Verdict::NotPeer);
     }
 
     #[test]

@@ -114,6 +114,23 @@ pub enum Request {
         reason: String,
         containers: Vec<String>,
     },
+    /// Before a TCP connect from `src` to `dst`, a Service IP (the peer
+    /// table's Service ranges): the daemon answers a channel when the
+    /// Service may have a lane behind it; which backend the connection
+    /// reaches is known only after connect ([`Request::ResolveService`]).
+    /// Sent only by a library that read Service ranges from the peer
+    /// table, which only a daemon that knows the op publishes.
+    ServiceIntent {
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+    },
+    /// After the connect of [`Request::ServiceIntent`] `channel_id`
+    /// returned (connected or in progress): the daemon looks the
+    /// connection up in the node's conntrack table. `ok`: the backend is a
+    /// pod of this node with a flowlane listener, wait for its attach;
+    /// `no-channel`: stay on TCP now (the channel is dropped).
+    ResolveService { channel_id: u64 },
 }
 
 /// The injection probe's decision for one image of a pod.
@@ -158,6 +175,8 @@ impl Request {
             Request::RelayableIntent { .. } => "relayable-intent",
             Request::RelayableClaim { .. } => "relayable-claim",
             Request::ReportInjection { .. } => "report-injection",
+            Request::ServiceIntent { .. } => "service-intent",
+            Request::ResolveService { .. } => "resolve-service",
         }
     }
 }
@@ -188,6 +207,9 @@ pub enum NoChannelReason {
     NoListener,
     /// No pending channel matches the accepted connection.
     NoIntent,
+    /// The node's conntrack table does not name the backend of a Service
+    /// connection (see [`FallbackReason::ServiceUnresolved`]).
+    Unresolved,
 }
 
 /// The daemon's answer to one request.

@@ -235,6 +235,9 @@ fn route_source(dst: &SocketAddr) -> Option<IpAddr> {
 /// Pending client-side state between the intent and the real connect.
 pub struct Intent {
     channel: Channel,
+    /// A connection to a Service IP: its backend is asked for after
+    /// connect (`client_finish`).
+    service: bool,
 }
 
 /// Before a client's connect: unless the peer table rules `dst` out, bind
@@ -252,9 +255,11 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
     // A destination that cannot be a lane peer costs a lookup in the
     // daemon's table and nothing else: no system call, no round trip, no
     // bind (docs/shm-lane.md, "The peer table").
-    if crate::peer_table::lookup(dst.ip()) == Verdict::NotPeer {
+    let verdict = crate::peer_table::lookup(dst.ip());
+    if verdict == Verdict::NotPeer {
         return None;
     }
+    let service = verdict == Verdict::Service;
     if !is_tcp(fd) {
         return None;
     }
@@ -290,7 +295,13 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
     let region_len = ring::region_len_for(cfg.ring_size);
     // The socket's fd number lets a daemon with a cross-node lane take its
     // own reference to it (doorbells, liveness); see docs/rdma.md.
-    let answer = with_daemon(|d| d.connect_intent_relayable(src, dst, region_len, fd));
+    let answer = with_daemon(|d| {
+        if service {
+            d.service_intent(src, dst, region_len)
+        } else {
+            d.connect_intent_relayable(src, dst, region_len, fd)
+        }
+    });
     match answer {
         None => {
             log_at!(4, "{src} -> {dst}: no daemon, TCP");
@@ -305,18 +316,30 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
             log_at!(4, "{src} -> {dst}: not a flowlane peer, TCP");
             None
         }
-        Some(Ok(Some(channel))) => Some(Intent { channel }),
+        Some(Ok(Some(channel))) => Some(Intent { channel, service }),
     }
 }
 
 /// After the real connect returned `rc` (errno `err`): install the ring on
 /// success or in-progress, cancel the intent otherwise.
 pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
-    let Intent { channel } = intent;
+    let Intent { channel, service } = intent;
     let id = channel.id;
     let in_progress = rc != 0 && (err == libc::EINPROGRESS || err == libc::EINTR);
     if rc != 0 && !in_progress {
         with_daemon(|d| d.cancel_intent(id));
+        return;
+    }
+    // A Service connection has been DNATed by now (the SYN went through
+    // the node): the daemon reads its backend from conntrack. When it is
+    // not a lane peer the connection stays on TCP at once, without waiting
+    // for an attach that cannot come. An error keeps the channel: the
+    // attach handshake still decides (a server may have attached).
+    if service && matches!(with_daemon(|d| d.resolve_service(id)), Some(Ok(false))) {
+        log_at!(
+            4,
+            "fd {fd}: channel {id}: the Service's backend is no lane peer, TCP"
+        );
         return;
     }
     let nonblock = nonblocking(fd);

@@ -25,6 +25,7 @@ use crate::ring_watch::{Progress, RingWatch};
 use crate::sockets;
 
 mod admission;
+mod service;
 mod snapshot;
 
 pub use admission::Admitted;
@@ -117,11 +118,14 @@ impl From<Response> for Answer {
 
 /// Pending channels are found again by the client's source address and the
 /// destination port: exactly what the server sees after accept, even behind
-/// DNAT.
+/// DNAT. A connection to a Service IP is keyed by its source alone
+/// (`service`, `dst_port` 0): the Service's port is not the backend's. Only
+/// the pod that owns `src` can make either key (`admit_intent`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct IntentKey {
     src: SocketAddr,
     dst_port: u16,
+    service: bool,
 }
 
 #[derive(Debug)]
@@ -130,8 +134,11 @@ struct Pending {
     memfd: OwnedFd,
     len: u64,
     client_pod: PodId,
-    server_pod: PodId,
+    /// The server's pod; for a Service connection, its backend's once the
+    /// client resolved it (`service.rs`).
+    server_pod: Option<PodId>,
     key: IntentKey,
+    /// The destination the client named (a Service IP for a Service key).
     dst: SocketAddr,
     client_process: Option<ProcessId>,
     created: Instant,
@@ -240,6 +247,9 @@ pub struct Broker {
     channel_store: ChannelStore,
     /// The injection probes' verdicts for this node's pods.
     injections: crate::injections::Injections,
+    /// The cluster's Service CIDRs and the node's conntrack table that
+    /// says where a connection to one went (`service.rs`).
+    services: service::Services,
 }
 
 impl Broker {
@@ -294,6 +304,7 @@ impl Broker {
             inherited: HashMap::new(),
             channel_store: ChannelStore::new(&facts.state_dir),
             injections: Default::default(),
+            services: Default::default(),
             facts,
         };
         b.reload_registry();
@@ -402,7 +413,9 @@ impl Broker {
         let gone: Vec<IntentKey> = self
             .pending
             .values()
-            .filter(|p| !pods.contains(p.client_pod) || !pods.contains(p.server_pod))
+            .filter(|p| {
+                !pods.contains(p.client_pod) || p.server_pod.is_some_and(|s| !pods.contains(s))
+            })
             .map(|p| p.key)
             .collect();
         for key in gone {
@@ -456,6 +469,12 @@ impl Broker {
                 ..
             } => self.connect_intent(caller, src, dst, region_len),
             Request::RelayableClaim { local, peer, .. } => self.claim_accepted(caller, local, peer),
+            Request::ServiceIntent {
+                src,
+                dst,
+                region_len,
+            } => self.service_intent(caller, src, dst, region_len),
+            Request::ResolveService { channel_id } => self.resolve_service(caller, channel_id),
             Request::ReportClosed {
                 channel_id,
                 sent,
@@ -785,6 +804,24 @@ impl Broker {
         if !self.has_listener(server_pod, dst) {
             return self.no_channel(NoChannelReason::NoListener, FallbackReason::NoListener);
         }
+        let key = IntentKey {
+            src: client_addr,
+            dst_port: dst.port(),
+            service: false,
+        };
+        self.announce(caller, key, client_pod, Some(server_pod), dst, region_len)
+    }
+
+    /// Records a pending channel under `key` and answers it to the client.
+    fn announce(
+        &mut self,
+        caller: &Caller,
+        key: IntentKey,
+        client_pod: PodId,
+        server_pod: Option<PodId>,
+        dst: SocketAddr,
+        region_len: u64,
+    ) -> Answer {
         let pending_of_pod = self
             .pending
             .values()
@@ -798,10 +835,6 @@ impl Broker {
             )
             .into();
         }
-        let key = IntentKey {
-            src: client_addr,
-            dst_port: dst.port(),
-        };
         // The same source port again means the earlier attempt is dead.
         self.drop_pending(key, FallbackReason::IntentCancelled);
 
@@ -890,24 +923,25 @@ impl Broker {
             Ok(p) => p,
             Err(refused) => return refused,
         };
-        let key = IntentKey {
+        let direct = IntentKey {
             src: peer,
             dst_port: local.port(),
+            service: false,
         };
-        match self.pending.get(&key) {
-            None => {
-                return self.no_channel(
-                    NoChannelReason::NoIntent,
-                    FallbackReason::ClaimWithoutIntent,
-                )
-            }
-            Some(p) if p.server_pod != pod => {
+        let key = match self.pending.get(&direct) {
+            Some(p) if p.server_pod != Some(pod) => {
                 // Leave the channel for its real server.
                 self.counters.fallback(FallbackReason::AuthFailed);
                 return self.deny(ErrorCode::Forbidden, "the channel belongs to another pod");
             }
-            Some(_) => {}
-        }
+            Some(_) => direct,
+            // A connection to a Service IP, if conntrack says that it
+            // reached `local` (`service.rs`).
+            None => match self.service_claim(pod, local, peer) {
+                Ok(key) => key,
+                Err(refused) => return refused,
+            },
+        };
         let Some(p) = self.pending.remove(&key) else {
             return Response::error(ErrorCode::Internal, "pending channel vanished").into();
         };
@@ -937,9 +971,10 @@ impl Broker {
             Active {
                 id: p.id,
                 client_pod: p.client_pod,
-                server_pod: p.server_pod,
+                server_pod: pod,
                 client_addr: p.key.src,
-                server_addr: p.dst,
+                // A Service connection's server is its backend.
+                server_addr: if p.key.service { local } else { p.dst },
                 len: p.len,
                 opened: Instant::now(),
                 client_process: p.client_process,
@@ -1295,6 +1330,15 @@ fn canonical_request(req: Request) -> Request {
             peer: canonical(peer),
             socket_fd,
         },
+        Request::ServiceIntent {
+            src,
+            dst,
+            region_len,
+        } => Request::ServiceIntent {
+            src: canonical(src),
+            dst: canonical(dst),
+            region_len,
+        },
         other => other,
     }
 }
@@ -1319,5 +1363,7 @@ fn registry_stamp(root: &Path) -> Vec<(PathBuf, u64)> {
     out
 }
 
+#[cfg(test)]
+mod service_tests;
 #[cfg(test)]
 mod tests;

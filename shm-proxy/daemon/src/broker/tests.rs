@@ -4,9 +4,9 @@
 use super::*;
 use flowlane_registry::Attachment;
 
-struct Node {
+pub(super) struct Node {
     dir: PathBuf,
-    broker: Broker,
+    pub(super) broker: Broker,
 }
 
 impl Drop for Node {
@@ -17,7 +17,7 @@ impl Drop for Node {
 
 /// Pods 1 (10.202.9.1), 2 (10.202.9.2), 3 (10.202.9.3); inodes are fake
 /// here (the real-netns checks are in tests/tests/daemon_*.rs).
-fn node(name: &str, limits: Limits) -> Node {
+pub(super) fn node(name: &str, limits: Limits) -> Node {
     let dir = std::env::temp_dir().join(format!("fld-broker-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let reg = Registry::new(&dir);
@@ -48,7 +48,7 @@ fn node(name: &str, limits: Limits) -> Node {
 }
 
 /// A root process of pod `i` (pods run as any uid, root included).
-fn pod(i: u64) -> Caller {
+pub(super) fn pod(i: u64) -> Caller {
     Caller {
         netns: Some(i),
         process: Some(ProcessId::of(std::process::id()).unwrap()),
@@ -67,7 +67,7 @@ fn on_node(uid: u32, gid: u32) -> Caller {
     }
 }
 
-fn sa(s: &str) -> SocketAddr {
+pub(super) fn sa(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 

@@ -7,7 +7,9 @@
 //! What it lists: every address of this node's pods (listener or not: a
 //! listener registers moments before its first client, the table would
 //! lag behind it), and, when this daemon's relay runs, the pod CIDRs of the
-//! other nodes that offer a lane port. Rewritten only when that changes.
+//! other nodes that offer a lane port; after them, the cluster's Service
+//! CIDRs (`--service-cidr`), which the library asks about with a service
+//! intent. Rewritten only when that changes.
 
 use std::net::IpAddr;
 use std::path::Path;
@@ -55,6 +57,8 @@ pub fn entries(
 struct Publisher {
     map: Mapped,
     last: Option<Vec<Entry>>,
+    /// The Service CIDRs (fixed for the daemon's life).
+    services: Vec<Entry>,
     nodes: Option<Arc<Nodes>>,
     relay: bool,
 }
@@ -67,7 +71,9 @@ impl Publisher {
         if self.last.as_ref() == Some(&entries) {
             return;
         }
-        self.map.table().publish(&entries);
+        self.map
+            .table()
+            .publish_with_services(&entries, &self.services);
         if entries.len() > peer_table::capacity(peer_table::FILE_LEN) {
             tracing::warn!(
                 entries = entries.len(),
@@ -96,7 +102,13 @@ pub fn pods_changed(pod_ips: &[IpAddr]) {
 /// nodes' CIDRs by looking at the node view every [`REFRESH`] and
 /// recomputing only when it is another view. Without a table (it cannot be
 /// written) every library asks the daemon, as before.
-pub fn start(socket: &Path, shared: Shared, nodes: Option<Arc<Nodes>>, relay: bool) {
+pub fn start(
+    socket: &Path,
+    shared: Shared,
+    nodes: Option<Arc<Nodes>>,
+    relay: bool,
+    services: Vec<Entry>,
+) {
     let path = peer_table::path_for(socket);
     let map = match Mapped::create(&path) {
         Ok(m) => m,
@@ -109,6 +121,7 @@ pub fn start(socket: &Path, shared: Shared, nodes: Option<Arc<Nodes>>, relay: bo
     *PUBLISHER.lock().unwrap_or_else(|e| e.into_inner()) = Some(Publisher {
         map,
         last: None,
+        services,
         nodes,
         relay,
     });
