@@ -8,7 +8,7 @@
 //! which a thread-level `setns` would not change.
 //!
 //! An agent is this very test executable re-run under `ip netns exec` with
-//! `FLD_AGENT_SOCKET` set and the filter `daemon_common::agent_entry`; it
+//! `FLD_AGENT_SOCKET` set and the filter `daemon::common::agent_entry`; it
 //! reads one command per line on stdin and answers one `@@ ...` line.
 
 #![allow(dead_code)]
@@ -291,7 +291,7 @@ impl Agent {
         let mut child = cmd
             .args([
                 "--exact",
-                "daemon_common::agent_entry",
+                "daemon::common::agent_entry",
                 "--nocapture",
                 "--test-threads=1",
             ])

@@ -6,7 +6,7 @@
 //! reports only from the channel's pods and within reason; a dead pod's
 //! registry entry lends nobody its identity.
 
-mod daemon_common;
+use super::common as daemon_common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! connection; the daemon never crashes, leaks no connection, and keeps
 //! brokering channels for real pods afterwards.
 
-mod daemon_common;
+use super::common as daemon_common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

@@ -5,7 +5,7 @@
 //! created, sealed, passed), a claim, and full setups per second. Figures
 //! only; no timing assertions.
 
-mod daemon_common;
+use super::common as daemon_common;
 
 use daemon_common::Node;
 

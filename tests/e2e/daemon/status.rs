@@ -3,7 +3,7 @@
 //! missing daemon is a clear error; the Prometheus endpoint serves the
 //! same counters.
 
-mod daemon_common;
+use super::common as daemon_common;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};

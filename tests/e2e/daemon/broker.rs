@@ -2,7 +2,7 @@
 //! the same shared memory reaches both ends, only the right pods get it,
 //! unclaimed channels expire, and nothing leaks in the daemon.
 
-mod daemon_common;
+use super::common as daemon_common;
 
 use std::time::Duration;
 

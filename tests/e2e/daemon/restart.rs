@@ -3,7 +3,7 @@
 //! live processes) is rebuilt, clients fall back while it is down, and a
 //! second daemon refuses to steal a live socket.
 
-mod daemon_common;
+use super::common as daemon_common;
 
 use std::process::Command;
 use std::time::Duration;
