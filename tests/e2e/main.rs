@@ -3,7 +3,12 @@
 //! and its dependencies are linked once instead of once per suite.
 //!
 //! A test's path is `area::suite::name`; select an area or a suite with a
-//! filter, e.g. `cargo test ... --test e2e -- shm::lane::`.
+//! filter, e.g. `cargo test ... --test e2e -- shm::lane::`. Suites run one
+//! after another as the separate binaries did ([`turn`]); a suite's tests run
+//! side by side as before (`--test-threads=2` in `tests/run`).
+
+/// One suite at a time: every test first takes its suite's turn.
+mod turn;
 
 /// The local cluster (`flowlane cluster`).
 mod cluster {

@@ -173,6 +173,7 @@ fn ring_between(a: &Value, b: &Value) {
 
 #[test]
 fn up_wires_two_nodes_and_down_leaves_nothing() {
+    let _turn = crate::turn::take(module_path!());
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let name = cluster_name('a');
     let root = Root::new('a');
@@ -238,6 +239,7 @@ fn up_wires_two_nodes_and_down_leaves_nothing() {
 
 #[test]
 fn down_after_a_killed_up_leaves_nothing() {
+    let _turn = crate::turn::take(module_path!());
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let name = cluster_name('k');
     let root = Root::new('k');
@@ -294,6 +296,7 @@ fn down_after_a_killed_up_leaves_nothing() {
 
 #[test]
 fn down_of_an_unknown_cluster_succeeds_and_bad_names_are_refused() {
+    let _turn = crate::turn::take(module_path!());
     let root = Root::new('u');
     let name = cluster_name('u');
     let down = flowlane(&["cluster", "down", "--name", &name, "--run-root", root.arg()]);

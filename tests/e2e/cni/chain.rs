@@ -24,6 +24,7 @@ fn nat_rules() -> String {
 
 #[test]
 fn flowlane_then_tuning_portmap_bandwidth() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("chn", &["10.201.60.0/24"]);
     let pod = Pod::new("chn");
     let own_dir = net.plugin.binary().parent().unwrap().display().to_string();

@@ -147,6 +147,7 @@ fn wiring(net: &TestNet, pod: &Pod) -> Vec<String> {
 
 #[test]
 fn bridge_then_flowlane_chained_records_the_pod_and_wires_nothing() {
+    let _turn = crate::turn::take(module_path!());
     let (net, chain) = chained("a", "10.232.1.0/24", None);
     let pod = ch_pod("ap");
 
@@ -224,6 +225,7 @@ fn bridge_then_flowlane_chained_records_the_pod_and_wires_nothing() {
 
 #[test]
 fn chained_gc_status_and_bad_input() {
+    let _turn = crate::turn::take(module_path!());
     let (net, chain) = chained("g", "10.232.2.0/24", None);
     let (keep, stale) = (ch_pod("gk"), ch_pod("gs"));
     let a = ChainAttachment::add(&chain, &keep);
@@ -281,6 +283,7 @@ fn chained_gc_status_and_bad_input() {
 /// library rides the shared-memory lane.
 #[test]
 fn chained_pods_get_the_shared_memory_lane() {
+    let _turn = crate::turn::take(module_path!());
     let _heavy = shm::heavy();
     // The harness's node brings the daemon (its own bridge stays unused).
     let node = Node::new("chn", 0);

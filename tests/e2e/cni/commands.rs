@@ -12,6 +12,7 @@ fn flowlane_only() -> bool {
 
 #[test]
 fn version_lists_every_supported_spec_version() {
+    let _turn = crate::turn::take(module_path!());
     let plugin = PluginUnderTest::from_env();
     for asked in ["1.1.0", "1.0.0", "0.4.0", "0.3.1"] {
         let out = flowlane_e2e::cni::Invocation::new(plugin.binary(), "VERSION")
@@ -43,6 +44,7 @@ fn version_lists_every_supported_spec_version() {
 
 #[test]
 fn status_reports_ready_unwritable_state_and_exhaustion() {
+    let _turn = crate::turn::take(module_path!());
     if !flowlane_only() {
         return;
     }
@@ -129,6 +131,7 @@ fn gc_keeps_only_valid_attachments(key: &str, subnet: &str, tag: &str) {
 
 #[test]
 fn gc_releases_only_stale_attachments() {
+    let _turn = crate::turn::take(module_path!());
     if !flowlane_only() {
         return;
     }
@@ -137,6 +140,7 @@ fn gc_releases_only_stale_attachments() {
 
 #[test]
 fn gc_accepts_the_older_attachments_key() {
+    let _turn = crate::turn::take(module_path!());
     if !flowlane_only() {
         return;
     }
@@ -145,6 +149,7 @@ fn gc_accepts_the_older_attachments_key() {
 
 #[test]
 fn gc_with_an_empty_valid_list_releases_everything_and_needs_1_1() {
+    let _turn = crate::turn::take(module_path!());
     if !flowlane_only() {
         return;
     }

@@ -17,11 +17,13 @@ static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
 fn sixty_four_concurrent_adds_then_dels_leak_nothing() {
+    let _turn = crate::turn::take(module_path!());
     storm("par", "10.201.40.0/24", "fd00:201:40::/64", None);
 }
 
 #[test]
 fn sixty_four_concurrent_adds_through_delegated_host_local() {
+    let _turn = crate::turn::take(module_path!());
     storm(
         "parhl",
         "10.201.41.0/24",

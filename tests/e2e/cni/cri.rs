@@ -83,6 +83,7 @@ fn exec(ctrd: &Containerd, container: &str, cmd: &[&str]) -> Value {
 
 #[test]
 fn containerd_cri_pods_talk_through_flowlane_and_leave_nothing() {
+    let _turn = crate::turn::take(module_path!());
     let plugin = PluginUnderTest::from_env();
     let w = TempDir::new("cri");
     let bridge = LinkGuard::fresh("cri");

@@ -16,6 +16,7 @@ fn delegating(net: &TestNet, version: &str) -> serde_json::Value {
 
 #[test]
 fn host_local_serves_every_version_including_1_1() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("hl", &["10.201.50.0/24", "fd00:201:50::/64"]);
     let mut versions = vec!["0.3.1", "0.4.0", "1.0.0"];
     if net.plugin == flowlane_e2e::binaries::PluginUnderTest::Flowlane {
@@ -58,6 +59,7 @@ fn host_local_serves_every_version_including_1_1() {
 
 #[test]
 fn delegated_lease_is_released_when_a_later_add_step_fails() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("hlf", &["10.201.51.0/24"]);
     let pod = Pod::new("hlf");
     // The pod already has eth0: the plugin fails after IPAM ran and must
@@ -78,6 +80,7 @@ fn delegated_lease_is_released_when_a_later_add_step_fails() {
 
 #[test]
 fn host_local_found_only_through_cni_path() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("hlp", &["10.201.52.0/24"]);
     let pod = Pod::new("hlp");
     let own_dir = net.plugin.binary().parent().unwrap().display().to_string();
@@ -101,6 +104,7 @@ fn host_local_found_only_through_cni_path() {
 
 #[test]
 fn status_with_a_pre_1_1_ipam_plugin_reports_ready() {
+    let _turn = crate::turn::take(module_path!());
     // host-local speaks at most 1.0.0 and has no STATUS: the spec (and
     // libcni) treat a plugin without STATUS as available, so flowlane must
     // not report the network unavailable because of it.
@@ -130,6 +134,7 @@ fn net_plugin() -> flowlane_e2e::binaries::PluginUnderTest {
 
 #[test]
 fn gc_with_a_delegated_pre_1_1_ipam_cleans_the_registry() {
+    let _turn = crate::turn::take(module_path!());
     // host-local has no GC: flowlane's GC must still succeed and drop the
     // stale pod-registry entries (the leases are host-local's business).
     if net_plugin() != flowlane_e2e::binaries::PluginUnderTest::Flowlane {

@@ -45,6 +45,7 @@ fn with(net: &TestNet, f: impl FnOnce(&mut Value)) -> Value {
 
 #[test]
 fn bad_environment_is_rejected_with_code_4() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("env", &["10.201.10.0/24"]);
     let pod = Pod::new("env");
     let conf = net.conf(V);
@@ -148,6 +149,7 @@ fn bad_environment_is_rejected_with_code_4() {
 
 #[test]
 fn malformed_stdin_is_a_decode_error() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("json", &["10.201.11.0/24"]);
     let pod = Pod::new("json");
     let conf = net.conf(V);
@@ -182,6 +184,7 @@ fn malformed_stdin_is_a_decode_error() {
 
 #[test]
 fn unsupported_versions_are_rejected_with_code_1() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("ver", &["10.201.12.0/24"]);
     let pod = Pod::new("verr");
     for bad in ["9.9.9", "0.2.0", "2.0.0"] {
@@ -209,6 +212,7 @@ fn unsupported_versions_are_rejected_with_code_1() {
 
 #[test]
 fn invalid_configuration_values_are_rejected_with_code_7() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("cfg", &["10.201.13.0/24"]);
     let pod = Pod::new("cfg");
     type Mutation = Box<dyn Fn(&mut Value)>;
@@ -344,6 +348,7 @@ fn invalid_configuration_values_are_rejected_with_code_7() {
 
 #[test]
 fn ipam_plugin_missing_from_cni_path() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("nip", &["10.201.14.0/24"]);
     let pod = Pod::new("nip");
     let conf = with(&net, |c| c["ipam"]["type"] = json!("flt-no-such-ipam"));
@@ -371,6 +376,7 @@ fn ipam_plugin_missing_from_cni_path() {
 
 #[test]
 fn ifname_already_in_the_pod_is_refused_and_kept() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("dup", &["10.201.15.0/24"]);
     let pod = Pod::new("dup");
     pod.netns
@@ -398,6 +404,7 @@ fn ifname_already_in_the_pod_is_refused_and_kept() {
 
 #[test]
 fn address_exhaustion_fails_cleanly_and_recovers() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("exh", &["10.201.16.0/24"]);
     let conf = with(
         &net,
@@ -443,6 +450,7 @@ fn address_exhaustion_fails_cleanly_and_recovers() {
 
 #[test]
 fn unusable_state_dir_fails_add_without_leaks() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("sdir", &["10.201.17.0/24"]);
     let pod = Pod::new("sdir");
     // A state dir below a regular file can never be created, even by root.
@@ -466,6 +474,7 @@ fn unusable_state_dir_fails_add_without_leaks() {
 
 #[test]
 fn logs_never_reach_stdout() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("log", &["10.201.18.0/24"]);
     let pod = Pod::new("log");
     // Outside the network's dir: a log may name the container, a leak check must not see it.
@@ -511,6 +520,7 @@ fn logs_never_reach_stdout() {
 
 #[test]
 fn no_cni_command_is_not_a_plugin_call() {
+    let _turn = crate::turn::take(module_path!());
     // Without CNI_COMMAND the binary is not being run as a plugin: it must not
     // wire anything, whatever stdin holds.
     let net = TestNet::new("nocmd", &["10.201.19.0/24"]);
@@ -533,6 +543,7 @@ fn no_cni_command_is_not_a_plugin_call() {
 
 #[test]
 fn missing_cni_path_is_rejected_with_code_4() {
+    let _turn = crate::turn::take(module_path!());
     // The spec lists CNI_PATH among the parameters a runtime always passes;
     // the reference plugins (skel) refuse to run without it.
     let net = TestNet::new("npath", &["10.201.20.0/24"]);
@@ -547,6 +558,7 @@ fn missing_cni_path_is_rejected_with_code_4() {
 
 #[test]
 fn netns_path_that_is_not_a_netns_is_rejected() {
+    let _turn = crate::turn::take(module_path!());
     // A path that exists but is no network namespace (a runtime bug or a
     // stale path reused by a file): refuse it before touching links.
     let net = TestNet::new("nsfile", &["10.201.21.0/24"]);
@@ -566,6 +578,7 @@ fn netns_path_that_is_not_a_netns_is_rejected() {
 
 #[test]
 fn bridge_name_taken_by_a_non_bridge_link() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("nbr", &["10.201.22.0/24"]);
     let pod = Pod::new("nbr");
     // Occupy the bridge's name with a veth.

@@ -74,6 +74,7 @@ fn assert_wired(pod: &Pod, res: &CniResult) {
 
 #[test]
 fn add_check_del_in_every_result_version() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("ver", &["10.201.1.0/24"]);
     let mut ids = Vec::new();
     for version in versions() {
@@ -122,6 +123,7 @@ fn add_check_del_in_every_result_version() {
 
 #[test]
 fn dual_stack_pods_talk_over_v4_and_v6() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("ds", &["10.201.2.0/24", "fd00:201:2::/64"]);
     let a = Pod::new("dsa");
     let b = Pod::new("dsb");
@@ -171,6 +173,7 @@ fn dual_stack_pods_talk_over_v4_and_v6() {
 
 #[test]
 fn two_pods_exchange_a_tcp_stream_through_the_bridge() {
+    let _turn = crate::turn::take(module_path!());
     let net = TestNet::new("tcp", &["10.201.3.0/24"]);
     let a = Pod::new("tcpa");
     let b = Pod::new("tcpb");
@@ -203,6 +206,7 @@ fn version_latest() -> &'static str {
 
 #[test]
 fn del_is_idempotent_the_way_containerd_calls_it() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = TestNet::new("del", &["10.201.4.0/24"]);
 
@@ -286,6 +290,7 @@ fn del_is_idempotent_the_way_containerd_calls_it() {
 
 #[test]
 fn registry_entry_records_the_attachment() {
+    let _turn = crate::turn::take(module_path!());
     if PluginUnderTest::from_env() == PluginUnderTest::Reference {
         return; // the registry is flowlane's own
     }
@@ -329,6 +334,7 @@ fn registry_entry_records_the_attachment() {
 
 #[test]
 fn reference_bridge_config_keys_are_honoured() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = TestNet::new("keys", &["10.201.6.0/24"]);
     let mut conf = net.conf(v);
@@ -381,6 +387,7 @@ fn reference_bridge_config_keys_are_honoured() {
 
 #[test]
 fn promisc_mode_sets_the_bridge_promiscuous() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = TestNet::new("prom", &["10.201.7.0/24"]);
     let mut conf = net.conf(v);
@@ -409,6 +416,7 @@ fn filter_rules() -> String {
 
 #[test]
 fn ip_masq_hides_the_pod_address_outside_its_subnet_until_del() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = TestNet::new("masq", &["10.201.8.0/24"]);
     let mut conf = net.conf(v);
@@ -479,6 +487,7 @@ fn ip_masq_hides_the_pod_address_outside_its_subnet_until_del() {
 
 #[test]
 fn check_detects_drift_from_the_result() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = TestNet::new("drift", &["10.201.23.0/24"]);
     let ok = |pod: &Pod, raw: &serde_json::Value| net.check(pod, v, raw).expect_ok();
@@ -542,6 +551,7 @@ fn check_detects_drift_from_the_result() {
 
 #[test]
 fn layer2_only_without_ipam() {
+    let _turn = crate::turn::take(module_path!());
     // As with the reference bridge, no `ipam` means an L2-only attachment.
     let v = version_latest();
     let net = TestNet::new("l2", &["10.201.24.0/24"]);
@@ -564,6 +574,7 @@ fn layer2_only_without_ipam() {
 
 #[test]
 fn daemon_notification_is_best_effort() {
+    let _turn = crate::turn::take(module_path!());
     use std::os::unix::net::UnixListener;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
@@ -615,6 +626,7 @@ fn daemon_notification_is_best_effort() {
 
 #[test]
 fn ipv6_only_network() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = TestNet::new("v6", &["fd00:201:26::/64"]);
     let a = Pod::new("v6a");
@@ -634,6 +646,7 @@ fn ipv6_only_network() {
 
 #[test]
 fn range_bounds_gateway_and_multi_range_sets_are_honoured() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = TestNet::new("rng", &["10.201.27.0/24"]);
     let mut conf = net.conf(v);
@@ -688,6 +701,7 @@ fn range_bounds_gateway_and_multi_range_sets_are_honoured() {
 
 #[test]
 fn one_container_on_two_networks() {
+    let _turn = crate::turn::take(module_path!());
     // Multus-style: eth0 on one network, net1 on another; each attachment
     // has its own lease and registry entry, and DEL of one keeps the other.
     let v = version_latest();
@@ -726,6 +740,7 @@ fn one_container_on_two_networks() {
 
 #[test]
 fn repeated_add_without_del_never_leaks_a_second_lease() {
+    let _turn = crate::turn::take(module_path!());
     // A runtime must not ADD twice, but a crash-looping one may: the second
     // ADD fails or returns the same attachment; one DEL then cleans up all.
     let v = version_latest();
@@ -748,6 +763,7 @@ fn repeated_add_without_del_never_leaks_a_second_lease() {
 
 #[test]
 fn plugin_runs_inside_a_node_namespace() {
+    let _turn = crate::turn::take(module_path!());
     // The one-machine cluster runs each node's plugin inside the node's netns:
     // the bridge and the host-side veths live there, not on the machine.
     let v = version_latest();
@@ -789,6 +805,7 @@ fn plugin_runs_inside_a_node_namespace() {
 
 #[test]
 fn cni_1_1_route_attributes_are_honoured() {
+    let _turn = crate::turn::take(module_path!());
     // CNI 1.1.0 routes carry mtu, advmss, priority, table and scope: the
     // result reports them and the pod's routes have them.
     if PluginUnderTest::from_env() == PluginUnderTest::Reference {
@@ -844,6 +861,7 @@ fn cni_1_1_route_attributes_are_honoured() {
 
 #[test]
 fn dns_settings_are_passed_into_the_result() {
+    let _turn = crate::turn::take(module_path!());
     // As the reference bridge does: the network's `dns` appears in the result
     // (the runtime writes the pod's resolv.conf from it).
     let v = version_latest();
@@ -875,6 +893,7 @@ fn net_with_foreign_bridge_address(tag: &str, subnet: &str, foreign: &str) -> Te
 
 #[test]
 fn foreign_bridge_address_is_refused_without_force_address() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = net_with_foreign_bridge_address("frgn", "10.201.36.0/24", "10.201.36.77/24");
     let pod = Pod::new("frgn");
@@ -899,6 +918,7 @@ fn foreign_bridge_address_is_refused_without_force_address() {
 
 #[test]
 fn force_address_replaces_a_foreign_bridge_address() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = net_with_foreign_bridge_address("force", "10.201.38.0/24", "10.201.38.77/24");
     let pod = Pod::new("force");
@@ -924,6 +944,7 @@ fn force_address_replaces_a_foreign_bridge_address() {
 
 #[test]
 fn without_is_gateway_the_bridge_has_no_address() {
+    let _turn = crate::turn::take(module_path!());
     let v = version_latest();
     let net = TestNet::new("nogw", &["10.201.37.0/24"]);
     let mut conf = net.conf(v);

@@ -104,6 +104,7 @@ fn mount_options(path: &Path) -> Vec<String> {
 
 #[test]
 fn the_kubelet_registers_the_plugin_and_mounts_both_volumes() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new();
     let mut plugin = node.plugin();
     assert_eq!(plugin.info.name, flowlane_csi::DRIVER_NAME);
@@ -237,6 +238,7 @@ type Change = Box<dyn Fn(&mut NodePublishVolumeRequest)>;
 /// spec names, and mounts nothing anywhere.
 #[test]
 fn hostile_requests_are_refused_and_mount_nothing() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new();
     let plugin = node.plugin();
     let p = pod("4a1d2f8e-0c3b-4e5a-9f6d-7b8c9d0e1f2a");
@@ -419,6 +421,7 @@ fn hostile_requests_are_refused_and_mount_nothing() {
 /// node-driver-registrar does (the container restarts and registers anew).
 #[test]
 fn a_refused_registration_ends_the_plugin() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new();
     let mut plugin = CsiPlugin::spawn(&node.root(), &node.lib(), &node.run(), "csi-node-1");
     plugin.register(false, "no supported CSI version");
@@ -433,6 +436,7 @@ fn a_refused_registration_ends_the_plugin() {
 /// unpublishes them.
 #[test]
 fn a_restarted_plugin_takes_over_live_mounts() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new();
     let p = pod("9c8b7a65-4321-4fed-8cba-987654321000");
     let [lib, run] = injected_volumes();

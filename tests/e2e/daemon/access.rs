@@ -26,6 +26,7 @@ const NO_POD: &str = "is not a pod of this node";
 
 #[test]
 fn a_non_admin_uid_on_the_node_gets_no_node_answers() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("acu", &["--admin-gid", "4242"]);
     let a = node.add_pod("a", "10.202.30.2");
     let b = node.add_pod("b", "10.202.30.3");
@@ -90,6 +91,7 @@ fn a_non_admin_uid_on_the_node_gets_no_node_answers() {
 
 #[test]
 fn a_process_in_a_fresh_netns_gains_nothing() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("acn", &[]);
     let a = node.add_pod("a", "10.202.31.2");
     let b = node.add_pod("b", "10.202.31.3");
@@ -137,6 +139,7 @@ fn a_process_in_a_fresh_netns_gains_nothing() {
 
 #[test]
 fn close_reports_for_another_pods_channel_change_nothing() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("acr", &[]);
     let a = node.add_pod("a", "10.202.32.2");
     let b = node.add_pod("b", "10.202.32.3");
@@ -214,6 +217,7 @@ fn poke(node: &Node) {
 
 #[test]
 fn a_dead_pods_entry_lends_its_identity_to_no_new_namespace() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("acs", &[]);
     let b = node.add_pod("b", "10.202.33.3");
     let mut pb = b.agent();

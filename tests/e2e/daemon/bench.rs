@@ -34,6 +34,7 @@ fn parse(answer: &str) -> Figure {
 
 #[test]
 fn daemon_setup_round_trips() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("bch", &["--log-level", "info"]);
     let a = node.add_pod("a", "10.202.10.2");
     let b = node.add_pod("b", "10.202.10.3");

@@ -10,6 +10,7 @@ use daemon_common::Node;
 
 #[test]
 fn channel_memory_is_shared_between_client_and_server_pods() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("shr", &[]);
     let server_pod = node.add_pod("srv", "10.202.1.3");
     let client_pod = node.add_pod("cli", "10.202.1.2");
@@ -79,6 +80,7 @@ fn channel_memory_is_shared_between_client_and_server_pods() {
 
 #[test]
 fn a_third_pod_can_never_obtain_another_pairs_channel() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("sec", &[]);
     let a = node.add_pod("a", "10.202.2.2");
     let b = node.add_pod("b", "10.202.2.3");
@@ -150,6 +152,7 @@ fn a_third_pod_can_never_obtain_another_pairs_channel() {
 
 #[test]
 fn unclaimed_channels_expire_and_the_daemon_keeps_no_fd() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("exp", &["--intent-timeout", "1"]);
     let a = node.add_pod("a", "10.202.3.2");
     let b = node.add_pod("b", "10.202.3.3");
@@ -207,6 +210,7 @@ fn unclaimed_channels_expire_and_the_daemon_keeps_no_fd() {
 
 #[test]
 fn intents_without_listener_oversized_or_off_node_stay_on_tcp() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("tcp", &["--max-region", "1048576"]);
     let a = node.add_pod("a", "10.202.4.2");
     let b = node.add_pod("b", "10.202.4.3");
@@ -232,6 +236,7 @@ fn intents_without_listener_oversized_or_off_node_stay_on_tcp() {
 
 #[test]
 fn pods_added_later_are_found_lazily_and_by_the_plugins_poke() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("lzy", &[]);
     assert_eq!(node.stats().daemon.pods, 0);
     // Registered after the daemon read the registry: found on first contact.
@@ -268,6 +273,7 @@ fn pods_added_later_are_found_lazily_and_by_the_plugins_poke() {
 
 #[test]
 fn concurrent_clients_and_servers_all_get_their_own_channels() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("con", &["--log-level", "info"]);
     let a = node.add_pod("a", "10.202.11.2");
     let b = node.add_pod("b", "10.202.11.3");
@@ -322,6 +328,7 @@ fn concurrent_clients_and_servers_all_get_their_own_channels() {
 
 #[test]
 fn one_pod_cannot_take_every_daemon_connection() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::start("cap", &["--log-level", "info"]);
     let a = node.add_pod("a", "10.202.12.2");
     let b = node.add_pod("b", "10.202.12.3");

@@ -66,6 +66,7 @@ fn is_bad_request(r: &Response) -> bool {
 
 #[test]
 fn garbage_and_truncated_frames_never_hurt_the_daemon() {
+    let _turn = crate::turn::take(module_path!());
     let mut node = Node::start("fuz", &[]);
     let fds_before = node.daemon_fds();
     let mut rng = XorShift(0x5DEE_CE66_D1CE_4E5B);

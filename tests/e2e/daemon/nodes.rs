@@ -172,6 +172,7 @@ fn rxe_lane(ip: &str) -> Value {
 
 #[test]
 fn nodes_file_view_follows_the_file() {
+    let _turn = crate::turn::take(module_path!());
     let tmp = TempDir::new("kbnf");
     let table = tmp.join("nodes.json");
     std::fs::write(
@@ -277,6 +278,7 @@ fn nodes_file_view_follows_the_file() {
 
 #[test]
 fn a_view_needs_this_nodes_name() {
+    let _turn = crate::turn::take(module_path!());
     let tmp = TempDir::new("kbnn");
     let table = tmp.join("nodes.json");
     std::fs::write(&table, r#"{"nodes": []}"#).unwrap();
@@ -302,6 +304,7 @@ fn a_view_needs_this_nodes_name() {
 /// transport.
 #[test]
 fn the_relay_needs_a_good_lane_key() {
+    let _turn = crate::turn::take(module_path!());
     use std::os::unix::fs::PermissionsExt;
     let tmp = TempDir::new("kblk");
     let table = tmp.join("nodes.json");
@@ -406,6 +409,7 @@ fn the_relay_needs_a_good_lane_key() {
 /// status) and says why its cross-node connections stay on TCP.
 #[test]
 fn rdma_lane_asked_on_a_node_without_rdma_keeps_the_daemon_serving() {
+    let _turn = crate::turn::take(module_path!());
     let tmp = TempDir::new("kbnr");
     let no_rdma = tmp.join("sys");
     std::fs::create_dir_all(&no_rdma).unwrap();
@@ -464,6 +468,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn kubernetes_view_publishes_lanes_and_survives_api_errors() {
+    let _turn = crate::turn::take(module_path!());
     let mut stale = rxe_lane("10.172.0.2");
     stale["device"] = "mlx5_0".into();
     stale["lanePort"] = 7402.into();
@@ -696,6 +701,7 @@ impl Drop for LocalCluster {
 
 #[test]
 fn cluster_up_gives_each_daemon_the_node_table_and_its_name() {
+    let _turn = crate::turn::take(module_path!());
     let cluster = LocalCluster {
         name: format!("kb{:05x}", std::process::id() & 0xfffff),
         root: PathBuf::from(format!("/run/flc-kb-{}", std::process::id())),
@@ -755,6 +761,7 @@ fn cluster_up_gives_each_daemon_the_node_table_and_its_name() {
 
 #[test]
 fn an_api_server_with_another_ca_is_refused_and_the_daemon_keeps_serving() {
+    let _turn = crate::turn::take(module_path!());
     let api = FakeApi::start(vec![node_object(
         "kb-x",
         &["10.172.9.0/24"],

@@ -225,6 +225,7 @@ fn sysctl_forward(ns: &Netns) {
 
 #[test]
 fn daemons_route_pods_across_nodes_and_masquerade_only_what_leaves_the_cluster() {
+    let _turn = crate::turn::take(module_path!());
     let t0 = std::time::Instant::now();
     let dir = TempDir::new("rtpodroutes");
     let table = dir.join("nodes.json");

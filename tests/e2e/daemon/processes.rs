@@ -215,6 +215,7 @@ fn pod_of(stats: &Stats, pid: u32) -> Option<PodProcesses> {
 
 #[test]
 fn status_tells_which_processes_run_the_library_and_why_others_do_not() {
+    let _turn = crate::turn::take(module_path!());
     let dir = std::env::temp_dir().join(format!("fls-rep-progs-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

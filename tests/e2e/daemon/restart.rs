@@ -13,6 +13,7 @@ use flowlane_e2e::binaries::workspace_artifact;
 
 #[test]
 fn restart_rebuilds_state_and_clients_fall_back_while_it_is_down() {
+    let _turn = crate::turn::take(module_path!());
     let mut node = Node::start("rst", &[]);
     let a = node.add_pod("a", "10.202.7.2");
     let b = node.add_pod("b", "10.202.7.3");
@@ -69,6 +70,7 @@ fn restart_rebuilds_state_and_clients_fall_back_while_it_is_down() {
 
 #[test]
 fn a_second_daemon_does_not_steal_a_live_socket() {
+    let _turn = crate::turn::take(module_path!());
     let mut node = Node::start("two", &[]);
     let out = Command::new(workspace_artifact("flowlaned"))
         .arg("--state-dir")

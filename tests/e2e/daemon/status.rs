@@ -190,6 +190,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn status_prints_json_and_a_table_and_metrics_match() {
+    let _turn = crate::turn::take(module_path!());
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
     let mut node = Node::start("sta", &["--metrics-addr", &metrics]);
@@ -261,6 +262,7 @@ fn status_prints_json_and_a_table_and_metrics_match() {
 
 #[test]
 fn metrics_scrape_parses_and_histogram_counts_claimed_channels() {
+    let _turn = crate::turn::take(module_path!());
     const CHANNELS: u16 = 5;
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");

@@ -558,6 +558,7 @@ impl Drop for Cluster {
 
 #[test]
 fn a_cluster_installed_by_the_manifests_routes_and_carries_pods() {
+    let _turn = crate::turn::take(module_path!());
     let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::new(ADDRS);
     let n1 = c.join(1, NodeKind::PrimaryRdma);
@@ -829,6 +830,7 @@ fn pair<'a>(report: &'a Value, kind: &str) -> &'a Value {
 
 #[test]
 fn the_connectivity_check_through_the_api_server_names_each_pairs_lane() {
+    let _turn = crate::turn::take(module_path!());
     let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Cluster::new(CHECK_ADDRS);
     let n1 = c.join(1, NodeKind::PrimaryRdma);

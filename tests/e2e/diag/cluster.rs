@@ -130,6 +130,7 @@ fn finding_ids(report: &Value) -> Vec<String> {
 
 #[test]
 fn diag_on_a_live_local_cluster() {
+    let _turn = crate::turn::take(module_path!());
     let cluster = Cluster::up();
 
     // A node as `cluster up` leaves it: healthy, and its peer reachable.

@@ -290,6 +290,7 @@ fn assert_fix_given(report: &Value) {
 
 #[test]
 fn diag_reports_a_healthy_node_as_healthy() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::dual_stack(1, 2);
     let (code, report) = node.diag();
     assert_eq!(
@@ -389,6 +390,7 @@ fn diag_reports_a_healthy_node_as_healthy() {
 
 #[test]
 fn diag_detects_a_broken_conflist() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new(2, 1);
     let text = std::fs::read_to_string(node.conflist_path()).unwrap();
     // A half-written file, as a non-atomic installer leaves it.
@@ -417,6 +419,7 @@ fn diag_detects_a_broken_conflist() {
 
 #[test]
 fn diag_detects_a_hung_or_stopped_daemon() {
+    let _turn = crate::turn::take(module_path!());
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
 
@@ -441,6 +444,7 @@ fn diag_detects_a_hung_or_stopped_daemon() {
 
 #[test]
 fn diag_detects_a_leaked_lease() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new(4, 1);
     // An address taken by a container that has no pod registry entry, as a
     // plugin killed between IPAM and the registry write leaves it.
@@ -482,6 +486,7 @@ fn diag_detects_a_leaked_lease() {
 
 #[test]
 fn diag_detects_a_pod_registered_without_its_netns() {
+    let _turn = crate::turn::take(module_path!());
     let mut node = Node::new(5, 2);
     // The runtime lost the pod without CNI DEL: its netns is gone, its
     // registry entry and lease stay.
@@ -549,6 +554,7 @@ fn daemon_stats(report: &Value) -> Value {
 
 #[test]
 fn diag_shows_live_shared_memory_connections() {
+    let _turn = crate::turn::take(module_path!());
     use std::io::{BufRead, BufReader};
 
     let node = Node::new(6, 2);
@@ -628,6 +634,7 @@ fn diag_shows_live_shared_memory_connections() {
 
 #[test]
 fn diag_checks_routes_to_other_nodes_from_the_node_table() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new(7, 1);
     let peer_cidr = format!("10.204.{}.0/24", octet_of(8));
     let peer_underlay = node.ip(254);

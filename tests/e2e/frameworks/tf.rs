@@ -191,6 +191,7 @@ fn tf_node(workers: usize) -> Node {
 /// One node, 1 PS and 1 worker: deterministic in both phases.
 #[test]
 fn tf_parameter_server_same_node_one_ps_one_worker() {
+    let _turn = crate::turn::take(module_path!());
     require_tf();
     let _g = heavy();
     same_node_job(&tf_node(1), 1, 1);
@@ -199,6 +200,7 @@ fn tf_parameter_server_same_node_one_ps_one_worker() {
 /// One node, 2 PS and 3 workers, the largest point of the matrix.
 #[test]
 fn tf_parameter_server_same_node_two_ps_three_workers() {
+    let _turn = crate::turn::take(module_path!());
     require_tf();
     let _g = heavy();
     same_node_job(&tf_node(3), 2, 3);
@@ -208,6 +210,7 @@ fn tf_parameter_server_same_node_two_ps_three_workers() {
 /// job after another on the same pods.
 #[test]
 fn tf_parameter_server_same_node_rest_of_the_matrix() {
+    let _turn = crate::turn::take(module_path!());
     require_tf();
     let _g = heavy();
     let node = tf_node(3);
@@ -220,6 +223,7 @@ fn tf_parameter_server_same_node_rest_of_the_matrix() {
 /// node 1, so every worker-PS channel crosses the relay.
 #[test]
 fn tf_parameter_server_cross_node_over_the_relay_and_tcp() {
+    let _turn = crate::turn::take(module_path!());
     require_tf();
     let _g = heavy();
     let pair = RelayPair::new(2);

@@ -169,6 +169,7 @@ fn both_lanes(sites: &[Site], port: u16, what: &str) -> String {
 /// 2 and 4 ranks on one node: shared-memory lane vs plain TCP.
 #[test]
 fn ddp_gloo_same_node_bit_identical_on_shm_and_tcp() {
+    let _turn = crate::turn::take(module_path!());
     require_torch();
     let _g = heavy();
     let node = Node::new_in("ddp", 4, 245);
@@ -187,6 +188,7 @@ fn ddp_gloo_same_node_bit_identical_on_shm_and_tcp() {
 /// the relay), against plain TCP across the same underlay.
 #[test]
 fn ddp_gloo_cross_node_bit_identical_over_the_relay_and_tcp() {
+    let _turn = crate::turn::take(module_path!());
     require_torch();
     let _g = heavy();
     let pair = flowlane_e2e::frameworks::RelayPair::new(2);

@@ -476,6 +476,7 @@ fn app(name: &str, image: &str, command: &[&str], env: Value) -> Value {
 
 #[test]
 fn every_image_starts_and_those_that_can_load_the_library_get_the_lane() {
+    let _turn = crate::turn::take(module_path!());
     let w = TempDir::new("inject");
     let bridge = LinkGuard::fresh("inj");
     let net = bridge.name().to_string();

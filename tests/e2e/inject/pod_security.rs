@@ -73,6 +73,7 @@ fn restricted_pod(name: &str) -> Value {
 
 #[test]
 fn an_injected_pod_is_admitted_in_a_restricted_namespace() {
+    let _turn = crate::turn::take(module_path!());
     let mut st = api();
     let (code, pod) = create(&mut st, "csi-restricted", &restricted_pod("trainer-0"));
     assert_eq!(code, 201, "{pod}");
@@ -104,6 +105,7 @@ fn an_injected_pod_is_admitted_in_a_restricted_namespace() {
 
 #[test]
 fn the_hostpath_injection_would_be_refused() {
+    let _turn = crate::turn::take(module_path!());
     let mut st = api();
     let (_, injected) = create(&mut st, "csi-privileged", &restricted_pod("old-0"));
     // What the webhook injected before the CSI plugin: the same pod with the two
@@ -151,6 +153,7 @@ fn the_hostpath_injection_would_be_refused() {
 
 #[test]
 fn a_root_image_pod_is_injected_where_it_was_admitted_before() {
+    let _turn = crate::turn::take(module_path!());
     let mut st = api();
     // No securityContext at all: an image that runs as root.
     let root = json!({"metadata": {"name": "legacy-0"},

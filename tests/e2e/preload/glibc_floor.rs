@@ -39,6 +39,7 @@ fn objdump_t(path: &std::path::Path) -> String {
 
 #[test]
 fn the_shipped_preload_needs_no_glibc_newer_than_2_17() {
+    let _turn = crate::turn::take(module_path!());
     let lib = binaries::shipped_preload();
     let dump = objdump_t(&lib);
     let versions = glibc_versions(&dump);
@@ -92,6 +93,7 @@ fn the_shipped_preload_needs_no_glibc_newer_than_2_17() {
 
 #[test]
 fn glibc_versions_are_read_from_objdump() {
+    let _turn = crate::turn::take(module_path!());
     let sample = "\
 0000000000000000      DF *UND*\t0000000000000000 (GLIBC_2.2.5) memcpy
 0000000000000000      DF *UND*\t0000000000000000 (GLIBC_2.34) pthread_create

@@ -18,6 +18,7 @@ impl Drop for RemoveOnDrop {
 
 #[test]
 fn rdma_demo_writes_rows_measured_on_the_rdma_lane() {
+    let _turn = crate::turn::take(module_path!());
     if std::env::var("FLOWLANE_RDMA_RIG").as_deref() == Ok("skip") {
         eprintln!("SKIP: FLOWLANE_RDMA_RIG=skip, the Soft-RoCE rig is not booted");
         return;

@@ -349,6 +349,7 @@ fn epoch_now(rig: &RdmaRig, node: u8) -> f64 {
 /// once the link is back, new connections use the RDMA lane again.
 #[test]
 fn underlay_down_ends_relayed_connections_and_the_lane_comes_back() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     nodes_up(&rig);
@@ -437,6 +438,7 @@ fn underlay_down_ends_relayed_connections_and_the_lane_comes_back() {
 /// back (`rdma link add`), then use the RDMA lane again, without a restart.
 #[test]
 fn rdma_device_removed_under_a_stream_ends_it_cleanly_and_the_lane_comes_back() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     nodes_up(&rig);

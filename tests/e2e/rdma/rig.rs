@@ -49,6 +49,7 @@ fn link_counter(rig: &RdmaRig, node: u8, dev: &str, name: &str) -> u64 {
 
 #[test]
 fn rxe_port_is_active_with_an_ipv4_roce_v2_gid_and_diag_reports_it() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     eprintln!("rig booted in {:.1?}", rig.boot_time());
@@ -163,6 +164,7 @@ fn rxe_port_is_active_with_an_ipv4_roce_v2_gid_and_diag_reports_it() {
 
 #[test]
 fn pod_on_node1_reaches_pod_on_node2_over_tcp_across_the_underlay() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     nodes_up(&rig);
@@ -245,6 +247,7 @@ fn pod_on_node1_reaches_pod_on_node2_over_tcp_across_the_underlay() {
 
 #[test]
 fn perftest_baseline_between_the_guests() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     let sent = |n| link_counter(&rig, n, "eth0", "tx_bytes");

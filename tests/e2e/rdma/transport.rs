@@ -66,6 +66,7 @@ fn tagged(out: &str, tag: &str) -> Value {
 
 #[test]
 fn checked_transfer_over_many_streams_in_both_directions() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     start_server(&rig, 2, "--checksums");
@@ -108,6 +109,7 @@ fn checked_transfer_over_many_streams_in_both_directions() {
 
 #[test]
 fn killing_the_peer_process_resets_its_streams_and_a_restarted_peer_is_reachable() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     start_server(&rig, 2, "");

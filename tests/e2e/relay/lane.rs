@@ -531,6 +531,7 @@ fn wait_closed(c: &Cluster, n: u64) {
 /// daemons prove the relay lane carried it (and the shm lane did not).
 #[test]
 fn relay_carries_checksummed_echo_both_ways_between_nodes() {
+    let _turn = crate::turn::take(module_path!());
     checksummed_echo(false, false);
 }
 
@@ -539,6 +540,7 @@ fn relay_carries_checksummed_echo_both_ways_between_nodes() {
 /// remote ring's free room), with random sizes across ring wraps.
 #[test]
 fn zero_copy_relay_carries_checksummed_echo_both_ways_between_nodes() {
+    let _turn = crate::turn::take(module_path!());
     checksummed_echo(true, false);
 }
 
@@ -547,6 +549,7 @@ fn zero_copy_relay_carries_checksummed_echo_both_ways_between_nodes() {
 /// the other CNI's routing): the same echo rides the relay.
 #[test]
 fn chained_pods_ride_the_relay_between_nodes() {
+    let _turn = crate::turn::take(module_path!());
     checksummed_echo(false, true);
 }
 
@@ -624,6 +627,7 @@ os.rename(out + ".tmp", out)
 /// and the zero-copy relay.
 #[test]
 fn a_forked_child_keeps_a_relayed_connection_after_its_parent_exits() {
+    let _turn = crate::turn::take(module_path!());
     for zero_copy in [false, true] {
         let _g = serial();
         let c = Cluster::build(1, zero_copy, false);
@@ -677,11 +681,13 @@ fn a_forked_child_keeps_a_relayed_connection_after_its_parent_exits() {
 
 #[test]
 fn socket_semantics_hold_across_the_relay() {
+    let _turn = crate::turn::take(module_path!());
     socket_semantics(false);
 }
 
 #[test]
 fn socket_semantics_hold_across_the_zero_copy_relay() {
+    let _turn = crate::turn::take(module_path!());
     socket_semantics(true);
 }
 
@@ -738,6 +744,7 @@ fn socket_semantics(zero_copy: bool) {
 /// stays on TCP again once the lane goes away.
 #[test]
 fn no_lane_on_the_peer_node_stays_on_tcp() {
+    let _turn = crate::turn::take(module_path!());
     let _g = serial();
     let c = Cluster::new(1);
     c.write_nodes_file(false);
@@ -780,6 +787,7 @@ fn wait_peer_table(node: &Node, ip: Ipv4Addr, want: Verdict) {
 /// without waiting for a relay that cannot happen.
 #[test]
 fn mixed_pairs_across_nodes_stay_on_tcp() {
+    let _turn = crate::turn::take(module_path!());
     let _g = serial();
     let c = Cluster::new(1);
     let (n0, n1, a, b) = c.first_pods();
@@ -823,6 +831,7 @@ fn mixed_pairs_across_nodes_stay_on_tcp() {
 /// to carry the connection once the server accepts.
 #[test]
 fn a_third_pod_cannot_cancel_another_pods_relayed_set_up() {
+    let _turn = crate::turn::take(module_path!());
     let _g = serial();
     let c = Cluster::new(2);
     let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
@@ -948,11 +957,13 @@ fn peer_kill_pair(c: &Cluster, port: u16) -> (Bg, Bg) {
 /// connection.
 #[test]
 fn peer_killed_mid_stream_ends_the_other_side() {
+    let _turn = crate::turn::take(module_path!());
     peer_killed(false);
 }
 
 #[test]
 fn peer_killed_mid_stream_over_the_zero_copy_relay_ends_the_other_side() {
+    let _turn = crate::turn::take(module_path!());
     peer_killed(true);
 }
 
@@ -1016,6 +1027,7 @@ fn peer_killed(zero_copy: bool) {
 /// daemon closes its side.
 #[test]
 fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
+    let _turn = crate::turn::take(module_path!());
     let _g = serial();
     let mut c = Cluster::new(1);
     let port = 7571u16;
@@ -1056,6 +1068,7 @@ fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
 /// same pods in the same run for comparison (figures printed, not asserted).
 #[test]
 fn iperf3_through_the_relay() {
+    let _turn = crate::turn::take(module_path!());
     let _g = serial();
     let c = Cluster::new(1);
     let (n0, n1, a, b) = c.first_pods();
@@ -1104,6 +1117,7 @@ fn sockperf_p50(out: &str) -> Option<f64> {
 /// the cross-node doorbell path), plain TCP in the same run for comparison.
 #[test]
 fn sockperf_epoll_ping_pong_through_the_relay() {
+    let _turn = crate::turn::take(module_path!());
     let _g = serial();
     let c = Cluster::new(1);
     let (n0, n1, a, b) = c.first_pods();
@@ -1193,6 +1207,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 /// the 3 s window below shows as ~3 CPU seconds; idle is a few ticks.
 #[test]
 fn an_idle_relayed_connection_costs_the_daemons_no_cpu() {
+    let _turn = crate::turn::take(module_path!());
     for zero_copy in [false, true] {
         let _g = serial();
         let c = Cluster::build(1, zero_copy, false);
@@ -1377,6 +1392,7 @@ fn lane_error(node: &Node, kind: &str) -> u64 {
 /// counted; the live connection, new connections and both daemons go on.
 #[test]
 fn impostors_on_the_lane_port_get_nothing_and_change_nothing() {
+    let _turn = crate::turn::take(module_path!());
     use std::io::{Read, Write};
     let _g = serial();
     let c = Cluster::new(1);
@@ -1569,6 +1585,7 @@ fn impostors_on_the_lane_port_get_nothing_and_change_nothing() {
 /// byte into the pod's ring that the pod was not sent.
 #[test]
 fn a_hostile_pod_cannot_crash_its_daemon_through_the_relay() {
+    let _turn = crate::turn::take(module_path!());
     let _g = serial();
     let mut c = Cluster::new(1);
     let (n0, n1, attacker, victim) = c.first_pods();
@@ -1726,6 +1743,7 @@ fn scraped_bytes(node: &Node, metrics: std::net::SocketAddr, direction: &str) ->
 /// it has closed.
 #[test]
 fn the_relay_budget_keeps_extra_connections_on_tcp_and_metrics_count_live_bytes() {
+    let _turn = crate::turn::take(module_path!());
     const BUDGET: u64 = 6 << 20;
     const BYTES: u64 = 300_000;
     const PORT: u16 = 7590;

@@ -86,6 +86,7 @@ fn warm_up(rig: &RdmaRig, cli: &str, srv: &str, srv_ip: std::net::Ipv4Addr) {
 /// between the daemons; both daemons count the connections on lane "rdma".
 #[test]
 fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     relay_nodes_up(&rig);
@@ -301,6 +302,7 @@ fn relay_nodes_up_copying(rig: &RdmaRig) {
 /// checked by the workers) over the RDMA relay.
 #[test]
 fn ring_allreduce_across_nodes_over_the_rdma_relay() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     relay_nodes_up(&rig);
@@ -350,6 +352,7 @@ fn ring_allreduce_across_nodes_over_the_rdma_relay() {
 /// pods see their connection end (error or EOF), neither hangs.
 #[test]
 fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
+    let _turn = crate::turn::take(module_path!());
     let Some(rig) = rdma_vm::shared() else { return };
     let rig = rig.lock();
     relay_nodes_up(&rig);

@@ -127,6 +127,7 @@ fn check_attacker(out: &str) -> Vec<(String, String, String)> {
 /// client→server `tail` a MiB ahead crashed a Python echo server before.
 #[test]
 fn a_hostile_client_cannot_crash_or_read_a_server() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("hclnt", 2);
     let (attacker, victim) = (&node.pods[0], &node.pods[1]);
     let mut vc = node.cmd(victim, true, &[PYTHON, "-c", &victim_server(), "7601"]);
@@ -187,6 +188,7 @@ fn a_hostile_client_cannot_crash_or_read_a_server() {
 /// The mirror image: the attacker is the server, the victim a client.
 #[test]
 fn a_hostile_server_cannot_crash_or_read_a_client() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("hsrv", 2);
     let (victim, attacker) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(attacker, true, &[PYTHON, "-c", HOSTILE, "server", "7602"]));

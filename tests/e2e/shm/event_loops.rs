@@ -29,24 +29,28 @@ fn conformance(rt: Runtime) {
 /// unread (the check "lane and plain clients in turn, one server").
 #[test]
 fn ev_node_net() {
+    let _turn = crate::turn::take(module_path!());
     conformance(Runtime::Node);
 }
 
 /// Python asyncio with its default loop (selectors, epoll level-triggered).
 #[test]
 fn ev_python_asyncio() {
+    let _turn = crate::turn::take(module_path!());
     conformance(Runtime::Asyncio);
 }
 
 /// Python asyncio on uvloop (libuv; Debian's python3-uvloop).
 #[test]
 fn ev_python_uvloop() {
+    let _turn = crate::turn::take(module_path!());
     conformance(Runtime::Uvloop);
 }
 
 /// Rust tokio (mio, epoll edge-triggered; `loop-echo-tokio`).
 #[test]
 fn ev_rust_tokio() {
+    let _turn = crate::turn::take(module_path!());
     conformance(Runtime::Tokio);
 }
 
@@ -57,6 +61,7 @@ fn ev_rust_tokio() {
 /// now the registration moves into the library's epoll emulation.
 #[test]
 fn ev_asio() {
+    let _turn = crate::turn::take(module_path!());
     conformance(Runtime::Asio);
 }
 
@@ -64,6 +69,7 @@ fn ev_asio() {
 /// self-signed certificate.
 #[test]
 fn ev_tls_openssl() {
+    let _turn = crate::turn::take(module_path!());
     conformance(Runtime::Tls);
 }
 
@@ -75,6 +81,7 @@ fn ev_tls_openssl() {
 /// library too (checked first).
 #[test]
 fn ev_epoll_registrations_made_before_connect() {
+    let _turn = crate::turn::take(module_path!());
     use flowlane_e2e::loop_scripts::{EPOLL_BEFORE_CONNECT, PY_LOOP};
     use flowlane_e2e::shm::{run_ok, wait_listening, Bg};
     use flowlane_e2e::shm_scripts::PYTHON;

@@ -9,6 +9,7 @@ use flowlane_e2e::shm::{self, Node};
 /// arrive intact and the daemon counted a shared-memory connection.
 #[test]
 fn python_echo_uses_shared_memory() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("echo", 2);
     eprintln!("pods wired by: {}", node.wiring);
     let (client, server) = (&node.pods[0], &node.pods[1]);

@@ -54,6 +54,7 @@ fn traced_connrate(node: &Node, addr: &str, n: usize) -> String {
 
 #[test]
 fn pt_outside_destinations_cost_no_system_call_and_no_daemon_round_trip() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("ptsc", 2);
     let out = OutsideHost::new(&node.pods[0], "ptsc");
     let _srv = Bg::spawn(out.cmd(&[&bench_bin(), "serve", "7300"]));
@@ -162,6 +163,7 @@ fn wait_verdict(node: &Node, ip: IpAddr, want: Verdict) {
 /// holds no channel afterwards.
 #[test]
 fn pt_a_running_process_follows_the_table_under_concurrency() {
+    let _turn = crate::turn::take(module_path!());
     let mut node = Node::new("ptup", 2);
     let out = OutsideHost::new(&node.pods[0], "ptup");
     let bin = bench_bin();
@@ -213,6 +215,7 @@ fn pt_a_running_process_follows_the_table_under_concurrency() {
 /// (each process maps the table on its first connect, at the same time).
 #[test]
 fn pt_many_processes_map_the_table_at_once() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("ptmp", 2);
     let out = OutsideHost::new(&node.pods[0], "ptmp");
     let bin = bench_bin();

@@ -18,6 +18,7 @@ fn iperf3_json_gbps(out: &str) -> f64 {
 /// iperf3 both directions (-R) and with four parallel streams (-P 4).
 #[test]
 fn iperf3_over_shared_memory() {
+    let _turn = crate::turn::take(module_path!());
     let _g = heavy();
     let node = Node::new("ipf", 2);
     let (client, server) = (&node.pods[0], &node.pods[1]);
@@ -64,6 +65,7 @@ fn sockperf_p50(out: &str) -> Option<f64> {
 /// sockperf ping-pong and throughput in its epoll, poll and select modes.
 #[test]
 fn sockperf_modes_over_shared_memory() {
+    let _turn = crate::turn::take(module_path!());
     let _g = heavy();
     let node = Node::new("sperf", 2);
     let (client, server) = (&node.pods[0], &node.pods[1]);
@@ -140,6 +142,7 @@ fn sockperf_modes_over_shared_memory() {
 /// redis-server + redis-benchmark (epoll, non-blocking sockets, 20 clients).
 #[test]
 fn redis_benchmark_over_shared_memory() {
+    let _turn = crate::turn::take(module_path!());
     let _g = heavy();
     let node = Node::new("redis", 2);
     let (client, server) = (&node.pods[0], &node.pods[1]);
@@ -233,6 +236,7 @@ impl Drop for Nginx {
 /// fetches it through the lane and the bytes match.
 #[test]
 fn nginx_sendfile_to_curl_over_shared_memory() {
+    let _turn = crate::turn::take(module_path!());
     let _g = heavy();
     let node = Node::new("nginx", 2);
     let (client, server) = (&node.pods[0], &node.pods[1]);
@@ -302,6 +306,7 @@ fn nginx_sendfile_to_curl_over_shared_memory() {
 /// Python asyncio streams with 1000 connections open at the same time.
 #[test]
 fn asyncio_thousand_concurrent_connections() {
+    let _turn = crate::turn::take(module_path!());
     use flowlane_e2e::shm_scripts::{ASYNCIO_ECHO, PYTHON};
     let _g = heavy();
     let node = Node::new("async", 2);
@@ -329,6 +334,7 @@ fn asyncio_thousand_concurrent_connections() {
 /// checksummed, several connections (FLS_INTEGRITY_GIB total, default 10).
 #[test]
 fn integrity_random_sizes_both_directions() {
+    let _turn = crate::turn::take(module_path!());
     let _g = heavy();
     let node = Node::new("integ", 2);
     let (client, server) = (&node.pods[0], &node.pods[1]);
@@ -379,6 +385,7 @@ fn integrity_random_sizes_both_directions() {
 /// connections use shared memory again.
 #[test]
 fn daemon_restart_mid_stream() {
+    let _turn = crate::turn::take(module_path!());
     use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PYTHON};
     let _g = heavy();
     let mut node = Node::new("rstrt", 2);
@@ -431,6 +438,7 @@ fn daemon_restart_mid_stream() {
 /// grpcio: a bidirectional streaming RPC over the lane.
 #[test]
 fn grpcio_streaming_rpc_over_shared_memory() {
+    let _turn = crate::turn::take(module_path!());
     use flowlane_e2e::shm_scripts::{GRPC_ECHO, PYTHON};
     let node = Node::new("grpc", 2);
     let (client, server) = (&node.pods[0], &node.pods[1]);

@@ -169,6 +169,7 @@ fn touch(ctl: &Path, name: &str) {
 
 #[test]
 fn thousand_idle_connections_cost_little_and_a_bulk_stream_still_grows() {
+    let _turn = crate::turn::take(module_path!());
     let _heavy = flowlane_e2e::shm::heavy();
     let node = Node::new_in("grow", 2, 243);
     let (c, s) = (&node.pods[0], &node.pods[1]);

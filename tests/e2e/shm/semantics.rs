@@ -34,31 +34,37 @@ fn case(tag: &str, case: &str, port: u16) -> u64 {
 
 #[test]
 fn msg_flags_fionread_and_socket_names() {
+    let _turn = crate::turn::take(module_path!());
     assert_eq!(case("flags", "flags", 7201), 1);
 }
 
 #[test]
 fn poll_select_and_edge_triggered_epoll() {
+    let _turn = crate::turn::take(module_path!());
     assert_eq!(case("waits", "waits", 7202), 1);
 }
 
 #[test]
 fn prefork_server_accepts_in_children() {
+    let _turn = crate::turn::take(module_path!());
     assert_eq!(case("pfork", "prefork", 7203), 4);
 }
 
 #[test]
 fn dup2_keeps_the_connection_until_the_last_fd() {
+    let _turn = crate::turn::take(module_path!());
     assert_eq!(case("dup2", "dup2", 7204), 1);
 }
 
 #[test]
 fn splice_through_a_pipe_in_both_directions() {
+    let _turn = crate::turn::take(module_path!());
     assert_eq!(case("splce", "splice", 7207), 1);
 }
 
 #[test]
 fn non_blocking_connect_and_io() {
+    let _turn = crate::turn::take(module_path!());
     assert_eq!(case("nbcon", "nonblocking", 7205), 1);
 }
 
@@ -66,6 +72,7 @@ fn non_blocking_connect_and_io() {
 /// promptly (printed), never a hang.
 #[test]
 fn peer_killed_mid_stream_ends_the_reader() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("kill", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(
@@ -117,6 +124,7 @@ fn assert_shm_opened(node: &Node, expected: u64) {
 /// daemon counted no shm connection. Also: no daemon at all → TCP.
 #[test]
 fn mixed_pairs_and_no_daemon_stay_on_tcp() {
+    let _turn = crate::turn::take(module_path!());
     let mut node = Node::new("mixed", 2);
     let ip = node.pods[1].ip.to_string();
     for (i, (cli_lib, srv_lib)) in [(true, false), (false, true)].into_iter().enumerate() {
@@ -156,6 +164,7 @@ fn mixed_pairs_and_no_daemon_stay_on_tcp() {
 /// and its memfd mappings are back where they started.
 #[test]
 fn no_fd_or_mapping_leaks_after_close() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("leak", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", ECHO_SERVER, "7220", "21"]));
@@ -214,6 +223,7 @@ fn cpu_ticks(pid: u32) -> u64 {
 /// in poll, both on a shared-memory connection, for 3 s.
 #[test]
 fn idle_connection_uses_no_cpu() {
+    let _turn = crate::turn::take(module_path!());
     const IDLE_SERVER: &str = "import socket\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('0.0.0.0', 7230)); s.listen()\nc,_=s.accept()\nwhile c.recv(100): pass\n";
     const IDLE_CLIENT: &str = "import socket, select, sys\nc=socket.create_connection((sys.argv[1], 7230))\nc.sendall(b'hi')\nselect.select([c], [], [], 3.0)\nc.close()\nprint('done')\n";
     let node = Node::new("idle", 2);
@@ -248,6 +258,7 @@ fn idle_connection_uses_no_cpu() {
 /// ring (seen in the FLOWLANE_LOG line) and the bytes still arrive intact.
 #[test]
 fn disable_and_ring_size_settings() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("envs", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
     let ip = s.ip.to_string();
@@ -385,6 +396,7 @@ print('ok sleeper')
 
 #[test]
 fn epoll_sleeper_wakes_for_a_connection_registered_later() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("eslp", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", EPOLL_SLEEPER_SERVER, "7250", "2"]));
@@ -456,6 +468,7 @@ print('ok timeo', n)
 
 #[test]
 fn socket_timeouts_bound_blocking_reads_and_writes() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("timeo", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", TIMEO_SERVER, "7260"]));
@@ -520,6 +533,7 @@ print('ok fork')
 
 #[test]
 fn forked_child_is_not_blocked_by_a_parent_threads_lock() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("fklck", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", EPOLL_SLEEPER_SERVER, "7261", "1"]));
@@ -633,6 +647,7 @@ print('ok two-waiters', sent)
 
 #[test]
 fn two_threads_waiting_on_one_connection_both_wake() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("twow", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", TWO_WAITERS_SERVER, "7270", "7"]));
@@ -687,6 +702,7 @@ print('ok urgent')
 
 #[test]
 fn urgent_data_and_copy_file_range_fail_clearly() {
+    let _turn = crate::turn::take(module_path!());
     let node = Node::new("urgnt", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
     let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", ECHO_SERVER, "7271", "1"]));
@@ -751,6 +767,7 @@ print('ok kept', flush=True)
 
 #[test]
 fn kept_daemon_connection_survives_restart_raw_close_and_dup2() {
+    let _turn = crate::turn::take(module_path!());
     let mut node = Node::new("kept", 2);
     let ip = node.pods[1].ip.to_string();
     let srv = Bg::spawn(node.cmd(
@@ -793,6 +810,7 @@ fn kept_daemon_connection_survives_restart_raw_close_and_dup2() {
 #[test]
 #[ignore]
 fn setup_rate_figures() {
+    let _turn = crate::turn::take(module_path!());
     use flowlane_e2e::shm::{build_dir, preload_lib};
     let node = Node::new("rate", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);

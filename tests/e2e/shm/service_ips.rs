@@ -157,11 +157,13 @@ fn one_local_backend(mode: ProxyMode) {
 
 #[test]
 fn svc_iptables_mode_a_local_backend_with_the_library_gets_the_lane() {
+    let _turn = crate::turn::take(module_path!());
     one_local_backend(ProxyMode::Iptables);
 }
 
 #[test]
 fn svc_nftables_mode_a_local_backend_with_the_library_gets_the_lane() {
+    let _turn = crate::turn::take(module_path!());
     one_local_backend(ProxyMode::Nftables);
 }
 
@@ -201,16 +203,19 @@ fn several_backends(mode: ProxyMode) {
 
 #[test]
 fn svc_iptables_mode_several_backends_each_connection_on_its_backends_lane() {
+    let _turn = crate::turn::take(module_path!());
     several_backends(ProxyMode::Iptables);
 }
 
 #[test]
 fn svc_nftables_mode_several_backends_each_connection_on_its_backends_lane() {
+    let _turn = crate::turn::take(module_path!());
     several_backends(ProxyMode::Nftables);
 }
 
 #[test]
 fn svc_a_backend_without_the_library_costs_no_wait() {
+    let _turn = crate::turn::take(module_path!());
     // No pod of the node serves the lane at all: the intent is answered
     // at once, no channel is made.
     let c = SvcCluster::new(1, 2);
@@ -233,6 +238,7 @@ fn svc_a_backend_without_the_library_costs_no_wait() {
 
 #[test]
 fn svc_a_backend_on_another_node_stays_on_tcp_at_once() {
+    let _turn = crate::turn::take(module_path!());
     // The relay does not carry Service connections yet: the client's
     // daemon says so at connect (`not-local-pod`), the client does not
     // wait; the backend's claim finds no intent on its node.
@@ -335,6 +341,7 @@ fn expect_line(out: &mut BufReader<std::process::ChildStdout>, want: &str) {
 
 #[test]
 fn svc_a_pod_cannot_claim_a_service_connection_sent_to_another() {
+    let _turn = crate::turn::take(module_path!());
     let c = SvcCluster::new(1, 3);
     let node = &c.nodes[0];
     let (client, server, thief) = (&node.pods[0], &node.pods[1], &node.pods[2]);
@@ -410,6 +417,7 @@ fn connrate(node: &SvcNode, pod: &Pod, preload: bool, addr: &str, n: usize) -> f
 
 #[test]
 fn svc_figures_connection_set_up_through_a_service() {
+    let _turn = crate::turn::take(module_path!());
     // Figures only (printed, never asserted: the machine is shared); what
     // is asserted is which lane carried the connections.
     const N: usize = 300;
@@ -469,6 +477,7 @@ asyncio.run(main())
 
 #[test]
 fn svc_a_non_blocking_connect_is_resolved_too() {
+    let _turn = crate::turn::take(module_path!());
     let c = SvcCluster::new(1, 2);
     let node = &c.nodes[0];
     node.kube_proxy(ProxyMode::Iptables, &[service(70, &[&node.pods[1]])]);
@@ -497,6 +506,7 @@ fn svc_a_non_blocking_connect_is_resolved_too() {
 
 #[test]
 fn svc_a_pod_reaching_itself_through_its_service_stays_on_tcp_at_once() {
+    let _turn = crate::turn::take(module_path!());
     // kube-proxy masquerades a connection whose backend is its own client
     // (KUBE-MARK-MASQ / mark-for-masquerade on the endpoint's own source):
     // the server sees the node's address, not the client's, so no lane can
@@ -523,6 +533,7 @@ fn svc_a_pod_reaching_itself_through_its_service_stays_on_tcp_at_once() {
 
 #[test]
 fn svc_a_source_port_remapped_by_the_nodes_nat_still_gets_the_lane() {
+    let _turn = crate::turn::take(module_path!());
     // The same client port to the same backend, through the Service and
     // then directly (and the other way round), while conntrack holds the
     // first entry: the node's NAT remaps the second connection's source

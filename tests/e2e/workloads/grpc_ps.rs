@@ -198,6 +198,7 @@ fn assert_trained(results: &[Value]) {
 
 #[test]
 fn grpcio_parameter_server_trains_over_the_shared_memory_lane() {
+    let _turn = crate::turn::take(module_path!());
     let c = Cluster::up();
 
     // With the preload library: every worker's channel is on shared memory.

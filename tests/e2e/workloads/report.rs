@@ -30,6 +30,7 @@ impl Drop for Cleanup {
 
 #[test]
 fn small_demo_writes_a_consistent_report() {
+    let _turn = crate::turn::take(module_path!());
     let pid = std::process::id();
     let c = Cleanup {
         prefix: format!("r{:05x}", pid & 0xfffff),
