@@ -52,7 +52,7 @@ impl Daemon {
             .arg("--socket")
             .arg(dir.join("flowlaned.sock"))
             .args(["--log-level", "info,flowlaned=debug"])
-            // In the host's namespace: no pod routes (tests/tests/pod_routes.rs has them).
+            // In the host's namespace: no pod routes (tests/e2e/daemon/pod_routes.rs has them).
             .args(["--pod-routes", "off"])
             .args(args)
             .stdin(Stdio::null())

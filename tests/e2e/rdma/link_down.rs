@@ -11,7 +11,7 @@
 //! hang), with every byte that arrived intact: both pods stream a pattern in
 //! which every byte is a function of its offset, checked on arrival. Then new
 //! connections must use the lane again. Timings are printed, never asserted:
-//! `cargo test --release -p flowlane-e2e --test rdma_link_down -- --nocapture`.
+//! `cargo test --release -p flowlane-e2e --test e2e -- rdma::link_down:: --nocapture`.
 
 use std::time::{Duration, Instant};
 

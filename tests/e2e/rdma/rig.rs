@@ -3,7 +3,7 @@
 //! rig"). The rig boots once for this binary; the tests take turns on it.
 //!
 //! Figures (perftest, iperf3) are printed, never asserted:
-//! `cargo test --release -p flowlane-e2e --test rdma_rig -- --nocapture`.
+//! `cargo test --release -p flowlane-e2e --test e2e -- rdma::rig:: --nocapture`.
 
 use flowlane_e2e::rdma_vm::{self, perftest, pod_cidr, underlay_addr, RdmaRig, NODES};
 use serde_json::Value;

@@ -11,7 +11,7 @@
 //!
 //! `cargo build --release -p flowlane-rdma --bin rdma-lane-bench` (CI builds
 //! the workspace first), then
-//! `cargo test --release -p flowlane-e2e --test rdma_transport -- --nocapture`
+//! `cargo test --release -p flowlane-e2e --test e2e -- rdma::transport:: --nocapture`
 
 use flowlane_e2e::rdma_vm::{self, underlay_addr, RdmaRig};
 use serde_json::Value;

@@ -5,7 +5,7 @@
 //! preload library (`pod-exec.sh --lane`).
 //!
 //! Figures are printed, never asserted:
-//! `cargo test --release -p flowlane-e2e --test relay_rdma -- --nocapture`.
+//! `cargo test --release -p flowlane-e2e --test e2e -- relay::rdma:: --nocapture`.
 
 use std::time::Duration;
 

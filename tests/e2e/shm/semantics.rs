@@ -806,7 +806,7 @@ fn kept_daemon_connection_survives_restart_raw_close_and_dup2() {
 /// the two fallback paths (server without the library; no daemon), median
 /// of 3 alternating rounds. `FLS_LIB=/path/libflowlane_preload.so` compares
 /// another build of the library. Run with
-/// `cargo test --release -p flowlane-e2e --test shm_semantics -- --ignored setup_rate --nocapture`.
+/// `cargo test --release -p flowlane-e2e --test e2e -- --ignored shm::semantics::setup_rate --nocapture`.
 #[test]
 #[ignore]
 fn setup_rate_figures() {
