@@ -53,3 +53,52 @@ impl Drop for Turn {
         }
     }
 }
+
+/// Every test of a suite takes its turn first: a test written without it
+/// (a new test, or one merged from a branch older than the one binary)
+/// would run beside another suite's tests.
+#[test]
+fn every_suite_test_takes_its_turn_first() {
+    const TURN: &str = "    let _turn = crate::turn::take(module_path!());";
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e");
+    let mut missing = Vec::new();
+    let mut tests = 0;
+    for area in std::fs::read_dir(&root).expect("tests/e2e") {
+        let area = area.expect("tests/e2e entry").path();
+        if !area.is_dir() {
+            continue;
+        }
+        for suite in std::fs::read_dir(&area).expect("an area folder") {
+            let suite = suite.expect("an area entry").path();
+            // daemon::common holds no suite test, only the agents' entry.
+            if suite.extension().is_none_or(|e| e != "rs") || suite.ends_with("daemon/common.rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&suite).expect("a suite file");
+            let lines: Vec<&str> = text.lines().collect();
+            for (i, line) in lines.iter().enumerate() {
+                if line.trim() != "#[test]" {
+                    continue;
+                }
+                tests += 1;
+                let Some(f) = (i + 1..lines.len()).find(|&j| lines[j].starts_with("fn ")) else {
+                    missing.push(format!("{}:{}", suite.display(), i + 1));
+                    continue;
+                };
+                if lines.get(f + 1) != Some(&TURN) {
+                    missing.push(format!("{}:{}", suite.display(), f + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        tests > 100,
+        "found only {tests} tests under {}",
+        root.display()
+    );
+    assert!(
+        missing.is_empty(),
+        "tests without `{}` first: {missing:#?}",
+        TURN.trim()
+    );
+}
