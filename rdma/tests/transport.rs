@@ -1,7 +1,7 @@
 //! The stream multiplexer over the in-process fabric: everything above the
 //! verbs (handshake over real TCP on loopback, credits, windows, half-close,
 //! resets, link failure). The same code over Soft-RoCE is tested in
-//! tests/tests/rdma_transport.rs.
+//! tests/e2e/rdma/transport.rs.
 
 use std::{
     io::{ErrorKind, Write},

@@ -1,4 +1,4 @@
-//! Python programs for the hostile-peer tests (`tests/tests/security_rings.rs`):
+//! Python programs for the hostile-peer tests (`tests/e2e/security/rings.rs`):
 //! a hostile end that gets a real channel through the preload library and
 //! then scribbles the region's shared words in its own mapping, and honest
 //! victims that read, peek, poll, epoll, splice and sendfile through the

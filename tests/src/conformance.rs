@@ -1,4 +1,4 @@
-//! The event-loop conformance suite's checks (`tests/tests/shm_event_loops.rs`):
+//! The event-loop conformance suite's checks (`tests/e2e/shm/event_loops.rs`):
 //! the same checks through each runtime's client and server (the programs
 //! of [`crate::loop_scripts`]), on the lane (the library on both ends) and
 //! across mixed pairs (on one end only, in both directions), with the

@@ -1,7 +1,7 @@
-//! Harness for the real-framework suites (`frameworks_tf`, `frameworks_torch`):
+//! Harness for the real-framework suites (`frameworks::tf`, `frameworks::torch`):
 //! where a job's tasks run (a [`Site`]: a pod and its node's daemon), the
 //! task processes ([`Task`]: line-by-line stdout, held open until released),
-//! the two-node relay cluster ([`RelayPair`], as `relay_lane` builds it) and
+//! the two-node relay cluster ([`RelayPair`], as `relay::lane` builds it) and
 //! the lane evidence of a job ([`Evidence`]: every TCP connection between the
 //! job's pods, seen with `ss` in the pods, against the channels the daemons
 //! list at the same moment).
@@ -511,7 +511,7 @@ impl RelayNode {
 /// Two nodes (network namespaces, each with its bridge, pods wired by the
 /// real plugin, and its own `flowlaned` with the relay on `--lane-transport
 /// tcp-test`) joined by an underlay veth with host-gw routes: the set-up of
-/// the `relay_lane` suite.
+/// the `relay::lane` suite.
 pub struct RelayPair {
     pub nodes: Vec<RelayNode>,
     dir: PathBuf,

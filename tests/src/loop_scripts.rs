@@ -1,4 +1,4 @@
-//! Programs of the event-loop conformance suite (`tests/tests/shm_event_loops.rs`):
+//! Programs of the event-loop conformance suite (`tests/e2e/shm/event_loops.rs`):
 //! the same small protocol in each runtime, so any client can be paired
 //! with any server, with or without the preload library.
 //!

@@ -27,7 +27,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -640,34 +640,65 @@ impl Drop for RigLock<'_> {
     }
 }
 
-static SHARED: OnceLock<std::result::Result<RdmaRig, String>> = OnceLock::new();
+/// A suite's rig, booted or not.
+type Booted = std::result::Result<RdmaRig, String>;
 
-/// The rig of this test binary, booted at the first call with
-/// [`RigConfig::default`] and shut down when the process exits. `None` only
-/// when `FLOWLANE_RDMA_RIG=skip` (a SKIP line is printed); a rig that cannot
-/// boot panics (in this and every later test of the binary) with the reason.
+/// The running suite's rig: the suite's source file and its rig. Leaked, not
+/// dropped, when the next suite takes over: `&'static` references to it may
+/// remain in the previous suite's (ended) tests.
+static SHARED: Mutex<Option<(&'static str, &'static Booted)>> = Mutex::new(None);
+
+/// The rig of the calling suite (the caller's source file, so a suite is a
+/// file of `tests/e2e`), booted at the suite's first call with
+/// [`RigConfig::default`], shut down when another suite asks for its own rig
+/// and when the process exits. Each suite gets a fresh rig, as when it was a
+/// test binary of its own; the e2e binary runs one suite at a time
+/// (`tests/e2e/turn.rs`), so a rig is never shut down under a running test.
+/// `None` only when `FLOWLANE_RDMA_RIG=skip` (a SKIP line is printed); a rig
+/// that cannot boot panics (in this and every later test of the suite) with
+/// the reason.
+#[track_caller]
 pub fn shared() -> Option<&'static RdmaRig> {
     if std::env::var("FLOWLANE_RDMA_RIG").as_deref() == Ok("skip") {
         eprintln!("SKIP: FLOWLANE_RDMA_RIG=skip, the Soft-RoCE rig is not booted");
         return None;
     }
-    let rig = SHARED.get_or_init(|| {
-        let booted = RdmaRig::boot(&RigConfig::default()).map_err(|e| format!("{e:#}"));
-        if booted.is_ok() {
-            extern "C" fn shutdown_shared() {
-                if let Some(Ok(rig)) = SHARED.get() {
-                    rig.shutdown();
+    let suite = std::panic::Location::caller().file();
+    let rig = {
+        let mut current = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        match *current {
+            Some((of, rig)) if of == suite => rig,
+            _ => {
+                if let Some((_, Ok(previous))) = current.take() {
+                    previous.shutdown();
                 }
-            }
-            // SAFETY: registers a plain `extern "C" fn` without arguments;
-            // it runs at exit() (the test harness returns from main), when
-            // SHARED is still alive (statics are never dropped).
-            unsafe {
-                libc::atexit(shutdown_shared);
+                let booted: &'static Booted = Box::leak(Box::new(
+                    RdmaRig::boot(&RigConfig::default()).map_err(|e| format!("{e:#}")),
+                ));
+                static AT_EXIT: std::sync::Once = std::sync::Once::new();
+                AT_EXIT.call_once(|| {
+                    extern "C" fn shutdown_shared() {
+                        // try_lock: never wait at exit for a test still
+                        // holding it (its rig is then left to the kernel).
+                        if let Ok(current) = SHARED.try_lock() {
+                            if let Some((_, Ok(rig))) = *current {
+                                rig.shutdown();
+                            }
+                        }
+                    }
+                    // SAFETY: registers a plain `extern "C" fn` without
+                    // arguments; it runs at exit() (the test harness returns
+                    // from main), when SHARED is still alive (statics are
+                    // never dropped).
+                    unsafe {
+                        libc::atexit(shutdown_shared);
+                    }
+                });
+                *current = Some((suite, booted));
+                booted
             }
         }
-        booted
-    });
+    };
     match rig {
         Ok(rig) => Some(rig),
         Err(e) => panic!("the Soft-RoCE rig did not boot: {e}"),

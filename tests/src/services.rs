@@ -1,4 +1,4 @@
-//! Harness for the Service IP tests (`shm_service_ips`): nodes as network
+//! Harness for the Service IP tests (`shm::service_ips`): nodes as network
 //! namespaces (a bridge, pods wired by the real plugin, `flowlaned` with
 //! `--service-cidr`, `br_netfilter` on as kube-proxy needs it), joined by
 //! an underlay veth with host-gw routes when there are two, and kube-proxy's

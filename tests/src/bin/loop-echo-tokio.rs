@@ -1,4 +1,4 @@
-//! The event-loop conformance suite's tokio program (`tests/tests/shm_event_loops.rs`):
+//! The event-loop conformance suite's tokio program (`tests/e2e/shm/event_loops.rs`):
 //! the "echo and trailer" protocol of `flowlane_e2e::loop_scripts`, on
 //! tokio's multi-threaded runtime (mio, epoll edge-triggered).
 //!

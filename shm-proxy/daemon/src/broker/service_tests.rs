@@ -1,5 +1,5 @@
 //! Connections to Service IPs (`service.rs`), against a conntrack double
-//! (the real table: tests/tests/shm_service_ips.rs).
+//! (the real table: tests/e2e/shm/service_ips.rs).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -1,5 +1,5 @@
 //! The broker's unit tests (the real-netns checks are in
-//! tests/tests/daemon_*.rs).
+//! tests/e2e/daemon/*.rs).
 
 use super::*;
 use flowlane_registry::Attachment;
@@ -16,7 +16,7 @@ impl Drop for Node {
 }
 
 /// Pods 1 (10.202.9.1), 2 (10.202.9.2), 3 (10.202.9.3); inodes are fake
-/// here (the real-netns checks are in tests/tests/daemon_*.rs).
+/// here (the real-netns checks are in tests/e2e/daemon/*.rs).
 pub(super) fn node(name: &str, limits: Limits) -> Node {
     let dir = std::env::temp_dir().join(format!("fld-broker-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
