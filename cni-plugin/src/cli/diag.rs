@@ -57,11 +57,11 @@ struct Options {
 fn parse(args: &[String]) -> Result<Option<Options>, String> {
     let mut o = Options {
         json: false,
-        cni_conf_dir: "/etc/cni/net.d".into(),
-        cni_bin_dir: "/opt/cni/bin".into(),
+        cni_conf_dir: flowlane_defaults::CNI_CONF_DIR.into(),
+        cni_bin_dir: flowlane_defaults::CNI_BIN_DIR.into(),
         state_dir: None,
         socket: None,
-        sysfs: "/sys".into(),
+        sysfs: flowlane_defaults::SYSFS.into(),
         node_ip: None,
         nodes: None,
     };
@@ -130,12 +130,12 @@ fn run(o: &Options) -> Report {
         .state_dir
         .clone()
         .or_else(|| net.and_then(|n| n.state_dir.clone()))
-        .unwrap_or_else(|| flowlane_registry::DEFAULT_STATE_DIR.into());
+        .unwrap_or_else(|| flowlane_defaults::STATE_DIR.into());
     let socket = o
         .socket
         .clone()
         .or_else(|| net.and_then(|n| n.daemon_socket.clone()))
-        .unwrap_or_else(|| "/run/flowlane/flowlaned.sock".into());
+        .unwrap_or_else(|| flowlane_defaults::DAEMON_SOCKET.into());
 
     let bins = binary::check(&o.cni_bin_dir, net);
     let bridge = bridge::check(net);

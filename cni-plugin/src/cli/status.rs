@@ -7,8 +7,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use flowlane_defaults::DAEMON_SOCKET as DEFAULT_DAEMON_SOCKET;
 use flowlane_lane::client::DaemonClient;
-use flowlane_lane::notify::DEFAULT_DAEMON_SOCKET;
 use flowlane_lane::proto::Stats;
 
 const USAGE: &str = "usage: flowlane status [--json] [--socket PATH]";
