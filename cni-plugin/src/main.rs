@@ -9,7 +9,7 @@ fn main() {
     let code = if std::env::var_os("CNI_COMMAND").is_some() {
         cni::main()
     } else {
-        cli::main(std::env::args().skip(1).collect())
+        cli::main(std::env::args_os().skip(1).collect())
     };
     std::process::exit(code);
 }

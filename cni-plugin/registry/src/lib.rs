@@ -15,9 +15,6 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// Default state directory of a node.
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/flowlane";
-
 /// One pod attachment: what the CNI plugin wired for a container on one network.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Attachment {

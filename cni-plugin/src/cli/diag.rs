@@ -23,94 +23,44 @@ mod report;
 
 use report::Report;
 
-const USAGE: &str = "\
-usage: flowlane diag [--json] [options]
-
-Checks this node and explains every problem, with what to do about it.
-Exit code: 0 healthy (or warnings only), 1 something is broken, 2 bad usage.
-
-  --json                 machine-readable report
-  --cni-conf-dir DIR     CNI config directory          (default /etc/cni/net.d)
-  --cni-bin-dir DIR      CNI plugin directory          (default /opt/cni/bin)
-  --state-dir DIR        flowlane state directory      (default: the config's stateDir, else /var/lib/flowlane)
-  --socket PATH          flowlaned's socket            (default: the config's daemonSocket, else /run/flowlane/flowlaned.sock)
-  --sysfs DIR            sysfs root for RDMA discovery (default /sys)
-  --node-ip IP           the node's underlay address for GID selection
-                         (default: the addresses of the default-route interface)
-  --nodes FILE           the cluster's node table (JSON: name, podCIDRs, underlay, rdma)
-                         to check routes to other nodes' pods and RDMA lanes
-                         (default: the daemon's view, <state-dir>/daemon/nodes.json)
-";
-
-#[derive(Debug, Clone)]
-struct Options {
+/// `flowlane diag`'s command line.
+#[derive(clap::Args, Debug)]
+#[command(
+    about = "Check this node and explain every problem",
+    long_about = "Checks this node and explains every problem, with what to do about it.\n\
+                  Exit code: 0 healthy (or warnings only), 1 something is broken, 2 bad usage."
+)]
+pub struct Args {
+    /// Machine-readable report.
+    #[arg(long)]
     json: bool,
+    /// CNI config directory.
+    #[arg(long, value_name = "DIR", default_value = flowlane_defaults::CNI_CONF_DIR)]
     cni_conf_dir: PathBuf,
+    /// CNI plugin directory.
+    #[arg(long, value_name = "DIR", default_value = flowlane_defaults::CNI_BIN_DIR)]
     cni_bin_dir: PathBuf,
+    /// flowlane state directory [default: the config's stateDir, else /var/lib/flowlane].
+    #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
+    /// flowlaned's socket [default: the config's daemonSocket, else /run/flowlane/flowlaned.sock].
+    #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
+    /// sysfs root for RDMA discovery.
+    #[arg(long, value_name = "DIR", default_value = flowlane_defaults::SYSFS)]
     sysfs: PathBuf,
+    /// The node's underlay address for GID selection [default: the addresses of the
+    /// default-route interface].
+    #[arg(long, value_name = "IP")]
     node_ip: Option<IpAddr>,
+    /// The cluster's node table (JSON: name, podCIDRs, underlay, rdma) to check routes
+    /// to other nodes' pods and RDMA lanes [default: the daemon's view,
+    /// <state-dir>/daemon/nodes.json].
+    #[arg(long, value_name = "FILE")]
     nodes: Option<PathBuf>,
 }
 
-fn parse(args: &[String]) -> Result<Option<Options>, String> {
-    let mut o = Options {
-        json: false,
-        cni_conf_dir: "/etc/cni/net.d".into(),
-        cni_bin_dir: "/opt/cni/bin".into(),
-        state_dir: None,
-        socket: None,
-        sysfs: "/sys".into(),
-        node_ip: None,
-        nodes: None,
-    };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (key, inline) = match arg.split_once('=') {
-            Some((k, v)) if k.starts_with("--") => (k, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = || -> Result<String, String> {
-            inline
-                .clone()
-                .or_else(|| it.next().cloned())
-                .ok_or_else(|| format!("{key} needs a value"))
-        };
-        match key {
-            "--json" => o.json = true,
-            "--cni-conf-dir" => o.cni_conf_dir = value()?.into(),
-            "--cni-bin-dir" => o.cni_bin_dir = value()?.into(),
-            "--state-dir" => o.state_dir = Some(value()?.into()),
-            "--socket" => o.socket = Some(value()?.into()),
-            "--sysfs" => o.sysfs = value()?.into(),
-            "--node-ip" => {
-                let v = value()?;
-                o.node_ip = Some(
-                    v.parse()
-                        .map_err(|_| format!("--node-ip: {v:?} is not an IP address"))?,
-                );
-            }
-            "--nodes" => o.nodes = Some(value()?.into()),
-            "-h" | "--help" => return Ok(None),
-            other => return Err(format!("unknown option {other:?}")),
-        }
-    }
-    Ok(Some(o))
-}
-
-pub fn main(args: &[String]) -> i32 {
-    let opts = match parse(args) {
-        Ok(Some(o)) => o,
-        Ok(None) => {
-            print!("{USAGE}");
-            return 0;
-        }
-        Err(e) => {
-            eprintln!("flowlane diag: {e}\n\n{USAGE}");
-            return 2;
-        }
-    };
+pub fn main(opts: Args) -> i32 {
     let report = run(&opts);
     let text = if opts.json {
         report.to_json() + "\n"
@@ -122,7 +72,7 @@ pub fn main(args: &[String]) -> i32 {
     report.exit_code()
 }
 
-fn run(o: &Options) -> Report {
+fn run(o: &Args) -> Report {
     let (cni, net) = cni_config::check(&o.cni_conf_dir);
     let net = net.as_ref();
     // An explicit option wins, then what the installed config says, then the default.
@@ -130,12 +80,12 @@ fn run(o: &Options) -> Report {
         .state_dir
         .clone()
         .or_else(|| net.and_then(|n| n.state_dir.clone()))
-        .unwrap_or_else(|| flowlane_registry::DEFAULT_STATE_DIR.into());
+        .unwrap_or_else(|| flowlane_defaults::STATE_DIR.into());
     let socket = o
         .socket
         .clone()
         .or_else(|| net.and_then(|n| n.daemon_socket.clone()))
-        .unwrap_or_else(|| "/run/flowlane/flowlaned.sock".into());
+        .unwrap_or_else(|| flowlane_defaults::DAEMON_SOCKET.into());
 
     let bins = binary::check(&o.cni_bin_dir, net);
     let bridge = bridge::check(net);
@@ -155,30 +105,41 @@ fn run(o: &Options) -> Report {
 mod tests {
     use super::*;
 
-    fn args(v: &[&str]) -> Vec<String> {
-        v.iter().map(|s| s.to_string()).collect()
+    fn parse(v: &[&str]) -> Result<Args, clap::Error> {
+        match crate::cli::parse(&[&["diag"], v].concat())? {
+            crate::cli::Command::Diag(a) => Ok(a),
+            _ => unreachable!("parsed as another command"),
+        }
     }
 
     #[test]
     fn options_parse_both_forms_and_reject_junk() {
-        let o = parse(&args(&[
+        let o = parse(&[
             "--json",
             "--cni-conf-dir",
             "/x",
             "--socket=/s",
             "--node-ip",
             "10.0.0.1",
-        ]))
-        .unwrap()
+        ])
         .unwrap();
         assert!(o.json);
         assert_eq!(o.cni_conf_dir, PathBuf::from("/x"));
         assert_eq!(o.socket, Some(PathBuf::from("/s")));
         assert_eq!(o.node_ip, Some("10.0.0.1".parse().unwrap()));
         assert_eq!(o.cni_bin_dir, PathBuf::from("/opt/cni/bin"));
-        assert!(parse(&args(&["--bogus"])).is_err());
-        assert!(parse(&args(&["--state-dir"])).is_err());
-        assert!(parse(&args(&["--node-ip", "nope"])).is_err());
-        assert!(parse(&args(&["--help"])).unwrap().is_none());
+        assert!(parse(&["--bogus"]).is_err());
+        assert!(parse(&["--state-dir"]).is_err());
+        assert!(parse(&["--node-ip", "nope"]).is_err());
+        let help = parse(&["--help"]).err().unwrap();
+        assert_eq!(help.kind(), clap::error::ErrorKind::DisplayHelp);
+    }
+
+    /// The e2e suite passes its own `--sysfs` after the defaults it sets:
+    /// the last one wins.
+    #[test]
+    fn a_repeated_option_takes_the_last_value() {
+        let o = parse(&["--sysfs", "/a", "--sysfs=/b"]).unwrap();
+        assert_eq!(o.sysfs, PathBuf::from("/b"));
     }
 }

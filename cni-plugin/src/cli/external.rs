@@ -11,10 +11,10 @@ use std::process::Command;
 /// The binary that carries the heavy commands.
 pub const BINARY: &str = "flowlane-cluster";
 
-/// Replaces this process with `flowlane-cluster ARGS` (ARGS starts with the
-/// command, `cluster` or `demo`). Returns only on failure, with the exit code.
-pub fn exec(args: &[String]) -> i32 {
-    let command = args.first().map(String::as_str).unwrap_or_default();
+/// Replaces this process with `flowlane-cluster COMMAND ARGS` (`cluster` or
+/// `demo`, and the rest of the command line as the person typed it: that
+/// binary parses it). Returns only on failure, with the exit code.
+pub fn exec(command: &str, args: &[OsString]) -> i32 {
     let Some(exe) = find(
         std::env::current_exe().ok().as_deref(),
         std::env::var_os("PATH"),
@@ -25,7 +25,7 @@ pub fn exec(args: &[String]) -> i32 {
         );
         return 127;
     };
-    let err = Command::new(&exe).args(args).exec();
+    let err = Command::new(&exe).arg(command).args(args).exec();
     eprintln!("flowlane {command}: running {}: {err}", exe.display());
     126
 }

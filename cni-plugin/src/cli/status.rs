@@ -8,61 +8,35 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flowlane_lane::client::DaemonClient;
-use flowlane_lane::notify::DEFAULT_DAEMON_SOCKET;
 use flowlane_lane::proto::Stats;
 
-const USAGE: &str = "usage: flowlane status [--json] [--socket PATH]";
 const TIMEOUT: Duration = Duration::from_secs(5);
 
-struct Options {
+/// `flowlane status`'s command line.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Print the daemon's stats answer as JSON, as it is (for scripts).
+    #[arg(long)]
     json: bool,
-    socket: PathBuf,
+    /// The daemon's socket [default: $FLOWLANE_SOCKET, else the node's default socket].
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
 }
 
-fn parse(args: &[String]) -> Result<Options, String> {
-    let mut json = false;
-    let mut socket = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--json" => json = true,
-            "--socket" => {
-                let p = it.next().ok_or("--socket needs a PATH")?;
-                socket = Some(PathBuf::from(p));
-            }
-            s if s.starts_with("--socket=") => {
-                socket = Some(PathBuf::from(&s["--socket=".len()..]))
-            }
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    let socket = socket
+pub fn main(args: Args) -> i32 {
+    let socket = args
+        .socket
+        .clone()
         .or_else(|| std::env::var_os("FLOWLANE_SOCKET").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET));
-    Ok(Options { json, socket })
-}
-
-pub fn main(args: &[String]) -> i32 {
-    let opts = match parse(args) {
-        Ok(o) => o,
-        Err(e) if e.is_empty() => {
-            println!("{USAGE}");
-            return 0;
-        }
-        Err(e) => {
-            eprintln!("flowlane status: {e}\n{USAGE}");
-            return 2;
-        }
-    };
-    let stats = match DaemonClient::connect(&opts.socket, TIMEOUT).and_then(|mut c| c.stats()) {
+        .unwrap_or_else(|| PathBuf::from(flowlane_defaults::DAEMON_SOCKET));
+    let stats = match DaemonClient::connect(&socket, TIMEOUT).and_then(|mut c| c.stats()) {
         Ok(s) => s,
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
             eprintln!(
                 "flowlane status: flowlaned on {} refused: {e}\n\
                  (node-wide stats are for root or flowlaned's --admin-gid group, in the node's \
                  network namespace)",
-                opts.socket.display()
+                socket.display()
             );
             return 1;
         }
@@ -70,12 +44,12 @@ pub fn main(args: &[String]) -> i32 {
             eprintln!(
                 "flowlane status: no flowlaned answers on {}: {e}\n\
                  (is the daemon running on this node? choose its socket with --socket PATH)",
-                opts.socket.display()
+                socket.display()
             );
             return 1;
         }
     };
-    if opts.json {
+    if args.json {
         match serde_json::to_string_pretty(&stats) {
             Ok(s) => println!("{s}"),
             Err(e) => {
@@ -330,18 +304,24 @@ mod tests {
     use super::*;
     use flowlane_lane::proto::{ConnectionInfo, Endpoint, LaneStats};
 
+    fn parse(v: &[&str]) -> Result<Args, clap::Error> {
+        match crate::cli::parse(&[&["status"], v].concat())? {
+            crate::cli::Command::Status(a) => Ok(a),
+            _ => unreachable!("parsed as another command"),
+        }
+    }
+
     #[test]
     fn parses_flags_and_rejects_unknown_ones() {
-        let a = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let o = parse(&a(&["--json", "--socket", "/tmp/x.sock"])).unwrap();
+        let o = parse(&["--json", "--socket", "/tmp/x.sock"]).unwrap();
         assert!(o.json);
-        assert_eq!(o.socket, PathBuf::from("/tmp/x.sock"));
+        assert_eq!(o.socket, Some(PathBuf::from("/tmp/x.sock")));
         assert_eq!(
-            parse(&a(&["--socket=/y"])).unwrap().socket,
-            PathBuf::from("/y")
+            parse(&["--socket=/y"]).unwrap().socket,
+            Some(PathBuf::from("/y"))
         );
-        assert!(parse(&a(&["--socket"])).is_err());
-        assert!(parse(&a(&["--bogus"])).is_err());
+        assert!(parse(&["--socket"]).is_err());
+        assert!(parse(&["--bogus"]).is_err());
     }
 
     #[test]

@@ -13,8 +13,8 @@ use super::result::Dns;
 use super::version::{self, Version};
 
 pub const DEFAULT_BRIDGE: &str = "cni0";
-pub const DEFAULT_STATE_DIR: &str = flowlane_registry::DEFAULT_STATE_DIR;
-pub const DEFAULT_DAEMON_SOCKET: &str = "/run/flowlane/flowlaned.sock";
+pub const DEFAULT_STATE_DIR: &str = flowlane_defaults::STATE_DIR;
+pub const DEFAULT_DAEMON_SOCKET: &str = flowlane_defaults::DAEMON_SOCKET;
 
 /// The keys as they appear in JSON. Validation turns this into [`NetConf`].
 #[derive(Debug, Deserialize)]

@@ -15,7 +15,7 @@ struct Args {
     node_id: String,
     /// The kubelet's root directory (its --root-dir), spelt as the kubelet spells
     /// it and without symbolic links: targets must be under <this>/pods.
-    #[arg(long, default_value = "/var/lib/kubelet")]
+    #[arg(long, default_value = flowlane_defaults::KUBELET_DIR)]
     kubelet_dir: PathBuf,
     /// Where to bind the CSI endpoint
     /// (default <kubelet-dir>/plugins/csi.flowlane.io/csi.sock).
@@ -29,10 +29,10 @@ struct Args {
     #[arg(long)]
     registration_dir: Option<PathBuf>,
     /// The node's flowlane library directory, as this container sees it.
-    #[arg(long, default_value = "/opt/flowlane/lib")]
+    #[arg(long, default_value = flowlane_defaults::HOST_LIB_DIR)]
     lib_dir: PathBuf,
     /// The daemon's socket directory, as this container sees it.
-    #[arg(long, default_value = "/run/flowlane")]
+    #[arg(long, default_value = flowlane_defaults::RUN_DIR)]
     run_dir: PathBuf,
 }
 

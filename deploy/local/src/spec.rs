@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 /// Every namespace of every cluster starts with this.
 pub const PREFIX: &str = "flc";
 /// Default parent directory of the clusters' run directories.
-pub const DEFAULT_RUN_ROOT: &str = "/run/flowlane-cluster";
+pub const DEFAULT_RUN_ROOT: &str = flowlane_defaults::CLUSTER_RUN_ROOT;
 /// The underlay network joining the nodes: node `i` is `10.209.0.(10+i)`.
 pub const UNDERLAY_PREFIX: [u8; 3] = [10, 209, 0];
 /// First host number of the nodes on the underlay.

@@ -40,23 +40,25 @@ pub const INJECTED_ANNOTATION: &str = "flowlane.io/injected";
 pub const SKIP_CONTAINERS_ANNOTATION: &str = "flowlane.io/skip-containers";
 
 /// Where app containers find the library (the pod's emptyDir, filled by the probe).
-pub const PRELOAD_DIR: &str = "/opt/flowlane/lib";
-pub const PRELOAD_LIB: &str = "/opt/flowlane/lib/libflowlane_preload.so";
+pub const PRELOAD_DIR: &str = flowlane_defaults::POD_LIB_DIR;
+pub const PRELOAD_LIB: &str = flowlane_defaults::POD_PRELOAD_LIB;
 /// The node's flowlane library directory (the DaemonSet installs the library, the
 /// no-op object and the probe there; the CSI plugin publishes it as `content: lib`).
-pub const HOST_LIB_DIR: &str = "/opt/flowlane/lib";
+pub const HOST_LIB_DIR: &str = flowlane_defaults::HOST_LIB_DIR;
 /// flowlane's CSI driver (the CSIDriver object; `deploy/csi`'s `DRIVER_NAME`).
 pub const CSI_DRIVER: &str = "csi.flowlane.io";
 /// The volume attribute that picks the node directory a CSI volume shows.
 pub const CSI_CONTENT: &str = "content";
 /// Where the probe containers see [`HOST_LIB_DIR`].
-pub const NODE_LIB_DIR: &str = "/opt/flowlane/node";
+pub const NODE_LIB_DIR: &str = flowlane_defaults::PROBE_LIB_DIR;
 /// The probe, as the init containers run it.
-pub const PROBE: &str = "/opt/flowlane/node/flowlane-probe";
+pub const PROBE: &str = flowlane_defaults::PROBE;
 /// Name prefix of the probe init containers (`flowlane-probe-<k>`).
 pub const PROBE_PREFIX: &str = "flowlane-probe-";
-pub const SOCKET_DIR: &str = "/run/flowlane";
-pub const SOCKET_PATH: &str = "/run/flowlane/flowlaned.sock";
+/// The daemon's socket directory, mounted at the same path in the pod.
+pub const SOCKET_DIR: &str = flowlane_defaults::RUN_DIR;
+/// The daemon's socket, as `FLOWLANE_SOCKET` names it in the pod.
+pub const SOCKET_PATH: &str = flowlane_defaults::DAEMON_SOCKET;
 const PRELOAD_VOLUME: &str = "flowlane-preload";
 const LIB_VOLUME: &str = "flowlane-lib";
 const SOCKET_VOLUME: &str = "flowlane-run";

@@ -43,10 +43,10 @@ use broker::{Broker, DaemonFacts, Limits};
 )]
 struct Args {
     /// Node state directory (holds the pod registry).
-    #[arg(long, default_value = flowlane_lane::notify::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = flowlane_defaults::STATE_DIR)]
     state_dir: PathBuf,
     /// Unix socket clients connect to.
-    #[arg(long, default_value = flowlane_lane::notify::DEFAULT_DAEMON_SOCKET)]
+    #[arg(long, default_value = flowlane_defaults::DAEMON_SOCKET)]
     socket: PathBuf,
     /// Log filter (e.g. info, debug, flowlaned=trace); else env FLOWLANE_LOG; else info.
     #[arg(long)]

@@ -50,7 +50,7 @@ pub struct Flags {
     #[arg(long, conflicts_with = "nodes_file")]
     pub kubernetes: bool,
     /// Where sysfs is mounted (RDMA discovery reads class/infiniband and class/net).
-    #[arg(long, default_value = "/sys")]
+    #[arg(long, default_value = flowlane_defaults::SYSFS)]
     pub sysfs_root: PathBuf,
     /// Seconds between refreshes of the node table, RDMA discovery and publishing.
     #[arg(long, default_value_t = 30.0)]

@@ -8,12 +8,6 @@ use std::time::Duration;
 
 use crate::client::DaemonClient;
 
-/// Default path of the daemon's Unix socket.
-pub const DEFAULT_DAEMON_SOCKET: &str = "/run/flowlane/flowlaned.sock";
-
-/// Default state directory of a node (the daemon's and the plugin's).
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/flowlane";
-
 /// Tells the daemon at `socket` to reread the pod registry, and waits (bounded
 /// by `timeout`) until it has: a pod that the plugin just added is then known
 /// to the daemon when this returns `Ok`. Fails quickly when no daemon listens.

@@ -93,9 +93,62 @@ impl Region {
 
     /// A fresh region of `len` bytes in a sealed memfd of its own (tests,
     /// benchmarks; a forked child shares it), mapped like a channel.
+    #[cfg(not(miri))]
     pub fn anonymous(len: usize) -> io::Result<Arc<Region>> {
         let fd = sealed_memfd(len)?;
         Region::map_memfd(fd.as_fd(), len)
+    }
+
+    /// Under miri (no memfd, no mmap of a descriptor): a fresh region of
+    /// `len` bytes on the heap, so the ring's tests run under miri.
+    #[cfg(miri)]
+    pub fn anonymous(len: usize) -> io::Result<Arc<Region>> {
+        let ring_size = ring_size_for(len).ok_or_else(|| invalid("region too small"))?;
+        Ok(Arc::new(Region {
+            map: Mapping::heap(len)?,
+            ring_size,
+            broken: AtomicBool::new(false),
+            fixed: false,
+        }))
+    }
+
+    /// Two mappings of one fresh channel of `len` bytes, as two processes
+    /// have them (each with its own broken flag); the first mapped as the
+    /// relay maps it when `first_fixed` (tests). Under miri, two views of
+    /// one heap region.
+    #[cfg(test)]
+    pub(crate) fn twin_mappings(
+        len: usize,
+        first_fixed: bool,
+    ) -> io::Result<(Arc<Region>, Arc<Region>)> {
+        #[cfg(not(miri))]
+        {
+            let fd = sealed_memfd(len)?;
+            let first = if first_fixed {
+                Region::map_memfd_fixed(fd.as_fd(), len)?
+            } else {
+                Region::map_memfd(fd.as_fd(), len)?
+            };
+            Ok((first, Region::map_memfd(fd.as_fd(), len)?))
+        }
+        #[cfg(miri)]
+        {
+            let ring_size = ring_size_for(len).ok_or_else(|| invalid("region too small"))?;
+            let map = Mapping::heap(len)?;
+            let view = |map: Mapping, fixed: bool| {
+                Arc::new(Region {
+                    map,
+                    ring_size,
+                    broken: AtomicBool::new(false),
+                    fixed,
+                })
+            };
+            let first = view(map.share(), first_fixed);
+            if first_fixed {
+                first.fixed_word().store(1, Ordering::Release);
+            }
+            Ok((first, view(map, false)))
+        }
     }
 
     /// Bytes mapped.
@@ -166,6 +219,7 @@ pub fn sealed_memfd(len: usize) -> io::Result<OwnedFd> {
 /// A shared mapping of a memfd between two inaccessible guard pages: a
 /// stray access just past either end faults instead of touching whatever
 /// memory lies next to the region.
+#[cfg(not(miri))]
 struct Mapping {
     /// Start of the reservation (the leading guard page).
     reservation: *mut libc::c_void,
@@ -181,6 +235,7 @@ unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
 
+#[cfg(not(miri))]
 impl Mapping {
     fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
         let page = page_size();
@@ -231,11 +286,84 @@ impl Mapping {
     }
 }
 
+#[cfg(not(miri))]
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: the whole reservation (guards and the shared mapping in
         // it) is ours; every ring end holds the Region, so none outlives it.
         unsafe { libc::munmap(self.reservation, self.reserved) };
+    }
+}
+
+/// Under miri: the region's bytes in one zeroed, page-aligned heap
+/// allocation, shared by every [`Region`] made from it (miri can map
+/// neither a memfd nor guard pages; the ring only needs memory that the
+/// ends reach through raw pointers and atomics).
+#[cfg(miri)]
+struct Mapping {
+    heap: Arc<HeapBytes>,
+    base: *mut u8,
+    len: usize,
+}
+
+#[cfg(miri)]
+struct HeapBytes {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: as for the mapping (whose Send/Sync above cover both of its
+// forms): plain memory owned by this value, its contents governed by the
+// ring protocol.
+#[cfg(miri)]
+unsafe impl Send for HeapBytes {}
+// SAFETY: as above.
+#[cfg(miri)]
+unsafe impl Sync for HeapBytes {}
+
+#[cfg(miri)]
+impl Mapping {
+    fn new(_fd: BorrowedFd<'_>, _len: usize) -> io::Result<Mapping> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "miri cannot map a memfd",
+        ))
+    }
+
+    fn heap(len: usize) -> io::Result<Mapping> {
+        let layout = std::alloc::Layout::from_size_align(len, page_size())
+            .map_err(|_| invalid("region too large"))?;
+        if len == 0 {
+            return Err(invalid("region too small"));
+        }
+        // SAFETY: the layout has a non-zero size (checked above).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+        }
+        Ok(Mapping {
+            heap: Arc::new(HeapBytes { ptr, layout }),
+            base: ptr,
+            len,
+        })
+    }
+
+    #[cfg(test)]
+    fn share(&self) -> Mapping {
+        Mapping {
+            heap: Arc::clone(&self.heap),
+            base: self.base,
+            len: self.len,
+        }
+    }
+}
+
+#[cfg(miri)]
+impl Drop for HeapBytes {
+    fn drop(&mut self) {
+        // SAFETY: allocated in Mapping::heap with this layout; the last
+        // Mapping (and so every ring end) is gone.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
     }
 }
 
@@ -271,6 +399,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "needs memfd_create and mmap of a descriptor")]
     fn a_sealed_memfd_of_the_announced_size_maps() {
         let len = crate::ring::region_len_for(4096);
         let fd = memfd(len as u64, REQUIRED_SEALS);
@@ -280,6 +409,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "needs memfd_create and mmap of a descriptor")]
     fn unsealed_short_long_and_tiny_memfds_are_refused() {
         let len = crate::ring::region_len_for(4096);
         let unsealed = memfd(len as u64, 0);

@@ -32,6 +32,17 @@ impl Mem {
     }
 }
 
+/// `full` natively, `short` under miri (about a thousand times slower): the
+/// streams keep their shape (ring sizes, message sizes, wrap-arounds,
+/// growth) and move fewer bytes.
+pub(super) fn under_miri<T>(full: T, short: T) -> T {
+    if cfg!(miri) {
+        short
+    } else {
+        full
+    }
+}
+
 /// Byte `i` of the test stream with seed `s`.
 fn pattern(s: u64, i: u64) -> u8 {
     let x = (i ^ s).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -182,12 +193,12 @@ fn stream_two_threads(ring: usize, total: u64, max_msg: usize, seed: u64) {
 
 #[test]
 fn two_threads_small_ring_checksummed() {
-    stream_two_threads(4096, 64 << 20, 5000, 11);
+    stream_two_threads(4096, under_miri(64 << 20, 20 << 10), 5000, 11);
 }
 
 #[test]
 fn two_threads_large_ring_checksummed() {
-    stream_two_threads(1 << 20, 512 << 20, 200_000, 12);
+    stream_two_threads(1 << 20, under_miri(512 << 20, 256 << 10), 200_000, 12);
 }
 
 /// A pipe standing in for the TCP doorbell.
@@ -224,6 +235,7 @@ fn ring_bell(fd: &OwnedFd) {
 /// Both sides sleep in the kernel when they cannot proceed (no spinning at
 /// all), so any lost wake-up shows up as a 20 s timeout.
 #[test]
+#[cfg_attr(miri, ignore = "needs a pipe and poll(2) as the doorbell")]
 fn sleep_and_wake_never_loses_a_wakeup() {
     let mut r = Mem::new(region_len_for(4096));
     let (mut p, _) = r.ends(Side::Client);
@@ -297,6 +309,7 @@ fn sleep_and_wake_never_loses_a_wakeup() {
 /// Two processes (fork) share a sealed-size memfd region like the daemon
 /// hands out: the child streams a pattern, the parent checks it.
 #[test]
+#[cfg_attr(miri, ignore = "needs fork and a memfd")]
 fn two_processes_share_a_memfd_region() {
     let len = region_len_for(64 << 10);
     let region = Region::anonymous(len).unwrap();
@@ -413,15 +426,16 @@ fn a_waiting_writer_is_woken_at_half_a_ring() {
 #[test]
 fn blocked_writer_streams_with_few_wakeups() {
     const RING: usize = 64 << 10;
-    const TOTAL: usize = 64 * RING;
+    let fills = under_miri(64, 2);
+    let total = fills * RING;
     let mut r = Mem::new(HEADER_LEN + 2 * RING);
     let (mut tx, _) = r.ends(Side::Client);
     let (_, mut rx) = r.ends(Side::Server);
     let writer = std::thread::spawn(move || {
         let msg = vec![7u8; 16 << 10];
         let (mut sent, mut sleeps) = (0usize, 0u32);
-        while sent < TOTAL {
-            let n = tx.write(&msg[..(TOTAL - sent).min(msg.len())]);
+        while sent < total {
+            let n = tx.write(&msg[..(total - sent).min(msg.len())]);
             sent += n;
             // No doorbell needed: the reader below never sleeps on one.
             let _ = tx.take_reader_wakeup();
@@ -434,7 +448,7 @@ fn blocked_writer_streams_with_few_wakeups() {
     });
     let mut got = 0usize;
     let mut buf = vec![0u8; 4096];
-    while got < TOTAL {
+    while got < total {
         let n = rx.read(&mut buf);
         got += n;
         rx.take_writer_wakeup();
@@ -443,9 +457,12 @@ fn blocked_writer_streams_with_few_wakeups() {
         }
     }
     let sleeps = writer.join().unwrap();
-    assert_eq!(got, TOTAL);
+    assert_eq!(got, total);
     // Each sleep ends with at least half a ring free: at most 2 per ring of data.
-    assert!(sleeps <= 2 * 64 + 1, "writer slept {sleeps} times");
+    assert!(
+        sleeps as usize <= 2 * fills + 1,
+        "writer slept {sleeps} times"
+    );
 }
 
 /// Copies with every mutual misalignment of source and destination (the
@@ -459,7 +476,7 @@ fn misaligned_copies_move_the_right_bytes() {
     let src: Vec<u8> = (0..3 * RING).map(|i| pattern(5, i as u64)).collect();
     let mut dst = vec![0u8; 3 * RING];
     let mut pos = 0u64;
-    for skew in 0..67usize {
+    for skew in 0..under_miri(67usize, 6) {
         let n = 20_000 + skew * 317; // > PIECE, odd sizes, wraps the ring
         let off = skew * 131;
         let s = &src[off..off + n];
@@ -497,6 +514,7 @@ fn resident_pages(r: &Region, i: usize) -> usize {
 /// touches every page for the same traffic (what every connection cost
 /// before rings grew).
 #[test]
+#[cfg_attr(miri, ignore = "needs mincore(2) on a memfd mapping")]
 fn small_traffic_touches_only_the_starting_capacity() {
     const RING: usize = 1 << 20;
     const START: usize = 16 << 10;
@@ -597,9 +615,7 @@ fn capacity_grows_at_empty_moments_only() {
 fn a_fixed_region_keeps_the_full_size() {
     const RING: usize = 64 << 10;
     let len = region_len_for(RING);
-    let fd = crate::region::sealed_memfd(len).unwrap();
-    let daemon = Region::map_memfd_fixed(std::os::fd::AsFd::as_fd(&fd), len).unwrap();
-    let pod = Region::map_memfd(std::os::fd::AsFd::as_fd(&fd), len).unwrap();
+    let (daemon, pod) = Region::twin_mappings(len, true).unwrap();
     let (mut tx, _) = pod.endpoints(Side::Client);
     let (_, mut rx) = daemon.endpoints(Side::Server);
     tx.start_small(4096);
@@ -717,12 +733,24 @@ fn grow_two_threads(ring: usize, start: usize, total: u64, max_msg: usize, seed:
 
 #[test]
 fn growth_races_the_consumer_small_messages() {
-    grow_two_threads(256 << 10, 4096, 64 << 20, 3000, 21);
+    grow_two_threads(
+        under_miri(256 << 10, 32 << 10),
+        4096,
+        under_miri(64 << 20, 128 << 10),
+        3000,
+        21,
+    );
 }
 
 #[test]
 fn growth_races_the_consumer_bulk_stream() {
-    grow_two_threads(1 << 20, 16 << 10, 256 << 20, 200_000, 22);
+    grow_two_threads(
+        under_miri(1 << 20, 128 << 10),
+        16 << 10,
+        under_miri(256 << 20, 512 << 10),
+        under_miri(200_000, 50_000),
+        22,
+    );
 }
 
 /// A thread of the application polling readiness (the library's `Probe`)
@@ -740,7 +768,7 @@ fn readiness_probes_racing_reader_and_writer_threads_see_no_violation() {
     let rx_probe = r.0.probe(Side::Server);
     let tx_probe = r.0.probe(Side::Client);
     // Long enough that the old load order failed in most runs here.
-    let total: u64 = 32 << 20;
+    let total: u64 = under_miri(32 << 20, 32 << 10);
     let done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {

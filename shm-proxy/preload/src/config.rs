@@ -106,7 +106,7 @@ fn read_env() -> Config {
     let log_level = env(c"FLOWLANE_LOG").map(|v| parse_level(&v)).unwrap_or(0);
     let socket = env(c"FLOWLANE_SOCKET")
         .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| flowlane_lane::notify::DEFAULT_DAEMON_SOCKET.to_string())
+        .unwrap_or_else(|| flowlane_defaults::DAEMON_SOCKET.to_string())
         .into();
     let wait_slice_ms = env(c"FLOWLANE_WAIT_SLICE_MS")
         .and_then(|v| v.trim().parse::<i32>().ok())

@@ -48,7 +48,7 @@ pub struct FlowlaneNet {
 }
 
 /// The default of both the built-in IPAM and host-local.
-const DEFAULT_IPAM_DATA_DIR: &str = "/var/lib/cni/networks";
+const DEFAULT_IPAM_DATA_DIR: &str = flowlane_defaults::IPAM_DATA_DIR;
 /// The reference bridge plugin's default bridge name, which flowlane keeps.
 const DEFAULT_BRIDGE: &str = "cni0";
 

@@ -16,7 +16,7 @@ use super::super::result::Route;
 use super::addr::{add, bits, from_bits, network_first_last};
 
 pub const BUILTIN_TYPE: &str = "flowlane";
-pub const DEFAULT_DATA_DIR: &str = "/var/lib/cni/networks";
+pub const DEFAULT_DATA_DIR: &str = flowlane_defaults::IPAM_DATA_DIR;
 
 #[derive(Debug, Clone)]
 pub enum IpamConf {
