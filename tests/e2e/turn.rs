@@ -15,11 +15,14 @@ struct State {
     suite: Option<&'static str>,
     /// How many of its tests are running.
     running: usize,
+    /// The suite that ran last (its tests may all have ended).
+    last: Option<&'static str>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
     suite: None,
     running: 0,
+    last: None,
 });
 static ENDED: Condvar = Condvar::new();
 
@@ -38,7 +41,16 @@ pub fn take(suite: &'static str) -> Turn {
     while s.suite.is_some_and(|running| running != suite) {
         s = ENDED.wait(s).unwrap_or_else(|e| e.into_inner());
     }
+    if s.suite.is_none() && s.last != Some(suite) {
+        // Another suite starts: what the previous one left running for its
+        // later tests goes now, as when each suite was a process that
+        // exited. The Soft-RoCE rig's two idle QEMU guests keep both cores
+        // busy, which would slow (and perturb) every suite after a rig
+        // suite.
+        flowlane_e2e::rdma_vm::shutdown_shared();
+    }
     s.suite = Some(suite);
+    s.last = Some(suite);
     s.running += 1;
     Turn
 }

@@ -10,11 +10,26 @@ pub struct TempDir {
 }
 
 impl TempDir {
-    /// Creates `/tmp/flt-<tag>-<pid>-<n>`.
+    /// Creates `/tmp/flt-<tag>-<pid>-<n>`, a directory no one else has.
+    ///
+    /// Kept short on purpose: suites bind Unix sockets several directories
+    /// below it (the kubelet's plugin registry, containerd's socket), and a
+    /// socket path has at most 107 bytes. The counter is shared by every
+    /// suite of the one e2e binary, so it grows to three or four digits in a
+    /// run; a runtime-style container id here (pid, counter and 16 hex digits
+    /// of the clock) once pushed the CSI registration socket to 108 bytes.
     pub fn new(tag: &str) -> Self {
-        let path = std::env::temp_dir().join(crate::names::container_id(tag));
-        fs::create_dir_all(&path).expect("create temp dir");
-        TempDir { path }
+        let tmp = std::env::temp_dir();
+        loop {
+            let path = tmp.join(crate::names::temp_dir_name(tag));
+            // `create_dir`, not `create_dir_all`: a directory left by an
+            // earlier process with the same pid is never reused.
+            match fs::create_dir(&path) {
+                Ok(()) => return TempDir { path },
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => panic!("create temp dir {}: {e}", path.display()),
+            }
+        }
     }
 
     pub fn path(&self) -> &Path {

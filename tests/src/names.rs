@@ -36,6 +36,13 @@ fn process_token() -> String {
     format!("{}{}", DIGITS[p / 36] as char, DIGITS[p % 36] as char)
 }
 
+/// A temporary directory's name, `flt-<tag>-<pid>-<n>` (see
+/// [`crate::fsutil::TempDir`]: short, for the Unix sockets bound below it).
+pub fn temp_dir_name(tag: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{PREFIX}-{tag}-{}-{n}", std::process::id())
+}
+
 /// A container id as a runtime would make it: long, unique, hex-ish.
 pub fn container_id(tag: &str) -> String {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);

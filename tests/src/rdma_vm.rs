@@ -657,6 +657,17 @@ static SHARED: Mutex<Option<(&'static str, &'static Booted)>> = Mutex::new(None)
 /// `None` only when `FLOWLANE_RDMA_RIG=skip` (a SKIP line is printed); a rig
 /// that cannot boot panics (in this and every later test of the suite) with
 /// the reason.
+/// Shuts down the running suite's rig, if any ([`shared`]); the next call
+/// of [`shared`] boots a fresh one. The e2e binary calls it when another
+/// suite takes its turn (tests/e2e/turn.rs), so idle guests do not outlive
+/// their suite.
+pub fn shutdown_shared() {
+    let mut current = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, Ok(rig))) = current.take() {
+        rig.shutdown();
+    }
+}
+
 #[track_caller]
 pub fn shared() -> Option<&'static RdmaRig> {
     if std::env::var("FLOWLANE_RDMA_RIG").as_deref() == Ok("skip") {
