@@ -103,12 +103,19 @@ impl Region {
     /// `len` bytes on the heap, so the ring's tests run under miri.
     #[cfg(miri)]
     pub fn anonymous(len: usize) -> io::Result<Arc<Region>> {
-        let ring_size = ring_size_for(len).ok_or_else(|| invalid("region too small"))?;
+        Region::heap_view(Mapping::heap(len)?, false)
+    }
+
+    /// Under miri: a region over heap bytes (one view of them; a second
+    /// view of the same bytes is a second process's mapping).
+    #[cfg(miri)]
+    fn heap_view(map: Mapping, fixed: bool) -> io::Result<Arc<Region>> {
+        let ring_size = ring_size_for(map.len).ok_or_else(|| invalid("region too small"))?;
         Ok(Arc::new(Region {
-            map: Mapping::heap(len)?,
+            map,
             ring_size,
             broken: AtomicBool::new(false),
-            fixed: false,
+            fixed,
         }))
     }
 
@@ -133,21 +140,12 @@ impl Region {
         }
         #[cfg(miri)]
         {
-            let ring_size = ring_size_for(len).ok_or_else(|| invalid("region too small"))?;
             let map = Mapping::heap(len)?;
-            let view = |map: Mapping, fixed: bool| {
-                Arc::new(Region {
-                    map,
-                    ring_size,
-                    broken: AtomicBool::new(false),
-                    fixed,
-                })
-            };
-            let first = view(map.share(), first_fixed);
+            let first = Region::heap_view(map.share(), first_fixed)?;
             if first_fixed {
                 first.fixed_word().store(1, Ordering::Release);
             }
-            Ok((first, view(map, false)))
+            Ok((first, Region::heap_view(map, false)?))
         }
     }
 
