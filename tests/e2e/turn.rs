@@ -8,7 +8,9 @@
 //! test of another suite waits until the running suite's tests have ended.
 //! Tests of a suite are adjacent in name order, so no suite waits long.
 
+use std::io::Write;
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Instant;
 
 struct State {
     /// The suite whose tests are running (`module_path!()` of the suite).
@@ -17,12 +19,15 @@ struct State {
     running: usize,
     /// The suite that ran last (its tests may all have ended).
     last: Option<&'static str>,
+    /// When the last suite's first test took its turn.
+    last_started: Option<Instant>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
     suite: None,
     running: 0,
     last: None,
+    last_started: None,
 });
 static ENDED: Condvar = Condvar::new();
 
@@ -48,11 +53,27 @@ pub fn take(suite: &'static str) -> Turn {
         // busy, which would slow (and perturb) every suite after a rig
         // suite.
         flowlane_e2e::rdma_vm::shutdown_shared();
+        if let (Some(last), Some(t0)) = (s.last, s.last_started) {
+            report_duration(last, t0);
+        }
+        s.last_started = Some(Instant::now());
     }
     s.suite = Some(suite);
     s.last = Some(suite);
     s.running += 1;
     Turn
+}
+
+/// Where CI's time goes: one line per suite on the real stderr (libtest
+/// captures only the print macros), from its first test's turn to the next
+/// suite's (the last suite of a run is not reported).
+fn report_duration(suite: &str, started: Instant) {
+    let suite = suite.strip_prefix("e2e::").unwrap_or(suite);
+    let _ = writeln!(
+        std::io::stderr(),
+        "e2e: suite {suite} took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
 }
 
 impl Drop for Turn {

@@ -1,6 +1,6 @@
 //! The Soft-RoCE two-node rig: two QEMU guests booting Debian's kernel, each a
 //! flowlane node with a real RDMA device (`rdma_rxe` on its NIC), joined by a
-//! QEMU socket netdev on 127.0.0.1. This machine's kernel has no RDMA, so real
+//! QEMU socket netdev (one TCP connection) on 127.0.0.1. This machine's kernel has no RDMA, so real
 //! verbs only exist inside the guests.
 //!
 //! The shell side lives in `tests/rdma-vm/` (see `docs/rdma.md`, "Test rig"):
@@ -195,7 +195,7 @@ pub struct RdmaRig {
     bin_dir: PathBuf,
     qemu: Mutex<Vec<(u8, Child)>>,
     keeper: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
-    /// Holds the UDP port pair for the rig's lifetime.
+    /// Holds the port pair for the rig's lifetime.
     _port_lock: File,
     ports: (u16, u16),
     next_job: AtomicU64,
@@ -743,7 +743,8 @@ fn prepare() -> Result<Vec<(String, String)>> {
     Ok(vars)
 }
 
-/// A UDP port pair in 47100-47199 for the socket netdev, claimed with a lock
+/// A TCP port pair in 47100-47199 for the socket netdev (node 1 listens on
+/// the first; the second stays reserved for the pair's layout), claimed with a lock
 /// file held for the rig's lifetime (several rigs may run on one machine), and
 /// checked free by binding it.
 fn claim_ports() -> Result<(File, (u16, u16))> {
@@ -760,12 +761,12 @@ fn claim_ports() -> Result<(File, (u16, u16))> {
         {
             continue;
         }
-        let free = |p: u16| std::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, p)).is_ok();
+        let free = |p: u16| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok();
         if free(first) && free(first + 1) {
             return Ok((lock, (first, first + 1)));
         }
     }
-    bail!("no free UDP port pair in 127.0.0.1:47100-47199")
+    bail!("no free TCP port pair in 127.0.0.1:47100-47199")
 }
 
 /// Removes run dirs whose owning process is gone, keeping the two newest

@@ -537,7 +537,17 @@ impl Link {
     ) -> Result<(), String> {
         let expected = st.recv_seq;
         if imm != expected {
-            return Err(format!("message {imm} arrived, expected {expected}"));
+            let slot = imm % self.cfg.geometry.slots;
+            let mut seen = String::new();
+            self.fabric.read_slot(slot, len as usize, &mut |m| {
+                seen = match Header::decode(m, imm) {
+                    Ok((h, _)) => format!("{:?} seq {} len {}", h.kind, h.seq, h.len),
+                    Err(e) => e.to_string(),
+                };
+            });
+            return Err(format!(
+                "message {imm} arrived, expected {expected} (len {len}, slot holds {seen})"
+            ));
         }
         let slot = imm % self.cfg.geometry.slots;
         let mut parsed = None;

@@ -43,6 +43,15 @@ const WR_RECV: u64 = 2;
 const WR_PLACE: u64 = 3;
 /// Writes one message may carry (a transfer cut at two ring wraps is 3).
 const MAX_WRITES: u32 = 3;
+/// Local ACK timeout exponent: a request unacknowledged for 4.096 µs x 2^18
+/// (about 1.07 s) is retransmitted, `retry_cnt` times. NCCL's default
+/// (NCCL_IB_TIMEOUT). The libibverbs examples' 14 (67 ms) retransmits
+/// whenever the peer is briefly busy: on Soft-RoCE guests whose host was
+/// loaded that meant thousands of duplicate requests per transfer, and this
+/// kernel's rxe answered some of them by completing a write-with-immediate
+/// twice or NAKing it as an invalid request, which fails the link. A dead
+/// peer is found by the keep-alive and the control connection, not by this.
+const ACK_TIMEOUT: u8 = 18;
 /// Busy-poll this long after the last completion before sleeping on the
 /// completion channel: back-to-back messages then cost no syscalls.
 const SPIN: Duration = Duration::from_micros(50);
@@ -313,7 +322,7 @@ impl FabricProvider for VerbsProvider {
             let mut attr = QueuePairAttribute::new();
             attr.setup_state(QueuePairState::ReadyToSend)
                 .setup_sq_psn(half.psn)
-                .setup_timeout(14)
+                .setup_timeout(ACK_TIMEOUT)
                 .setup_retry_cnt(7)
                 .setup_rnr_retry(7)
                 .setup_max_read_atomic(1);

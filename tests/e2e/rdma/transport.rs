@@ -55,6 +55,23 @@ fn stop_server(rig: &RdmaRig, node: u8) -> String {
     .stdout
 }
 
+/// Both guests' Soft-RoCE counters (retries, duplicates, send errors) and
+/// their NIC queue's drops: what the fabric did when a transfer failed.
+fn soft_roce_counters(rig: &RdmaRig) -> String {
+    let mut out = String::new();
+    for node in [1u8, 2] {
+        let r = rig.run(
+            node,
+            "cd /sys/class/infiniband/rxe0/ports/1/hw_counters && grep -v ':0$' -H * | tr '\\n' ' '; \
+             echo; tc -s qdisc show dev eth0 | grep -m1 dropped",
+            T,
+        );
+        let text = r.map(|o| o.stdout).unwrap_or_else(|e| e.to_string());
+        out.push_str(&format!("node{node} soft-roce: {text}\n"));
+    }
+    out
+}
+
 /// The JSON after `@@TAG ` in a job's output.
 fn tagged(out: &str, tag: &str) -> Value {
     let line = out
@@ -83,13 +100,14 @@ fn checked_transfer_over_many_streams_in_both_directions() {
     let out = out.expect("job ran");
     assert!(
         out.success(),
-        "check failed (exit {}):\n{}\n{}\nserver: {server_log}",
+        "check failed (exit {}):\n{}\n{}\nserver: {server_log}\n{}",
         out.status,
         out.stdout,
-        out.stderr
+        out.stderr,
+        soft_roce_counters(&rig)
     );
     let r = tagged(&out.stdout, "CHECK");
-    eprintln!("checked transfer: {r}");
+    eprintln!("checked transfer: {r}\n{}", soft_roce_counters(&rig));
     assert_eq!(r["ok"], true);
     // Every stream's bytes in both directions, as rdma-lane-bench's
     // check_spec defines them (1.5 MB + i*12345 up, 0.7 MB + i*777 down).

@@ -172,6 +172,24 @@ fn evidence(before: &[Option<Counters>], after: &[Option<Counters>]) -> LaneEvid
     e
 }
 
+/// The daemons' recent warnings and errors: why a failed run failed (a
+/// link or stream error shows here, not in the worker's last line).
+fn daemon_warnings(rig: &RdmaRig) -> String {
+    let mut out = String::new();
+    for node in [1u8, 2] {
+        let log = rig.node_log(node, "flowlaned.log");
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .collect();
+        out.push_str(&format!("node{node} flowlaned warnings (last 12):\n"));
+        for l in &lines[lines.len().saturating_sub(12)..] {
+            out.push_str(&format!("  {l}\n"));
+        }
+    }
+    out
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
     AllReduce { workers: u32 },
@@ -452,6 +470,9 @@ fn main() -> Result<()> {
                         ),
                     }
                 ));
+                if r.error.is_some() {
+                    progress(&daemon_warnings(&rig));
+                }
                 rep.runs.push(r);
             }
         }
