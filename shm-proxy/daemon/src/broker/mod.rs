@@ -4,31 +4,32 @@
 //!
 //! Pure state machine over the pod table: it takes an authenticated caller
 //! and a decoded request and returns the answer (and the memfd to pass, if
-//! any). Sockets live in `server.rs`.
+//! any). Sockets live in `server.rs`; what it asks of the kernel and of the
+//! node's files (the registry, `/proc`, memfds, the state files) goes
+//! through one trait, `kernel::Kernel`, so its unit tests run on a double.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::OwnedFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
 use flowlane_lane::proto::{ErrorCode, FallbackReason, NoChannelReason, Request, Response};
-use flowlane_registry::Registry;
 
-use crate::channel_store::{ChannelRecord, ChannelStore};
+use crate::channel_store::ChannelRecord;
 use crate::counters::Counters;
 use crate::identity::ProcessId;
-use crate::listener_store::{ListenerRecord, ListenerStore};
-use crate::memfd;
+use crate::listener_store::ListenerRecord;
 use crate::pods::{PodId, PodTable};
 use crate::ring_watch::{Progress, RingWatch};
-use crate::sockets;
 
 mod admission;
+pub mod kernel;
 mod service;
 mod snapshot;
 
 pub use admission::Admitted;
+pub use kernel::{Kernel, RealKernel};
 
 /// A freshly registered listener is kept this long without checking that
 /// its socket listens (the library registers it just before `listen()`).
@@ -89,17 +90,6 @@ fn plausible_bytes(bytes: u64, age: Duration) -> bool {
             .as_secs()
             .saturating_add(2)
             .saturating_mul(MAX_REPORTED_BYTES_PER_SEC)
-}
-
-/// How the broker decides that a registry entry still describes a live pod.
-#[derive(Debug, Clone, Copy)]
-enum NetnsCheck {
-    /// The entry's namespace path must be a namespace file (device
-    /// `nsfs_dev`) with the recorded inode.
-    Verify { nsfs_dev: u64 },
-    /// Unit tests with made-up inodes.
-    #[cfg(test)]
-    Off,
 }
 
 /// The answer to one request.
@@ -212,11 +202,11 @@ pub struct DaemonFacts {
 }
 
 pub struct Broker {
-    registry: Registry,
-    registry_stamp: Vec<(PathBuf, u64)>,
+    /// The kernel and the node's files (`kernel.rs`).
+    kernel: Box<dyn Kernel>,
+    registry_stamp: kernel::RegistryStamp,
     pods: PodTable,
     listeners: BTreeMap<(PodId, SocketAddr), Vec<ProcessId>>,
-    store: ListenerStore,
     pending: HashMap<IntentKey, Pending>,
     pending_ids: HashMap<u64, IntentKey>,
     active: BTreeMap<u64, Active>,
@@ -240,11 +230,9 @@ pub struct Broker {
     node_netns: Vec<u64>,
     /// A group whose members (in `node_netns`) are administrators too.
     admin_gid: Option<u32>,
-    netns_check: NetnsCheck,
     /// Connections a predecessor brokered (saved at its graceful stop):
     /// whose pods may report their close, and which sides did.
     inherited: HashMap<u64, ChannelRecord>,
-    channel_store: ChannelStore,
     /// The injection probes' verdicts for this node's pods.
     injections: crate::injections::Injections,
     /// The cluster's Service CIDRs and the node's conntrack table that
@@ -253,25 +241,10 @@ pub struct Broker {
 }
 
 impl Broker {
-    /// A broker for the node whose registry lives in `facts.state_dir`;
-    /// reads the registry and the saved listeners.
-    pub fn new(facts: DaemonFacts, limits: Limits) -> Self {
-        let nsfs_dev = crate::identity::nsfs_dev().unwrap_or_else(|e| {
-            // No pod can be verified: every client stays on TCP.
-            tracing::error!(error = %e, "cannot stat /proc/self/ns/net; no pod will be trusted");
-            u64::MAX
-        });
-        Self::with_check(facts, limits, NetnsCheck::Verify { nsfs_dev })
-    }
-
-    /// A broker that takes the registry's inodes at their word (unit tests
-    /// with made-up inodes).
-    #[cfg(test)]
-    fn trusting_registry(facts: DaemonFacts, limits: Limits) -> Self {
-        Self::with_check(facts, limits, NetnsCheck::Off)
-    }
-
-    fn with_check(facts: DaemonFacts, limits: Limits, netns_check: NetnsCheck) -> Self {
+    /// A broker for the node `kernel` shows (the daemon's: `RealKernel`
+    /// over `facts.state_dir`); reads the registry and the saved
+    /// listeners.
+    pub fn new(facts: DaemonFacts, limits: Limits, kernel: Box<dyn Kernel>) -> Self {
         // Channel ids stay unique across restarts: connections brokered by
         // an earlier daemon still report their ids when they close.
         let now_ms = SystemTime::now()
@@ -279,11 +252,9 @@ impl Broker {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         let mut b = Broker {
-            registry: Registry::new(&facts.state_dir),
             registry_stamp: Vec::new(),
             pods: PodTable::default(),
             listeners: BTreeMap::new(),
-            store: ListenerStore::new(&facts.state_dir),
             pending: HashMap::new(),
             pending_ids: HashMap::new(),
             active: BTreeMap::new(),
@@ -295,14 +266,10 @@ impl Broker {
             limits,
             started: Instant::now(),
             listener_since: HashMap::new(),
-            node_netns: crate::identity::own_netns_inode()
-                .into_iter()
-                .chain([crate::identity::INIT_NETNS_INODE])
-                .collect(),
+            node_netns: kernel.node_netns(),
             admin_gid: None,
-            netns_check,
             inherited: HashMap::new(),
-            channel_store: ChannelStore::new(&facts.state_dir),
+            kernel,
             injections: Default::default(),
             services: Default::default(),
             facts,
@@ -311,8 +278,8 @@ impl Broker {
         // Taken, not read: after a crash the next start must not find the
         // records of a stop before it.
         b.inherited = b
-            .channel_store
-            .take()
+            .kernel
+            .take_connections()
             .into_iter()
             .filter(|r| {
                 r.id < b.first_id && b.pods.contains(r.client_pod) && b.pods.contains(r.server_pod)
@@ -320,8 +287,8 @@ impl Broker {
             .map(|r| (r.id, r))
             .collect();
         let mut restored = 0;
-        for rec in b.store.load() {
-            if b.pods.contains(rec.pod) && rec.process.is_alive() {
+        for rec in b.kernel.load_listeners() {
+            if b.pods.contains(rec.pod) && b.kernel.is_alive(&rec.process) {
                 b.add_listener(rec.pod, rec.addr, rec.process);
                 restored += 1;
             }
@@ -355,39 +322,31 @@ impl Broker {
 
     /// Whether a registry entry still names a live namespace.
     fn entry_is_live(&self, path: &str, inode: u64) -> bool {
-        match self.netns_check {
-            NetnsCheck::Verify { nsfs_dev } => crate::pods::netns_is_live(path, inode, nsfs_dev),
-            #[cfg(test)]
-            NetnsCheck::Off => true,
-        }
+        self.kernel.netns_is_live(path, inode)
     }
 
     /// Whether pod `pod` is in the table and its namespace is still the
     /// one its entry recorded (checked on every request that needs the
     /// caller's pod: one stat).
     fn pod_is_live(&self, pod: PodId) -> bool {
-        match self.netns_check {
-            NetnsCheck::Verify { nsfs_dev } => self.pods.get(pod).is_some_and(|p| {
-                p.netns_paths
-                    .iter()
-                    .any(|path| crate::pods::netns_is_live(path, pod, nsfs_dev))
-            }),
-            #[cfg(test)]
-            NetnsCheck::Off => self.pods.contains(pod),
-        }
+        self.pods.get(pod).is_some_and(|p| {
+            p.netns_paths
+                .iter()
+                .any(|path| self.kernel.netns_is_live(path, pod))
+        })
     }
 
     /// Rereads the pod registry and forgets listeners and pending channels
     /// of pods that left.
     pub fn reload_registry(&mut self) {
-        let attachments = match self.registry.list() {
+        let attachments = match self.kernel.registry() {
             Ok(a) => a,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the pod registry; keeping the old view");
                 return;
             }
         };
-        self.registry_stamp = registry_stamp(self.registry.root());
+        self.registry_stamp = self.kernel.registry_stamp();
         // A runtime that crashed before CNI DEL leaves entries whose
         // namespace is gone; the kernel may give their inodes to new
         // namespaces, which must not become those pods.
@@ -431,7 +390,7 @@ impl Broker {
     /// read (cheap: a few stat calls), so unknown callers cannot make the
     /// daemon parse the registry over and over.
     fn reload_if_changed(&mut self) -> bool {
-        if registry_stamp(self.registry.root()) != self.registry_stamp {
+        if self.kernel.registry_stamp() != self.registry_stamp {
             self.reload_registry();
             true
         } else {
@@ -672,7 +631,10 @@ impl Broker {
             return true;
         }
         caller.process.is_some_and(|p| {
-            crate::identity::groups_of(p.pid).is_ok_and(|g| g.contains(&admin)) && p.is_alive()
+            self.kernel
+                .groups_of(p.pid)
+                .is_ok_and(|g| g.contains(&admin))
+                && self.kernel.is_alive(&p)
         })
     }
 
@@ -768,7 +730,7 @@ impl Broker {
         for addr in Self::listener_candidates(dst) {
             if let Some(procs) = self.listeners.get_mut(&(pod, addr)) {
                 let before = procs.len();
-                procs.retain(ProcessId::is_alive);
+                procs.retain(|p| self.kernel.is_alive(p));
                 pruned |= procs.len() != before;
                 if procs.is_empty() {
                     self.listeners.remove(&(pod, addr));
@@ -840,7 +802,9 @@ impl Broker {
 
         let id = self.next_id;
         self.next_id += 1;
-        let created = memfd::create_sealed(&format!("flowlane-ch-{id}"), region_len)
+        let created = self
+            .kernel
+            .channel_memfd(&format!("flowlane-ch-{id}"), region_len)
             .and_then(|fd| Ok((fd.try_clone()?, fd)));
         let (client_copy, kept) = match created {
             Ok(fds) => fds,
@@ -1152,7 +1116,7 @@ impl Broker {
             })
             .chain(self.inherited.values().cloned())
             .collect();
-        match self.channel_store.save(&records) {
+        match self.kernel.save_connections(&records) {
             Ok(()) => tracing::info!(
                 connections = records.len(),
                 "live connections saved for the next daemon"
@@ -1209,12 +1173,15 @@ impl Broker {
         }
         self.last_sweep = Some(now);
         let mut alive: HashMap<ProcessId, bool> = HashMap::new();
-        let mut is_alive = |p: &ProcessId| *alive.entry(*p).or_insert_with(|| p.is_alive());
+        let mut is_alive = |kernel: &dyn Kernel, p: &ProcessId| {
+            *alive.entry(*p).or_insert_with(|| kernel.is_alive(p))
+        };
+        let kernel = &*self.kernel;
         let dead: Vec<u64> = self
             .active
             .values()
             .filter(|c| {
-                let mut gone = |p: Option<ProcessId>| p.is_none_or(|p| !is_alive(&p));
+                let mut gone = |p: Option<ProcessId>| p.is_none_or(|p| !is_alive(kernel, &p));
                 c.progress().both_closed || (gone(c.client_process) && gone(c.server_process))
             })
             .map(|c| c.id)
@@ -1224,13 +1191,14 @@ impl Broker {
         }
         // Inherited connections whose processes are all gone will not
         // report any more.
+        let kernel = &*self.kernel;
         self.inherited.retain(|_, r| {
-            let mut gone = |p: Option<ProcessId>| p.is_none_or(|p| !is_alive(&p));
+            let mut gone = |p: Option<ProcessId>| p.is_none_or(|p| !is_alive(kernel, &p));
             !(gone(r.client_process) && gone(r.server_process))
         });
         let before: usize = self.listeners.values().map(Vec::len).sum();
         for procs in self.listeners.values_mut() {
-            procs.retain(&mut is_alive);
+            procs.retain(|p| is_alive(kernel, p));
         }
         let since = &self.listener_since;
         self.listeners.retain(|key, procs| {
@@ -1243,9 +1211,9 @@ impl Broker {
             // (checked through a process of it; unreadable = keep).
             !procs.is_empty()
                 && (young
-                    || procs.first().is_some_and(|p| {
-                        sockets::netns_listens_on(p.pid, key.1.port()).unwrap_or(true)
-                    }))
+                    || procs
+                        .first()
+                        .is_some_and(|p| kernel.listens_on(p.pid, key.1.port()).unwrap_or(true)))
         });
         let listeners = &self.listeners;
         self.listener_since
@@ -1268,7 +1236,7 @@ impl Broker {
                 })
             })
             .collect();
-        if let Err(e) = self.store.save(&records) {
+        if let Err(e) = self.kernel.save_listeners(&records) {
             tracing::warn!(error = %e, "cannot save the listener table");
         }
     }
@@ -1343,26 +1311,8 @@ fn canonical_request(req: Request) -> Request {
     }
 }
 
-/// The registry's entries as (path, inode) pairs: an added, removed or
-/// replaced entry (the registry renames a new file into place) changes it.
-/// Directory mtimes would be cheaper but have coarse (jiffy) resolution, so
-/// two changes within a few milliseconds could look like one.
-fn registry_stamp(root: &Path) -> Vec<(PathBuf, u64)> {
-    use std::os::unix::fs::DirEntryExt;
-    let mut out = Vec::new();
-    let Ok(networks) = std::fs::read_dir(root) else {
-        return out;
-    };
-    for net in networks.flatten() {
-        let Ok(entries) = std::fs::read_dir(net.path()) else {
-            continue;
-        };
-        out.extend(entries.flatten().map(|e| (e.path(), e.ino())));
-    }
-    out.sort();
-    out
-}
-
+#[cfg(test)]
+mod fake_kernel;
 #[cfg(test)]
 mod service_tests;
 #[cfg(test)]
