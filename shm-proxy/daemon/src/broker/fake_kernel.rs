@@ -22,6 +22,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io;
+use std::net::IpAddr;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -48,6 +49,8 @@ struct Node {
     groups: HashMap<u32, Vec<u32>>,
     listening: HashSet<u16>,
     listener_file: Vec<ListenerRecord>,
+    /// What the broker last published for the peer table.
+    published: Option<Vec<IpAddr>>,
     connection_file: Option<Vec<ChannelRecord>>,
 }
 
@@ -120,6 +123,11 @@ impl FakeKernel {
         self.node().listening.remove(&port);
     }
 
+    /// The pod addresses the broker last published (peer table).
+    pub fn published(&self) -> Option<Vec<IpAddr>> {
+        self.node().published.clone()
+    }
+
     fn runs(n: &Node, pid: u32) -> io::Result<()> {
         if n.running.iter().any(|p| p.pid == pid) {
             Ok(())
@@ -150,6 +158,10 @@ impl Kernel for FakeKernel {
 
     fn netns_is_live(&self, path: &str, inode: u64) -> bool {
         !path.is_empty() && self.node().namespaces.get(path) == Some(&inode)
+    }
+
+    fn publish_pods(&self, pod_ips: &[IpAddr]) {
+        self.node().published = Some(pod_ips.to_vec());
     }
 
     fn node_netns(&self) -> Vec<u64> {

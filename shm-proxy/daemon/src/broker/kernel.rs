@@ -5,12 +5,18 @@
 //! processes or state directory.
 //!
 //! Grouped by what the broker asks, not by system call. `RealKernel` is
-//! the code the broker ran itself before (moved, not rewritten); its own
-//! tests are next to that code: `crate::sockets` (a real listener seen and
-//! gone), `crate::identity` (liveness, groups, namespaces),
-//! `crate::pods::netns_is_live`, `crate::memfd`, the two stores.
+//! the code the broker ran itself before (moved, not rewritten). The
+//! seam's own tests: this file's (the real registry, `/proc`, a memfd)
+//! and those next to the code it calls: `crate::sockets` (a real listener
+//! seen and gone), `crate::identity`, `crate::pods::netns_is_live`,
+//! `crate::memfd`, the two stores.
+//!
+//! Left outside: the clock, and `RingWatch`'s `pread` of a channel's
+//! region through the fd the broker keeps (the rings are the tests' real
+//! memfds, which they write to move the live byte counts).
 
 use std::io;
+use std::net::IpAddr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
@@ -33,6 +39,9 @@ pub trait Kernel: Send {
     /// Whether a registry entry's namespace `path` is still a network
     /// namespace with inode `inode` (not gone, not another one now).
     fn netns_is_live(&self, path: &str, inode: u64) -> bool;
+    /// The registry was reread: the node's pod addresses, for the peer
+    /// table the libraries read (`crate::peer_table`).
+    fn publish_pods(&self, pod_ips: &[IpAddr]);
     /// The network namespaces whose administrators are the node's: the
     /// daemon's own and the initial one.
     fn node_netns(&self) -> Vec<u64>;
@@ -94,6 +103,10 @@ impl Kernel for RealKernel {
         crate::pods::netns_is_live(path, inode, self.nsfs_dev)
     }
 
+    fn publish_pods(&self, pod_ips: &[IpAddr]) {
+        crate::peer_table::pods_changed(pod_ips);
+    }
+
     fn node_netns(&self) -> Vec<u64> {
         crate::identity::own_netns_inode()
             .into_iter()
@@ -152,4 +165,64 @@ fn registry_stamp(root: &Path) -> RegistryStamp {
     }
     out.sort();
     out
+}
+
+/// The seam's own test: `RealKernel` answers from the real registry,
+/// `/proc` and memfds (a real listener seen and gone: `crate::sockets`).
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_real_kernel_sees_registry_changes_this_process_and_its_namespace() {
+        let dir = std::env::temp_dir().join(format!("fld-kernel-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let k = RealKernel::new(&dir);
+        assert!(k.registry().unwrap().is_empty());
+        let empty = k.registry_stamp();
+        let own = crate::identity::own_netns_inode().unwrap();
+        let entry = Attachment {
+            network: "n".into(),
+            container_id: "c1".into(),
+            ifname: "eth0".into(),
+            netns: "/proc/self/ns/net".into(),
+            netns_inode: own,
+            ips: vec!["10.202.7.1/24".into()],
+            mac: String::new(),
+            pod_namespace: None,
+            pod_name: None,
+            pod_uid: None,
+            created_unix: 0,
+        };
+        let reg = Registry::new(&dir);
+        reg.put(&entry).unwrap();
+        let one = k.registry_stamp();
+        assert_ne!(one, empty);
+        assert_eq!(k.registry().unwrap().len(), 1);
+        // Replaced in place (a new file renamed over it): another stamp.
+        reg.put(&entry).unwrap();
+        assert_ne!(k.registry_stamp(), one);
+        reg.remove("n", "c1", "eth0").unwrap();
+        assert_eq!(k.registry_stamp(), empty);
+
+        assert!(k.netns_is_live("/proc/self/ns/net", own));
+        assert!(!k.netns_is_live("/proc/self/ns/net", own + 1));
+        assert!(!k.netns_is_live("", own));
+        assert!(k.node_netns().contains(&own));
+        assert!(k.node_netns().contains(&crate::identity::INIT_NETNS_INODE));
+
+        let me = ProcessId::of(std::process::id()).unwrap();
+        assert!(k.is_alive(&me));
+        assert!(!k.is_alive(&ProcessId {
+            start: me.start + 1,
+            ..me
+        }));
+        assert!(k.groups_of(me.pid).is_ok());
+
+        let fd = k.channel_memfd("fld-kernel-test", 8192).unwrap();
+        let f = std::fs::File::from(fd);
+        assert_eq!(f.metadata().unwrap().len(), 8192);
+        assert!(f.set_len(4096).is_err(), "sealed");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -8,6 +8,7 @@ use super::tests::{node, pod, sa};
 use super::*;
 use crate::conntrack::{Conntrack, Mapping};
 use flowlane_lane::peer_table::Entry;
+use flowlane_lane::proto::NoChannelReason;
 
 /// Entries by original (src, dst); shared with the test.
 #[derive(Clone, Default)]

@@ -3,7 +3,13 @@
 //! are in tests/e2e/daemon/*.rs; the real kernel's, next to its code
 //! (`kernel.rs`).
 
+use std::net::Ipv4Addr;
+
+use flowlane_lane::proto::NoChannelReason;
+
+use super::connections::plausible_bytes;
 use super::fake_kernel::{FakeKernel, NODE_NETNS};
+use super::listeners::LISTENER_GRACE;
 use super::*;
 use flowlane_registry::Attachment;
 
@@ -729,6 +735,13 @@ fn listeners_survive_a_restart_and_leave_with_their_pod() {
     again.handle(&on_node(0, 0), Request::RegistryChanged);
     assert_eq!(again.stats().listeners.len(), 0);
     assert_eq!(again.pod_count(), 2);
+    // The peer table lists the pods that are left.
+    let mut published = n.kernel.published().unwrap();
+    published.sort();
+    assert_eq!(
+        published,
+        [sa("10.202.9.1:0").ip(), sa("10.202.9.3:0").ip()]
+    );
 }
 
 fn forbidden(r: &Response) -> bool {
