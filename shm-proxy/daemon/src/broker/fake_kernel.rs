@@ -1,6 +1,6 @@
 //! The unit tests' kernel: a node the test describes (registry entries,
 //! pinned namespaces, running processes, listening ports, the state
-//! files), answering as `RealKernel` would for such a node. Shared by
+//! files, the peer table), answering as `RealKernel` would for such a node. Shared by
 //! clones, so a test changes the node under a running broker and a
 //! successor broker finds what its predecessor saved.
 //!
@@ -14,7 +14,8 @@
 //!   network namespace, as the test processes the tests used before did;
 //! - the registry stamp changes on every put and removal (each put is a new
 //!   file, as the registry renames one into place);
-//! - the connection file is taken once.
+//! - the connection file is taken once;
+//! - the peer table holds what was last published.
 //!
 //! Channel regions are real memfds (`crate::memfd`): tests map them and
 //! write the rings to check the live byte counts, and a memfd is no socket,

@@ -1,7 +1,7 @@
 //! The broker's unit tests, on the fake kernel (`fake_kernel.rs`): no
-//! sockets, ports, processes or files of their own. The real-netns checks
-//! are in tests/e2e/daemon/*.rs; the real kernel's, next to its code
-//! (`kernel.rs`).
+//! sockets, ports, processes, `/proc` reads or files on disk (channel
+//! regions are memfds). The real-netns checks are in tests/e2e/daemon/*.rs;
+//! the real kernel's, next to its code (`kernel.rs`).
 
 use std::net::Ipv4Addr;
 
