@@ -384,7 +384,8 @@ async fn run(args: Args, limits: Limits) -> anyhow::Result<()> {
         state_dir: args.state_dir.clone(),
         socket: args.socket.clone(),
     };
-    let shared = server::Shared::new(Broker::new(facts, limits));
+    let kernel = Box::new(broker::RealKernel::new(&facts.state_dir));
+    let shared = server::Shared::new(Broker::new(facts, limits, kernel));
     shared.lock().set_admin_gid(args.admin_gid);
     // Signals first, so a SIGTERM right after start is handled gracefully.
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -573,6 +573,7 @@ mod tests {
                 socket: socket.clone(),
             },
             crate::broker::Limits::default(),
+            Box::new(crate::broker::RealKernel::new(&dir)),
         ));
         let ready = Readiness {
             socket: socket.clone(),

@@ -486,7 +486,8 @@ mod tests {
                 state_dir: dir.clone(),
                 socket: socket.clone(),
             };
-            let shared = Shared::new(Broker::new(facts, Limits::default()));
+            let kernel = Box::new(crate::broker::RealKernel::new(&facts.state_dir));
+            let shared = Shared::new(Broker::new(facts, Limits::default(), kernel));
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
                 .enable_all()

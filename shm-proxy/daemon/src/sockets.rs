@@ -60,7 +60,7 @@ fn table_listens_on(table: &str, port: u16) -> bool {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     #[test]
@@ -78,8 +78,8 @@ pub(crate) mod tests {
     /// A TCP socket of the test's namespace bound to `ip`:`port` (0: any)
     /// with SO_REUSEPORT only, not listening: while it lives, no socket
     /// without SO_REUSEPORT (another test's bind(0) listener) can take the
-    /// port. Also used by the broker's tests.
-    pub(crate) fn bound_socket(ip: [u8; 4], port: u16) -> (std::os::fd::OwnedFd, u16) {
+    /// port.
+    fn bound_socket(ip: [u8; 4], port: u16) -> (std::os::fd::OwnedFd, u16) {
         use nix::sys::socket::{bind, getsockname, setsockopt, socket, sockopt};
         use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn};
         use std::os::fd::AsRawFd;

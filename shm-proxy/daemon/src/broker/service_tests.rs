@@ -8,6 +8,7 @@ use super::tests::{node, pod, sa};
 use super::*;
 use crate::conntrack::{Conntrack, Mapping};
 use flowlane_lane::peer_table::Entry;
+use flowlane_lane::proto::NoChannelReason;
 
 /// Entries by original (src, dst); shared with the test.
 #[derive(Clone, Default)]
@@ -108,10 +109,11 @@ fn no_channel(r: &Response, why: NoChannelReason) -> bool {
 }
 
 fn same_file(a: &OwnedFd, b: &OwnedFd) -> bool {
-    use std::os::fd::AsRawFd;
     use std::os::unix::fs::MetadataExt;
     let ino = |fd: &OwnedFd| {
-        let m = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+        let m = std::fs::File::from(fd.try_clone().unwrap())
+            .metadata()
+            .unwrap();
         (m.dev(), m.ino())
     };
     ino(a) == ino(b)

@@ -1,57 +1,80 @@
-//! The broker's unit tests (the real-netns checks are in
-//! tests/e2e/daemon/*.rs).
+//! The broker's unit tests, on the fake kernel (`fake_kernel.rs`): no
+//! sockets, ports, processes, `/proc` reads or files on disk (channel
+//! regions are memfds). The real-netns checks are in tests/e2e/daemon/*.rs;
+//! the real kernel's, next to its code (`kernel.rs`).
 
+use std::net::Ipv4Addr;
+
+use flowlane_lane::proto::NoChannelReason;
+
+use super::connections::plausible_bytes;
+use super::fake_kernel::{FakeKernel, NODE_NETNS};
+use super::listeners::LISTENER_GRACE;
 use super::*;
 use flowlane_registry::Attachment;
 
 pub(super) struct Node {
-    dir: PathBuf,
+    pub(super) kernel: FakeKernel,
     pub(super) broker: Broker,
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+/// The process every pod's caller and the node's are (as the test process
+/// was all of them).
+const ME: ProcessId = ProcessId {
+    pid: 4242,
+    start: 1,
+};
+
+/// A registry entry `id` with namespace `netns` (inode `inode`) and `ip`/24.
+fn entry(id: &str, netns: String, inode: u64, ip: &str) -> Attachment {
+    Attachment {
+        network: "n".into(),
+        container_id: id.into(),
+        ifname: "eth0".into(),
+        netns,
+        netns_inode: inode,
+        ips: vec![format!("{ip}/24")],
+        mac: String::new(),
+        pod_namespace: Some("default".into()),
+        pod_name: Some(id.into()),
+        pod_uid: None,
+        created_unix: 0,
     }
 }
 
-/// Pods 1 (10.202.9.1), 2 (10.202.9.2), 3 (10.202.9.3); inodes are fake
-/// here (the real-netns checks are in tests/e2e/daemon/*.rs).
+/// A broker on `kernel`'s node (what the daemon's `main` makes).
+fn broker_on(kernel: &FakeKernel, name: &str, limits: Limits) -> Broker {
+    let dir = PathBuf::from(format!("/fake/state-{name}"));
+    let facts = DaemonFacts {
+        socket: dir.join("s.sock"),
+        state_dir: dir,
+    };
+    Broker::new(facts, limits, Box::new(kernel.clone()))
+}
+
+/// Pods 1 (10.202.9.1), 2 (10.202.9.2), 3 (10.202.9.3), their namespaces
+/// pinned with inodes 1, 2, 3 (the real-netns checks are in
+/// tests/e2e/daemon/*.rs).
 pub(super) fn node(name: &str, limits: Limits) -> Node {
-    let dir = std::env::temp_dir().join(format!("fld-broker-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let reg = Registry::new(&dir);
+    let kernel = FakeKernel::default();
+    kernel.run(ME);
     for i in 1..=3u64 {
-        reg.put(&Attachment {
-            network: "n".into(),
-            container_id: format!("c{i}"),
-            ifname: "eth0".into(),
-            netns: String::new(),
-            netns_inode: i,
-            ips: vec![format!("10.202.9.{i}/24")],
-            mac: String::new(),
-            pod_namespace: Some("default".into()),
+        let netns = format!("/var/run/netns/pod{i}");
+        kernel.pin_netns(&netns, i);
+        kernel.put(Attachment {
             pod_name: Some(format!("pod{i}")),
-            pod_uid: None,
-            created_unix: 0,
-        })
-        .unwrap();
+            ..entry(&format!("c{i}"), netns, i, &format!("10.202.9.{i}"))
+        });
     }
-    let broker = Broker::trusting_registry(
-        DaemonFacts {
-            state_dir: dir.clone(),
-            socket: dir.join("s.sock"),
-        },
-        limits,
-    );
-    Node { dir, broker }
+    let broker = broker_on(&kernel, name, limits);
+    Node { kernel, broker }
 }
 
 /// A root process of pod `i` (pods run as any uid, root included).
 pub(super) fn pod(i: u64) -> Caller {
     Caller {
         netns: Some(i),
-        process: Some(ProcessId::of(std::process::id()).unwrap()),
+        process: Some(ME),
         uid: Some(0),
         gid: Some(0),
     }
@@ -60,8 +83,8 @@ pub(super) fn pod(i: u64) -> Caller {
 /// A process of uid/gid in the daemon's own network namespace.
 fn on_node(uid: u32, gid: u32) -> Caller {
     Caller {
-        netns: Some(crate::identity::own_netns_inode().unwrap()),
-        process: Some(ProcessId::of(std::process::id()).unwrap()),
+        netns: Some(NODE_NETNS),
+        process: Some(ME),
         uid: Some(uid),
         gid: Some(gid),
     }
@@ -69,28 +92,6 @@ fn on_node(uid: u32, gid: u32) -> Caller {
 
 pub(super) fn sa(s: &str) -> SocketAddr {
     s.parse().unwrap()
-}
-
-/// A TCP socket bound to 0.0.0.0:`port` (0: any), SO_REUSEPORT, not listening.
-fn bound_socket(port: u16) -> (std::os::fd::OwnedFd, u16) {
-    crate::sockets::tests::bound_socket([0, 0, 0, 0], port)
-}
-
-/// A port that no socket without SO_REUSEPORT can bind, so no other
-/// test's listener takes it, while the returned socket (bound, never
-/// listening) lives. A port taken from a listener that was closed again
-/// can be handed to a concurrent test's bind(0) and be listening at the
-/// next sweep (1 in ~5700 pairs of binds here).
-fn reserved_port() -> (std::os::fd::OwnedFd, u16) {
-    bound_socket(0)
-}
-
-/// A socket listening on a port from `reserved_port`.
-fn listen_on(port: u16) -> std::os::fd::OwnedFd {
-    use nix::sys::socket::{listen, Backlog};
-    let (fd, _) = bound_socket(port);
-    listen(&fd, Backlog::new(16).unwrap()).unwrap();
-    fd
 }
 
 #[test]
@@ -650,18 +651,15 @@ fn dual_stack_sockets_with_ipv4_mapped_addresses_match() {
 fn a_claiming_process_keeps_the_listener_after_the_listening_one_exits() {
     let mut n = node("prefork", Limits::default());
     let b = &mut n.broker;
-    // Registrations are checked against real listening sockets of the
-    // pod's namespace (here: the test's own).
-    let (_reserved, port) = reserved_port();
-    let socket = listen_on(port);
+    // Registrations are checked against the listening sockets of the
+    // pod's namespace.
+    let port = 30080;
+    n.kernel.listen(port);
     let listen_addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
     let server_addr = SocketAddr::new("10.202.9.2".parse().unwrap(), port);
-    let mut parent = std::process::Command::new("sleep")
-        .arg("60")
-        .spawn()
-        .unwrap();
+    let parent = n.kernel.start_process();
     let as_parent = Caller {
-        process: Some(ProcessId::of(parent.id()).unwrap()),
+        process: Some(parent),
         ..pod(2)
     };
     let r = b.handle(&as_parent, Request::RegisterListener { addr: listen_addr });
@@ -687,14 +685,13 @@ fn a_claiming_process_keeps_the_listener_after_the_listening_one_exits() {
         },
     );
     assert!(matches!(r.response, Response::Channel { .. }));
-    parent.kill().unwrap();
-    parent.wait().unwrap();
+    n.kernel.exit(parent);
     b.tick(Instant::now());
     assert_eq!(b.stats().listeners.len(), 1);
     assert!(matches!(intent(b, 5001), Response::Channel { .. }));
     // The listening socket closes without an unregister: the next sweep
     // drops the registration.
-    drop(socket);
+    n.kernel.close_listener(port);
     b.tick(Instant::now() + Duration::from_secs(10));
     assert!(b.stats().listeners.is_empty());
     assert!(matches!(intent(b, 5002), Response::NoChannel { .. }));
@@ -705,8 +702,8 @@ fn a_listener_registered_just_before_listen_survives_the_sweep() {
     let mut n = node("grace", Limits::default());
     let b = &mut n.broker;
     // The library registers before its real listen(): its socket is
-    // bound, not listening, like this reservation.
-    let (bound, port) = reserved_port();
+    // bound, not listening (nothing listens on the port).
+    let port = 30081;
     let addr = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
     // Taken before the registration, so the registration is at most
     // 3 s old at `t0 + 3 s` however long the registering call took.
@@ -720,7 +717,6 @@ fn a_listener_registered_just_before_listen_survives_the_sweep() {
     // Still not listening after the grace: gone.
     b.tick(registered_by + LISTENER_GRACE + Duration::from_secs(1));
     assert!(b.stats().listeners.is_empty());
-    drop(bound);
 }
 
 #[test]
@@ -733,12 +729,19 @@ fn listeners_survive_a_restart_and_leave_with_their_pod() {
         },
     );
     let facts = n.broker.facts.clone();
-    let mut again = Broker::trusting_registry(facts, Limits::default());
+    let mut again = Broker::new(facts, Limits::default(), Box::new(n.kernel.clone()));
     assert_eq!(again.stats().listeners.len(), 1);
-    Registry::new(&n.dir).remove("n", "c2", "eth0").unwrap();
+    n.kernel.remove("c2");
     again.handle(&on_node(0, 0), Request::RegistryChanged);
     assert_eq!(again.stats().listeners.len(), 0);
     assert_eq!(again.pod_count(), 2);
+    // The peer table lists the pods that are left.
+    let mut published = n.kernel.published().unwrap();
+    published.sort();
+    assert_eq!(
+        published,
+        [sa("10.202.9.1:0").ip(), sa("10.202.9.3:0").ip()]
+    );
 }
 
 fn forbidden(r: &Response) -> bool {
@@ -782,8 +785,8 @@ fn node_requests_only_from_the_nodes_administrators() {
     assert!(ask(b, &on_node(65534, 4242)));
     assert!(!ask(b, &on_node(65534, 65534)));
     // A supplementary group of the calling process counts too.
-    let me = std::process::id();
-    if let Some(g) = crate::identity::groups_of(me).unwrap().first() {
+    n.kernel.set_groups(ME.pid, vec![24, 27]);
+    if let Some(g) = n.kernel.groups_of(ME.pid).unwrap().first() {
         b.set_admin_gid(Some(*g));
         assert!(ask(b, &on_node(65534, u32::MAX - 1)));
     }
@@ -921,7 +924,8 @@ fn a_successor_counts_a_handed_over_connection_once_per_side_from_its_pods() {
     // Ids are time-based: the successor's start after this one's ids.
     std::thread::sleep(Duration::from_millis(5));
     let facts = n.broker.facts.clone();
-    let mut b = Broker::trusting_registry(facts.clone(), Limits::default());
+    let kernel = || -> Box<dyn Kernel> { Box::new(n.kernel.clone()) };
+    let mut b = Broker::new(facts.clone(), Limits::default(), kernel());
     let bytes = |b: &Broker| b.stats().lanes[SHM_LANE].bytes;
     assert!(forbidden(&closed(&mut b, 3, id, 1 << 30, 0)));
     assert!(matches!(
@@ -950,60 +954,30 @@ fn a_successor_counts_a_handed_over_connection_once_per_side_from_its_pods() {
     assert_eq!(closed(&mut b, 1, 1, 1 << 30, 0), Response::Ok);
     assert_eq!(bytes(&b), 110);
     // The hand-over is taken by one successor only.
-    let c = Broker::trusting_registry(facts, Limits::default());
+    let c = Broker::new(facts, Limits::default(), kernel());
     assert!(c.inherited.is_empty());
 }
 
-/// One real pod: `sleep`'s namespace (the test's own) recorded under
-/// its `/proc/PID/ns/net` path, checked like any entry.
+/// One live pod, its namespace pinned; the others' entries name a
+/// namespace that is gone, or none.
 #[test]
 fn stale_registry_entries_lend_no_identity() {
-    let dir = std::env::temp_dir().join(format!("fld-broker-{}-stale", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let own = crate::identity::own_netns_inode().unwrap();
-    let mut sleeper = std::process::Command::new("sleep")
-        .arg("60")
-        .spawn()
-        .unwrap();
-    let reg = Registry::new(&dir);
-    let entry = |id: &str, netns: String, inode: u64, ip: &str| Attachment {
-        network: "n".into(),
-        container_id: id.into(),
-        ifname: "eth0".into(),
-        netns,
-        netns_inode: inode,
-        ips: vec![format!("{ip}/24")],
-        mac: String::new(),
-        pod_namespace: Some("default".into()),
-        pod_name: Some(id.into()),
-        pod_uid: None,
-        created_unix: 0,
-    };
-    reg.put(&entry(
-        "live",
-        format!("/proc/{}/ns/net", sleeper.id()),
-        own,
-        "10.202.8.1",
-    ))
-    .unwrap();
+    let kernel = FakeKernel::default();
+    kernel.run(ME);
+    let own = NODE_NETNS;
+    let live = "/var/run/netns/cni-live".to_string();
+    kernel.pin_netns(&live, own);
+    kernel.put(entry("live", live.clone(), own, "10.202.8.1"));
     // A crashed runtime's pod: its pinned namespace is gone.
-    reg.put(&entry(
+    kernel.put(entry(
         "gone",
         "/var/run/netns/fld-no-such-ns".into(),
         4242,
         "10.202.8.2",
-    ))
-    .unwrap();
+    ));
     // No path recorded: cannot be checked, not trusted.
-    reg.put(&entry("nopath", String::new(), 4343, "10.202.8.3"))
-        .unwrap();
-    let mut b = Broker::new(
-        DaemonFacts {
-            state_dir: dir.clone(),
-            socket: dir.join("s.sock"),
-        },
-        Limits::default(),
-    );
+    kernel.put(entry("nopath", String::new(), 4343, "10.202.8.3"));
+    let mut b = broker_on(&kernel, "stale", Limits::default());
     assert_eq!(b.pod_count(), 1, "only the live entry is a pod");
     let as_ns = |netns| Caller {
         netns: Some(netns),
@@ -1032,8 +1006,7 @@ fn stale_registry_entries_lend_no_identity() {
     assert_eq!(listen(&mut b, &as_ns(own)), Response::Ok);
     // The pod dies (its sandbox process; the path goes) and nothing
     // rereads the registry: a namespace with its inode is no one.
-    sleeper.kill().unwrap();
-    sleeper.wait().unwrap();
+    kernel.unpin_netns(&live);
     assert!(unknown(&listen(&mut b, &as_ns(own))));
     let intent = b.handle(
         &as_ns(own),
@@ -1044,7 +1017,6 @@ fn stale_registry_entries_lend_no_identity() {
         },
     );
     assert!(unknown(&intent.response) && intent.fd.is_none());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -1,0 +1,274 @@
+//! Pending channels: announced by a client's intent (its memfd made here),
+//! found again by the server's claim after accept, cancelled, undelivered
+//! or expired.
+
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+use flowlane_lane::proto::{ErrorCode, FallbackReason, NoChannelReason, Response};
+
+use super::admission::Admitted;
+use super::connections::Active;
+use super::{Answer, Broker, Caller};
+use crate::identity::ProcessId;
+use crate::pods::PodId;
+use crate::ring_watch::RingWatch;
+
+/// Pending channels are found again by the client's source address and the
+/// destination port: exactly what the server sees after accept, even behind
+/// DNAT. A connection to a Service IP is keyed by its source alone
+/// (`service`, `dst_port` 0): the Service's port is not the backend's. Only
+/// the pod that owns `src` can make either key (`admit_intent`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct IntentKey {
+    pub(super) src: SocketAddr,
+    pub(super) dst_port: u16,
+    pub(super) service: bool,
+}
+
+#[derive(Debug)]
+pub(super) struct Pending {
+    pub(super) id: u64,
+    pub(super) memfd: OwnedFd,
+    pub(super) len: u64,
+    pub(super) client_pod: PodId,
+    /// The server's pod; for a Service connection, its backend's once the
+    /// client resolved it (`service.rs`).
+    pub(super) server_pod: Option<PodId>,
+    pub(super) key: IntentKey,
+    /// The destination the client named (a Service IP for a Service key).
+    pub(super) dst: SocketAddr,
+    pub(super) client_process: Option<ProcessId>,
+    pub(super) created: Instant,
+}
+
+impl Broker {
+    /// A fresh channel id (the relay's connections share the id space).
+    pub fn next_channel_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    pub(super) fn connect_intent(
+        &mut self,
+        caller: &Caller,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+    ) -> Answer {
+        let Admitted {
+            client_pod,
+            src: client_addr,
+        } = match self.admit_intent(caller, src, dst, region_len) {
+            Ok(admitted) => admitted,
+            Err(refused) => return refused,
+        };
+        let Some(server_pod) = self.local_pod_of(dst.ip()) else {
+            return self.no_channel(NoChannelReason::NotLocalPod, FallbackReason::NotLocalPod);
+        };
+        if !self.has_listener(server_pod, dst) {
+            return self.no_channel(NoChannelReason::NoListener, FallbackReason::NoListener);
+        }
+        let key = IntentKey {
+            src: client_addr,
+            dst_port: dst.port(),
+            service: false,
+        };
+        self.announce(caller, key, client_pod, Some(server_pod), dst, region_len)
+    }
+
+    /// Records a pending channel under `key` and answers it to the client.
+    pub(super) fn announce(
+        &mut self,
+        caller: &Caller,
+        key: IntentKey,
+        client_pod: PodId,
+        server_pod: Option<PodId>,
+        dst: SocketAddr,
+        region_len: u64,
+    ) -> Answer {
+        let pending_of_pod = self
+            .pending
+            .values()
+            .filter(|p| p.client_pod == client_pod)
+            .count();
+        if pending_of_pod >= self.limits.max_pending_per_pod {
+            self.counters.fallback(FallbackReason::TooManyPending);
+            return Response::error(
+                ErrorCode::TooLarge,
+                "too many pending channels for this pod",
+            )
+            .into();
+        }
+        // The same source port again means the earlier attempt is dead.
+        self.drop_pending(key, FallbackReason::IntentCancelled);
+
+        let id = self.next_id;
+        self.next_id += 1;
+        let created = self
+            .kernel
+            .channel_memfd(&format!("flowlane-ch-{id}"), region_len)
+            .and_then(|fd| Ok((fd.try_clone()?, fd)));
+        let (client_copy, kept) = match created {
+            Ok(fds) => fds,
+            Err(e) => {
+                tracing::warn!(error = %e, region_len, "cannot create a channel memfd");
+                self.counters.fallback(FallbackReason::DaemonError);
+                return Response::error(ErrorCode::Internal, format!("memfd: {e}")).into();
+            }
+        };
+        tracing::debug!(id, src = %key.src, %dst, region_len, "channel announced");
+        self.pending_ids.insert(id, key);
+        self.pending.insert(
+            key,
+            Pending {
+                id,
+                memfd: kept,
+                len: region_len,
+                client_pod,
+                server_pod,
+                key,
+                dst,
+                client_process: caller.process,
+                created: Instant::now(),
+            },
+        );
+        Answer {
+            response: Response::Channel {
+                id,
+                len: region_len,
+            },
+            fd: Some(client_copy),
+        }
+    }
+
+    pub(super) fn no_channel(&mut self, why: NoChannelReason, counter: FallbackReason) -> Answer {
+        self.counters.fallback(counter);
+        Response::NoChannel { reason: why }.into()
+    }
+
+    pub(super) fn drop_pending(
+        &mut self,
+        key: IntentKey,
+        counter: FallbackReason,
+    ) -> Option<Pending> {
+        let p = self.pending.remove(&key)?;
+        self.pending_ids.remove(&p.id);
+        self.counters.fallback(counter);
+        tracing::debug!(id = p.id, reason = %counter, "pending channel dropped");
+        Some(p)
+    }
+
+    pub(super) fn cancel_intent(&mut self, caller: &Caller, channel_id: u64) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(a) => return a,
+        };
+        let Some(&key) = self.pending_ids.get(&channel_id) else {
+            return Response::Ok.into();
+        };
+        if self.pending.get(&key).map(|p| p.client_pod) != Some(pod) {
+            return self.deny(
+                ErrorCode::Forbidden,
+                "the channel was announced by another pod",
+            );
+        }
+        self.drop_pending(key, FallbackReason::IntentCancelled);
+        Response::Ok.into()
+    }
+
+    /// The answer to intent `channel_id` could not be sent: its client
+    /// gave up waiting (the library's 500 ms budget) and closed the
+    /// connection, so it runs that TCP connection without the ring. A
+    /// server claiming the channel would attach to a ring nobody writes
+    /// and read the client's bytes as doorbells: drop it, and the claim
+    /// keeps both ends on TCP.
+    pub fn intent_undelivered(&mut self, channel_id: u64) {
+        if let Some(&key) = self.pending_ids.get(&channel_id) {
+            self.drop_pending(key, FallbackReason::IntentUndelivered);
+        }
+    }
+
+    pub(super) fn claim_accepted(
+        &mut self,
+        caller: &Caller,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Answer {
+        let pod = match self.admit_claim(caller, local) {
+            Ok(p) => p,
+            Err(refused) => return refused,
+        };
+        let direct = IntentKey {
+            src: peer,
+            dst_port: local.port(),
+            service: false,
+        };
+        let key = match self.pending.get(&direct) {
+            Some(p) if p.server_pod != Some(pod) => {
+                // Leave the channel for its real server.
+                self.counters.fallback(FallbackReason::AuthFailed);
+                return self.deny(ErrorCode::Forbidden, "the channel belongs to another pod");
+            }
+            Some(_) => direct,
+            // A connection to a Service IP, if conntrack says that it
+            // reached `local` (`service.rs`).
+            None => match self.service_claim(pod, local, peer) {
+                Ok(key) => key,
+                Err(refused) => return refused,
+            },
+        };
+        let Some(p) = self.pending.remove(&key) else {
+            return Response::error(ErrorCode::Internal, "pending channel vanished").into();
+        };
+        self.pending_ids.remove(&p.id);
+        self.counters.shm.opened += 1;
+        self.counters.channel_setup.observe(p.created.elapsed());
+        // The claimer accepts on the listener: it keeps the listener alive
+        // even when the process that called listen() exits (pre-fork
+        // servers whose parent leaves).
+        if let (Some(process), Some(key)) = (caller.process, self.listener_key(pod, local)) {
+            let procs = self.listeners.entry(key).or_default();
+            if !procs.contains(&process) {
+                procs.push(process);
+                self.save_listeners();
+            }
+        }
+        tracing::debug!(id = p.id, client = %p.key.src, server = %local, "channel claimed");
+        let watch = match p.memfd.try_clone() {
+            Ok(fd) => Some(RingWatch::new(fd)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot keep a view of the channel; no live counters");
+                None
+            }
+        };
+        self.active.insert(
+            p.id,
+            Active {
+                id: p.id,
+                client_pod: p.client_pod,
+                server_pod: pod,
+                client_addr: p.key.src,
+                // A Service connection's server is its backend.
+                server_addr: if p.key.service { local } else { p.dst },
+                len: p.len,
+                opened: Instant::now(),
+                client_process: p.client_process,
+                server_process: caller.process,
+                client_report: None,
+                server_report: None,
+                watch,
+                seen: Default::default(),
+            },
+        );
+        Answer {
+            response: Response::Channel {
+                id: p.id,
+                len: p.len,
+            },
+            fd: Some(p.memfd),
+        }
+    }
+}
