@@ -69,11 +69,12 @@ pub fn take(suite: &'static str) -> Turn {
 /// suite's (the last suite of a run is not reported).
 fn report_duration(suite: &str, started: Instant) {
     let suite = suite.strip_prefix("e2e::").unwrap_or(suite);
-    let _ = writeln!(
-        std::io::stderr(),
-        "e2e: suite {suite} took {:.0} s",
+    // One write: libtest's own lines go out meanwhile.
+    let line = format!(
+        "e2e: suite {suite} took {:.0} s\n",
         started.elapsed().as_secs_f64()
     );
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 impl Drop for Turn {
