@@ -30,7 +30,7 @@ const PORT: u16 = 80;
 const TARGET: u16 = 8080;
 
 fn cluster_ip(last: u8) -> Ipv4Addr {
-    Ipv4Addr::new(10, 96, 212, last)
+    Ipv4Addr::new(10, 96, 214, last)
 }
 
 fn service(last: u8, backends: &[&Pod]) -> Service {
@@ -233,9 +233,9 @@ fn svc_a_backend_without_the_library_costs_no_wait() {
 
 #[test]
 fn svc_a_backend_on_another_node_stays_on_tcp_at_once() {
-    // The relay does not carry Service connections yet: the client's
-    // daemon says so at connect (`not-local-pod`), the client does not
-    // wait; the backend's claim finds no intent on its node.
+    // Nodes without a lane (no relay): the client's daemon says so at
+    // connect (`not-local-pod`), the client does not wait; the backend's
+    // claim finds no intent on its node.
     let c = SvcCluster::new(2, 2);
     let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
     let far = &n1.pods[0];
@@ -266,6 +266,71 @@ fn svc_a_backend_on_another_node_stays_on_tcp_at_once() {
         c.logs()
     );
     assert_eq!(pending(n0), 0);
+}
+
+/// Connections a daemon's relay opened since `before`.
+fn relayed(before: &Stats, after: &Stats) -> u64 {
+    let opened = |s: &Stats| s.lanes.get("relay").map_or(0, |l| l.connections_opened);
+    opened(after) - opened(before)
+}
+
+/// Two nodes with the relay; a Service with three backends: a pod of the
+/// client's node with the library, a pod of the other node with the
+/// library, one there without. Each connection takes its backend's path:
+/// the shm lane, the relay (opened by both daemons), TCP told at connect
+/// (`no-listener`: the other daemon answered the stream so; never a wait
+/// for an attach, which would count `no-peer-library`).
+fn backends_on_two_nodes(mode: ProxyMode) {
+    // 30 connections over 3 backends: one gets none with probability
+    // 3 * (2/3)^30 < 2e-5.
+    const CONNS: u32 = 30;
+    let c = SvcCluster::with_lanes(2);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let svc = service(50, &[&n0.pods[1], &n1.pods[0], &n1.pods[1]]);
+    for n in [n0, n1] {
+        n.kube_proxy(mode, std::slice::from_ref(&svc));
+    }
+    let near = backend(n0, &n0.pods[1], true);
+    let far = backend(n1, &n1.pods[0], true);
+    let plain = backend(n1, &n1.pods[1], false);
+    let (before0, before1) = (n0.stats(), n1.stats());
+    for seed in 0..CONNS {
+        echo(n0, &n0.pods[0], cluster_ip(50), 256 << 10, seed);
+    }
+    let (after0, after1) = (n0.stats(), n1.stats());
+    let (near, far, plain) = (
+        accepted(near) as u64,
+        accepted(far) as u64,
+        accepted(plain) as u64,
+    );
+    println!("figure service-two-nodes mode={mode:?} shm={near} relay={far} tcp={plain}");
+    assert_eq!(near + far + plain, u64::from(CONNS));
+    assert!(near > 0 && far > 0 && plain > 0, "{near} {far} {plain}");
+    let (shm0, fallbacks0) = since(&before0, &after0);
+    let (shm1, fallbacks1) = since(&before1, &after1);
+    assert_eq!(
+        (shm0, relayed(&before0, &after0), fallbacks0),
+        (near, far, counts(&[("no-listener", plain)])),
+        "client node: each connection on its backend's path\n{}",
+        c.logs()
+    );
+    assert_eq!(
+        (shm1, relayed(&before1, &after1), fallbacks1),
+        (0, far, counts(&[])),
+        "backend node: the relayed ones, nothing fell back\n{}",
+        c.logs()
+    );
+    assert_eq!(pending(n0), 0);
+}
+
+#[test]
+fn svc_iptables_mode_a_backend_on_another_node_gets_the_relay() {
+    backends_on_two_nodes(ProxyMode::Iptables);
+}
+
+#[test]
+fn svc_nftables_mode_a_backend_on_another_node_gets_the_relay() {
+    backends_on_two_nodes(ProxyMode::Nftables);
 }
 
 /// `claim.py SOCKET LOCAL PEER`: a hostile pod's raw claim on the daemon

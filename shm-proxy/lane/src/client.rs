@@ -295,12 +295,17 @@ impl DaemonClient {
         })
     }
 
-    /// After the connect of service channel `channel_id`: true when its
-    /// backend is a local pod with a flowlane listener (wait for the
-    /// server's attach), false to stay on TCP now (the daemon dropped the
-    /// channel and counted why).
-    pub fn resolve_service(&mut self, channel_id: u64) -> io::Result<bool> {
-        match self.call(&Request::ResolveService { channel_id })? {
+    /// After the connect of service channel `channel_id` on socket
+    /// `socket_fd`: true when its backend is a local pod with a flowlane
+    /// listener or a relayed pod of another node (wait for the attach),
+    /// false to stay on TCP now (the daemon dropped the channel and
+    /// counted why).
+    pub fn resolve_service(&mut self, channel_id: u64, socket_fd: i32) -> io::Result<bool> {
+        let req = Request::ResolveService {
+            channel_id,
+            socket_fd: Some(socket_fd),
+        };
+        match self.call(&req)? {
             (Response::Ok, _) => Ok(true),
             (Response::NoChannel { .. }, _) => Ok(false),
             (other, _) => Err(self.unexpected(other)),

@@ -29,6 +29,7 @@ mod service;
 mod snapshot;
 
 pub use admission::Admitted;
+pub use service::{RemoteService, Resolved};
 
 /// A freshly registered listener is kept this long without checking that
 /// its socket listens (the library registers it just before `listen()`).
@@ -100,6 +101,12 @@ enum NetnsCheck {
     /// Unit tests with made-up inodes.
     #[cfg(test)]
     Off,
+}
+
+/// The name of channel `id`'s memfd (`/memfd:NAME` in a mapping process's
+/// maps).
+fn channel_memfd_name(id: u64) -> String {
+    format!("flowlane-ch-{id}")
 }
 
 /// The answer to one request.
@@ -474,7 +481,7 @@ impl Broker {
                 dst,
                 region_len,
             } => self.service_intent(caller, src, dst, region_len),
-            Request::ResolveService { channel_id } => self.resolve_service(caller, channel_id),
+            Request::ResolveService { channel_id, .. } => self.resolve_service(caller, channel_id),
             Request::ReportClosed {
                 channel_id,
                 sent,
@@ -840,7 +847,7 @@ impl Broker {
 
         let id = self.next_id;
         self.next_id += 1;
-        let created = memfd::create_sealed(&format!("flowlane-ch-{id}"), region_len)
+        let created = memfd::create_sealed(&channel_memfd_name(id), region_len)
             .and_then(|fd| Ok((fd.try_clone()?, fd)));
         let (client_copy, kept) = match created {
             Ok(fds) => fds,
