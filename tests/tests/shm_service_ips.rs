@@ -513,6 +513,53 @@ fn svc_figures_connection_set_up_through_a_service() {
     );
 }
 
+#[test]
+fn svc_figures_set_up_through_a_service_to_another_node() {
+    // As above, the backend on the other node: the relay. Figures printed,
+    // never asserted; asserted is that every library connection was
+    // relayed (both daemons) and none fell back.
+    const N: usize = 200;
+    let c = SvcCluster::with_lanes(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let (client, server) = (&n0.pods[0], &n1.pods[0]);
+    let svc = service(70, &[server]);
+    for n in [n0, n1] {
+        n.kube_proxy(ProxyMode::Nftables, std::slice::from_ref(&svc));
+    }
+    let bin = flowlane_e2e::shm::build_dir().join("shm-bench");
+    let bin = bin.to_str().unwrap();
+    let (port, direct) = (TARGET.to_string(), (TARGET + 1).to_string());
+    let _srv = Bg::spawn(n1.cmd(server, true, &[bin, "serve", &port]));
+    let _direct = Bg::spawn(n1.cmd(server, true, &[bin, "serve", &direct]));
+    wait_listening(server, TARGET);
+    wait_listening(server, TARGET + 1);
+    let via_svc = format!("{}:{PORT}", cluster_ip(70));
+    let to_pod = format!("{}:{direct}", server.ip);
+    let tcp_svc = connrate(n0, client, false, &via_svc, N);
+    let before = [n0.stats(), n1.stats()];
+    let relay_svc = connrate(n0, client, true, &via_svc, N);
+    let mid = [n0.stats(), n1.stats()];
+    let relay_pod = connrate(n0, client, true, &to_pod, N);
+    let after = [n0.stats(), n1.stats()];
+    for (from, to, what) in [
+        (&before, &mid, "through the Service"),
+        (&mid, &after, "to the pod IP"),
+    ] {
+        for i in 0..2 {
+            assert_eq!(
+                (relayed(&from[i], &to[i]), since(&from[i], &to[i]).1),
+                (N as u64, BTreeMap::new()),
+                "{what}, node {i}\n{}",
+                c.logs()
+            );
+        }
+    }
+    println!(
+        "figure service-connrate-remote tcp-via-service={tcp_svc:.0} relay-via-service={relay_svc:.0} \
+         relay-to-pod-ip={relay_pod:.0} connections/s ({N} each)"
+    );
+}
+
 /// `async_client.py IP PORT N`: N sequential asyncio connections (a
 /// non-blocking connect: the library resolves the Service while the
 /// handshake is in progress), each echoing 64 KiB and checking it.
