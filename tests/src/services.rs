@@ -17,7 +17,7 @@
 //! Two nodes may also run the cross-node relay ([`SvcCluster::with_lanes`]:
 //! `--lane-transport tcp-test` over the underlay, as `relay_lane` does).
 //!
-//! Names start with `s2`; pods and underlay in 10.214.0.0/16, ClusterIPs
+//! Names start with `s3`; pods and underlay in 10.214.0.0/16, ClusterIPs
 //! in 10.96.214.0/24 (inside the node namespaces only). Everything is
 //! removed on drop, also when a test panics.
 
@@ -361,7 +361,7 @@ impl SvcCluster {
     fn build(nodes: usize, pods: usize, lanes: bool) -> SvcCluster {
         assert!((1..=2).contains(&nodes));
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tag = format!("s2{:x}{n:x}", std::process::id() % 0xfff);
+        let tag = format!("s3{:x}{n:x}", std::process::id() % 0xfff);
         let slot = ((std::process::id() + n * 7) % 50) as u8;
         let dir = std::env::temp_dir().join(format!("{tag}-services"));
         let _ = std::fs::remove_dir_all(&dir);

@@ -79,6 +79,11 @@ fn echo(node: &SvcNode, client: &Pod, ip: Ipv4Addr, bytes: u64, seed: u32) {
 
 /// [`echo`] to any address.
 fn echo_to(node: &SvcNode, client: &Pod, to: SocketAddrV4, bytes: u64, seed: u32) {
+    echo_with(node, client, true, to, bytes, seed);
+}
+
+/// [`echo_to`], the client with the library if `preload`.
+fn echo_with(node: &SvcNode, client: &Pod, preload: bool, to: SocketAddrV4, bytes: u64, seed: u32) {
     let (ip, port, n) = (
         to.ip().to_string(),
         to.port().to_string(),
@@ -89,7 +94,7 @@ fn echo_to(node: &SvcNode, client: &Pod, to: SocketAddrV4, bytes: u64, seed: u32
     let seed = seed.to_string();
     let argv = [&src, PYTHON, "-c", &script, &ip, &port, &n, &seed];
     let out = run_ok(
-        node.cmd(client, true, &argv),
+        node.cmd(client, preload, &argv),
         T,
         "echo client through the Service",
     );
@@ -274,6 +279,75 @@ fn relayed(before: &Stats, after: &Stats) -> u64 {
     opened(after) - opened(before)
 }
 
+/// Peer daemons' questions "is a stream with this key coming?" that a
+/// daemon answered since `before` (`requests`, op `peer-stream-query`).
+fn queries(before: &Stats, after: &Stats) -> u64 {
+    let n = |s: &Stats| s.requests.get("peer-stream-query").copied().unwrap_or(0);
+    n(after) - n(before)
+}
+
+/// Streams a daemon's relay refused because their claim had stopped
+/// waiting (`stream_late`).
+fn late_streams(s: &Stats) -> u64 {
+    s.lane_errors
+        .get("relay")
+        .and_then(|e| e.get("stream_late"))
+        .copied()
+        .unwrap_or(0)
+}
+
+/// The daemon log's lines with `message`, colours removed (the daemon's
+/// log is tracing's fmt output, with ANSI colour codes).
+fn log_lines(node: &SvcNode, message: &str) -> Vec<String> {
+    node.log()
+        .lines()
+        .map(|l| {
+            let mut out = String::new();
+            let mut chars = l.chars();
+            while let Some(c) = chars.next() {
+                if c == '\u{1b}' {
+                    // An SGR sequence: ESC [ ... m.
+                    for c in chars.by_ref() {
+                        if c == 'm' {
+                            break;
+                        }
+                    }
+                } else {
+                    out.push(c);
+                }
+            }
+            out
+        })
+        .filter(|l| l.contains(message))
+        .collect()
+}
+
+/// The value of field `name` (`name=value`) in a log line.
+fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+}
+
+/// What the backend's daemon logged per claim it asked about
+/// ("relay: asked the client's daemon"): how many were told a stream is
+/// coming, how many that none is, and the round trips in microseconds.
+fn asked(node: &SvcNode) -> (usize, usize, Vec<u64>) {
+    let lines = log_lines(node, "relay: asked the client's daemon");
+    let coming = lines
+        .iter()
+        .filter(|l| field(l, "coming") == Some("true"))
+        .count();
+    let none = lines
+        .iter()
+        .filter(|l| field(l, "coming") == Some("false"))
+        .count();
+    let us = lines
+        .iter()
+        .filter_map(|l| field(l, "us")?.parse().ok())
+        .collect();
+    (coming, none, us)
+}
+
 /// Two nodes with the relay; a Service with three backends: a pod of the
 /// client's node with the library, a pod of the other node with the
 /// library, one there without. Each connection takes its backend's path:
@@ -331,6 +405,84 @@ fn svc_iptables_mode_a_backend_on_another_node_gets_the_relay() {
 #[test]
 fn svc_nftables_mode_a_backend_on_another_node_gets_the_relay() {
     backends_on_two_nodes(ProxyMode::Nftables);
+}
+
+/// A client WITHOUT the library on one node, a server with it on the
+/// other, both daemons serving Service IPs and running the relay: through
+/// the Service and to the pod IP, every connection stays on TCP and the
+/// backend's claim waits for no stream. Its daemon asks the client's once
+/// per claim (`peer-stream-query` there) and is told that none is coming:
+/// `claim-without-intent`, never `service-stream-missed` (what a claim
+/// counts that waited for an announced stream in vain), no late stream
+/// refused, and both daemons logged "none" for every claim. No clock.
+fn a_plain_client_on_another_node(mode: ProxyMode) {
+    const CONNS: u64 = 6;
+    let c = SvcCluster::with_lanes(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let server = &n1.pods[0];
+    let svc = service(85, &[server]);
+    for n in [n0, n1] {
+        n.kube_proxy(mode, std::slice::from_ref(&svc));
+    }
+    let srv = backend(n1, server, true);
+    let (before0, before1) = (n0.stats(), n1.stats());
+    for seed in 0..CONNS as u32 {
+        // Through the Service and straight to the pod, in turn.
+        let to = if seed % 2 == 0 {
+            SocketAddrV4::new(cluster_ip(85), PORT)
+        } else {
+            SocketAddrV4::new(server.ip, TARGET)
+        };
+        echo_with(n0, &n0.pods[0], false, to, 64 << 10, seed);
+    }
+    let (after0, after1) = (n0.stats(), n1.stats());
+    assert_eq!(accepted(srv) as u64, CONNS);
+    assert_eq!(
+        (
+            relayed(&before1, &after1),
+            since(&before1, &after1).1,
+            queries(&before0, &after0),
+            late_streams(&after1),
+        ),
+        (0, counts(&[("claim-without-intent", CONNS)]), CONNS, 0),
+        "backend node: each claim asked once and went on over TCP at once\n{}",
+        c.logs()
+    );
+    // The client's node: nothing relayed, nothing announced by the plain
+    // client, so nothing fell back there either.
+    assert_eq!(
+        (relayed(&before0, &after0), since(&before0, &after0).1),
+        (0, BTreeMap::new()),
+        "{}",
+        c.logs()
+    );
+    let (coming, none, _) = asked(n1);
+    let answered = log_lines(n0, "relay: answered whether a stream is coming");
+    let answered_none = answered
+        .iter()
+        .filter(|l| field(l, "coming") == Some("false"))
+        .count() as u64;
+    assert_eq!(
+        (
+            coming as u64,
+            none as u64,
+            answered.len() as u64,
+            answered_none
+        ),
+        (0, CONNS, CONNS, CONNS),
+        "what the daemons said\n{}",
+        c.logs()
+    );
+}
+
+#[test]
+fn svc_iptables_mode_a_client_without_the_library_on_another_node_waits_for_no_stream() {
+    a_plain_client_on_another_node(ProxyMode::Iptables);
+}
+
+#[test]
+fn svc_nftables_mode_a_client_without_the_library_on_another_node_waits_for_no_stream() {
+    a_plain_client_on_another_node(ProxyMode::Nftables);
 }
 
 /// `claim.py SOCKET LOCAL PEER`: a hostile pod's raw claim on the daemon
@@ -517,7 +669,9 @@ fn svc_figures_connection_set_up_through_a_service() {
 fn svc_figures_set_up_through_a_service_to_another_node() {
     // As above, the backend on the other node: the relay. Figures printed,
     // never asserted; asserted is that every library connection was
-    // relayed (both daemons) and none fell back.
+    // relayed (both daemons) and none fell back, and that the claims of a
+    // client without the library were told at once that no stream comes
+    // (the round trip of that question is printed).
     const N: usize = 200;
     let c = SvcCluster::with_lanes(1);
     let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
@@ -535,8 +689,38 @@ fn svc_figures_set_up_through_a_service_to_another_node() {
     wait_listening(server, TARGET + 1);
     let via_svc = format!("{}:{PORT}", cluster_ip(70));
     let to_pod = format!("{}:{direct}", server.ip);
+    let plain = [n0.stats(), n1.stats()];
     let tcp_svc = connrate(n0, client, false, &via_svc, N);
+    let tcp_pod = connrate(n0, client, false, &to_pod, N);
     let before = [n0.stats(), n1.stats()];
+    // A client without the library: each claim asked the client's daemon
+    // once and was told no stream is coming (no wait for one).
+    let n = 2 * N as u64;
+    assert_eq!(
+        (
+            queries(&plain[0], &before[0]),
+            since(&plain[1], &before[1]).1,
+            relayed(&plain[1], &before[1])
+        ),
+        (n, counts(&[("claim-without-intent", n)]), 0),
+        "without the library\n{}",
+        c.logs()
+    );
+    let (coming, none, mut us) = asked(n1);
+    assert_eq!((coming as u64, none as u64), (0, n), "{}", c.logs());
+    us.sort_unstable();
+    let pct = |p: usize| {
+        let i = (us.len() * p / 100).min(us.len().saturating_sub(1));
+        us.get(i).copied().unwrap_or(0)
+    };
+    println!(
+        "figure service-stream-query median={}us p90={}us max={}us ({} claims of a client \
+         without the library, each asking the client's daemon once)",
+        pct(50),
+        pct(90),
+        pct(100),
+        us.len()
+    );
     let relay_svc = connrate(n0, client, true, &via_svc, N);
     let mid = [n0.stats(), n1.stats()];
     let relay_pod = connrate(n0, client, true, &to_pod, N);
@@ -555,8 +739,9 @@ fn svc_figures_set_up_through_a_service_to_another_node() {
         }
     }
     println!(
-        "figure service-connrate-remote tcp-via-service={tcp_svc:.0} relay-via-service={relay_svc:.0} \
-         relay-to-pod-ip={relay_pod:.0} connections/s ({N} each)"
+        "figure service-connrate-remote tcp-via-service={tcp_svc:.0} tcp-to-pod-ip={tcp_pod:.0} \
+         relay-via-service={relay_svc:.0} relay-to-pod-ip={relay_pod:.0} connections/s ({N} each; \
+         tcp: a client without the library, the server with it)"
     );
 }
 

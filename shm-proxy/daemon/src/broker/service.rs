@@ -106,6 +106,18 @@ impl Broker {
         self.pending_ids.get(&channel_id).is_some_and(|k| k.service)
     }
 
+    /// True when a pod of this node announced a Service connection from
+    /// `src` that is not resolved yet (the backend's daemon asks whether a
+    /// relay stream for it may still come: `relay/service.rs`).
+    pub fn has_pending_service_from(&self, src: SocketAddr) -> bool {
+        let key = IntentKey {
+            src: canonical(src),
+            dst_port: 0,
+            service: true,
+        };
+        self.pending.contains_key(&key)
+    }
+
     fn is_service_ip(&self, ip: IpAddr) -> bool {
         self.services.ranges.iter().any(|r| r.holds(ip))
     }

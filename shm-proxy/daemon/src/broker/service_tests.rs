@@ -324,8 +324,12 @@ fn a_backend_on_a_node_the_relay_reaches_goes_to_the_relay() {
     let b = &mut n.broker;
     let far = "10.212.77.5:8080";
     let remote = |ip: std::net::IpAddr| ip == sa(far).ip();
+    assert!(!b.has_pending_service_from(sa(CLIENT)));
     let a = intent(b, 1, CLIENT, SVC);
     let id = channel(&a);
+    // A peer daemon asking about this client is told a stream may come.
+    assert!(b.has_pending_service_from(sa(CLIENT)));
+    assert!(!b.has_pending_service_from(sa("10.202.9.1:40001")));
     ct.dnat(CLIENT, SVC, far);
     // Only the announcing pod may resolve it, relay or not.
     assert!(matches!(
@@ -347,6 +351,8 @@ fn a_backend_on_a_node_the_relay_reaches_goes_to_the_relay() {
     assert_eq!(st.lanes["shm"].channels_pending, 0);
     assert!(st.fallbacks.values().all(|&v| v == 0), "{:?}", st.fallbacks);
     assert!(!b.is_pending_service(id));
+    // From here the relay answers for it (`relay/service.rs`).
+    assert!(!b.has_pending_service_from(sa(CLIENT)));
     // A backend on a node the relay does not reach: TCP at once.
     let client = "10.202.9.1:40005";
     let id = channel(&intent(b, 1, client, SVC));
@@ -357,6 +363,7 @@ fn a_backend_on_a_node_the_relay_reaches_goes_to_the_relay() {
         Resolved::Answer(Answer { ref response, .. })
             if no_channel(response, NoChannelReason::NotLocalPod)
     ));
+    assert!(!b.has_pending_service_from(sa(client)));
 }
 
 #[test]

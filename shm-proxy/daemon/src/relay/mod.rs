@@ -16,7 +16,9 @@
 //! 2. Daemon 2 accepts the stream, keeps it for B's claim and answers
 //!    REGISTERED; daemon 1 answers A only then, so when B accepts A's
 //!    connection its claim finds the stream at once (a claim for a
-//!    connection no daemon announced never waits).
+//!    connection no daemon announced never waits; on daemons serving
+//!    Service IPs it first asks A's daemon whether a Service connection's
+//!    stream is coming: one lane round trip, `service.rs`).
 //! 3. B's `relayable-claim` for a peer on another node: daemon 2 pairs it
 //!    with the stream, sends CLAIMED; daemon 1 checks that A mapped its
 //!    channel and sets A's attach word (this is where A's lane is decided,
@@ -117,6 +119,9 @@ pub struct Relay {
     /// Keys whose claim stopped waiting for their stream, and when: that
     /// stream is refused if it still comes (`service.rs`).
     missed: Mutex<HashMap<StreamKey, Instant>>,
+    /// Service connections of our pods being set up, whose stream may not
+    /// be registered yet (`service.rs`: a peer daemon may ask).
+    service_inflight: Mutex<service::InFlight>,
     /// Answered streams kept a moment so their answer is read before the
     /// drop (the sweep releases them).
     lingering: Mutex<Vec<Accepted>>,
@@ -216,6 +221,7 @@ impl Relay {
             accepted: Mutex::new(HashMap::new()),
             arrived: Condvar::new(),
             missed: Mutex::new(HashMap::new()),
+            service_inflight: Mutex::new(HashMap::new()),
             lingering: Mutex::new(Vec::new()),
             setups: Mutex::new(HashMap::new()),
             active: Mutex::new(HashMap::new()),
@@ -256,6 +262,14 @@ impl Relay {
                     // The opening daemon (authenticated by the transport)
                     // carries its own node's pods only.
                     if !from.is_some_and(|f| self.router.is_pod_of(f, key.client.ip())) {
+                        // The other way round: the daemon of the key's
+                        // server asks whether our pod's stream is coming.
+                        if from.is_some_and(|f| self.router.is_pod_of(f, key.server.ip()))
+                            && self.shared.lock().is_local_pod_ip(key.client.ip())
+                        {
+                            self.answer_stream_query(&key, stream);
+                            continue;
+                        }
                         tracing::warn!(client = %key.client, server = %key.server, ?from, "relay: stream refused: its client is no pod of the node that opened it");
                         self.refused_foreign.fetch_add(1, Ordering::Relaxed);
                         self.answer_and_linger(stream, frames::STREAM_REFUSED);
@@ -778,14 +792,12 @@ impl Relay {
             client: peer,
             server: local,
         };
-        let Some(stream) = self
-            .take_accepted(&key)
-            .or_else(|| self.await_service_stream(&key))
-        else {
-            return self.fallback(
-                NoChannelReason::NoIntent,
-                FallbackReason::ClaimWithoutIntent,
-            );
+        let stream = match self.take_accepted(&key) {
+            Some(s) => s,
+            None => match self.await_service_stream(&key) {
+                Ok(s) => s,
+                Err(counter) => return self.fallback(NoChannelReason::NoIntent, counter),
+            },
         };
         let (sock, pidfd, _pid) = match Self::take_socket(caller, socket_fd, local, Some(peer)) {
             Ok(t) => t,
