@@ -203,7 +203,6 @@ impl Relay {
         let left = || deadline.saturating_duration_since(Instant::now());
         let answer = self
             .open_within(peer_daemon, *key, left())
-            .map_err(|e| e.to_string())
             .and_then(|stream| {
                 let a = recv_byte_within(&stream, left());
                 if a.is_err() {
