@@ -348,7 +348,7 @@ fn asked(node: &SvcNode) -> Asked {
     )
     .len() as u64;
     let lines = log_lines(node, "relay: asked the client's daemon");
-    let said = |v| {
+    let said = |v: &str| {
         lines
             .iter()
             .filter(|l| field(l, "coming") == Some(v))
