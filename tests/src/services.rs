@@ -14,6 +14,9 @@
 //!   table named `svc-kube-proxy` instead of `kube-proxy` (this suite's
 //!   name prefix; the table's name changes nothing else).
 //!
+//! Two nodes may also run the cross-node relay ([`SvcCluster::with_lanes`]:
+//! `--lane-transport tcp-test` over the underlay, as `relay_lane` does).
+//!
 //! Names start with `svc`; pods and underlay in 10.212.0.0/16, ClusterIPs
 //! in 10.96.212.0/24 (inside the node namespaces only). Everything is
 //! removed on drop, also when a test panics.
@@ -193,9 +196,13 @@ pub fn nftables_rules(services: &[Service]) -> String {
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
+const LANE_PORT: u16 = 7470;
+const LANE_KEY: &[u8] = b"services: the test cluster's lane key, 32+ bytes\n";
 
 /// One node: its namespace, pods, state directory and daemon.
 pub struct SvcNode {
+    /// The node's name in the nodes file (`n0`, `n1`).
+    pub name: String,
     pub netns: String,
     pub cidr: String,
     pub underlay: Ipv4Addr,
@@ -238,8 +245,32 @@ impl SvcNode {
         self.pods.push(pod);
     }
 
-    fn start_daemon(&mut self) {
+    /// Starts the node's daemon; with `lanes` (the nodes file), with the
+    /// relay on the test transport too.
+    fn start_daemon(&mut self, lanes: Option<&std::path::Path>) {
         let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
+        let mut lane_args: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(nodes_file) = lanes {
+            use std::os::unix::fs::PermissionsExt;
+            let key = self.dir.join("lane.key");
+            std::fs::write(&key, LANE_KEY).unwrap();
+            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+            let listen = format!("{}:{LANE_PORT}", self.underlay);
+            for a in [
+                "--lane-listen".into(),
+                listen.into(),
+                "--lane-transport".into(),
+                "tcp-test".into(),
+                "--lane-key-file".into(),
+                key.into_os_string(),
+                "--nodes-file".into(),
+                nodes_file.as_os_str().to_owned(),
+                "--node-name".into(),
+                self.name.clone().into(),
+            ] {
+                lane_args.push(a);
+            }
+        }
         let mut child = Command::new("ip")
             .args(["netns", "exec", &self.netns])
             .arg(build_dir().join("flowlaned"))
@@ -249,6 +280,7 @@ impl SvcNode {
             .arg(self.socket())
             .args(["--log-level", "debug"])
             .args(["--service-cidr", SERVICE_CIDR])
+            .args(&lane_args)
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
@@ -317,6 +349,16 @@ pub struct SvcCluster {
 
 impl SvcCluster {
     pub fn new(nodes: usize, pods: usize) -> SvcCluster {
+        SvcCluster::build(nodes, pods, false)
+    }
+
+    /// Two nodes whose daemons also run the cross-node relay
+    /// (`--lane-transport tcp-test` between their underlay addresses).
+    pub fn with_lanes(pods: usize) -> SvcCluster {
+        SvcCluster::build(2, pods, true)
+    }
+
+    fn build(nodes: usize, pods: usize, lanes: bool) -> SvcCluster {
         assert!((1..=2).contains(&nodes));
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let tag = format!("svc{:x}{n:x}", std::process::id() % 0xfff);
@@ -342,6 +384,7 @@ impl SvcCluster {
             let ndir = dir.join(format!("n{i}"));
             std::fs::create_dir_all(&ndir).unwrap();
             c.nodes.push(SvcNode {
+                name: format!("n{i}"),
                 netns,
                 cidr: format!("10.212.{}.0/24", 2 * slot + i),
                 underlay: Ipv4Addr::new(10, 212, 100 + slot, 1 + i),
@@ -354,11 +397,26 @@ impl SvcCluster {
             // The veth pair lives in the node namespaces: it goes with them.
             node_ns::join(&format!("{tag}u"), [a.underlay_end(), b.underlay_end()]);
         }
+        let nodes_file = lanes.then(|| {
+            let nodes: Vec<_> = c
+                .nodes
+                .iter()
+                .map(|n| {
+                    serde_json::json!({
+                        "name": n.name, "podCIDRs": [n.cidr],
+                        "underlay": n.underlay.to_string(), "lanePort": LANE_PORT,
+                    })
+                })
+                .collect();
+            let file = dir.join("nodes.json");
+            std::fs::write(&file, serde_json::json!({ "nodes": nodes }).to_string()).unwrap();
+            file
+        });
         for node in &mut c.nodes {
             for _ in 0..pods {
                 node.add_pod();
             }
-            node.start_daemon();
+            node.start_daemon(nodes_file.as_deref());
         }
         c
     }

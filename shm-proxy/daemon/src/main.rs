@@ -352,6 +352,8 @@ fn start_relay(
         .relay_memory_budget
         .unwrap_or_else(relay::budget::default_budget);
     let relay = relay::Relay::start(transport, router, shared.clone(), budget);
+    // A Service's backend may now be a pod of another node.
+    shared.lock().set_remote_service_backends();
     tracing::info!(%listen, transport = name, "cross-node relay enabled");
     Ok(Some(relay))
 }

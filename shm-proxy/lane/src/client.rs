@@ -295,12 +295,28 @@ impl DaemonClient {
         })
     }
 
-    /// After the connect of service channel `channel_id`: true when its
-    /// backend is a local pod with a flowlane listener (wait for the
-    /// server's attach), false to stay on TCP now (the daemon dropped the
-    /// channel and counted why).
-    pub fn resolve_service(&mut self, channel_id: u64) -> io::Result<bool> {
-        match self.call(&Request::ResolveService { channel_id })? {
+    /// After the connect of service channel `channel_id` on socket
+    /// `socket_fd`: true when its backend is a local pod with a flowlane
+    /// listener or a relayed pod of another node (wait for the attach),
+    /// false to stay on TCP now (the daemon dropped the channel and
+    /// counted why).
+    pub fn resolve_service(&mut self, channel_id: u64, socket_fd: i32) -> io::Result<bool> {
+        let req = Request::ResolveService {
+            channel_id,
+            socket_fd: Some(socket_fd),
+        };
+        let answer = match self.call(&req)? {
+            // A daemon that predates `socket_fd` refuses the field (its
+            // requests deny unknown fields): ask again as it knows the op;
+            // it then resolves local backends only.
+            (Response::Error { code, message }, _) if is_unknown_field(code, &message) => self
+                .call(&Request::ResolveService {
+                    channel_id,
+                    socket_fd: None,
+                })?,
+            answer => answer,
+        };
+        match answer {
             (Response::Ok, _) => Ok(true),
             (Response::NoChannel { .. }, _) => Ok(false),
             (other, _) => Err(self.unexpected(other)),
@@ -475,6 +491,11 @@ impl Drop for DaemonClient {
 /// unknown variant in its decoding error).
 fn is_unknown_op(code: ErrorCode, message: &str) -> bool {
     code == ErrorCode::BadRequest && message.contains("unknown variant")
+}
+
+/// An older daemon's answer to a field added to an op it knows.
+fn is_unknown_field(code: ErrorCode, message: &str) -> bool {
+    code == ErrorCode::BadRequest && message.contains("unknown field")
 }
 
 fn invalid_data(e: impl ToString) -> io::Error {
@@ -886,6 +907,45 @@ mod tests {
             send_with_fd(conn.as_raw_fd(), &frame, fd.as_raw_fd());
         });
         p
+    }
+
+    /// A daemon of the protocol before `resolve-service` carried
+    /// `socket_fd` refuses the field; the client asks again without it.
+    #[test]
+    fn resolve_service_asks_an_older_daemon_without_the_socket_fd() {
+        #[derive(serde::Deserialize)]
+        #[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+        enum OldRequest {
+            ResolveService { channel_id: u64 },
+        }
+        let p = temp_socket("old-resolve");
+        let listener = UnixListener::bind(&p).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut seen = Vec::new();
+            for _ in 0..2 {
+                let mut hdr = [0u8; 4];
+                conn.read_exact(&mut hdr).unwrap();
+                let mut body = vec![0u8; u32::from_le_bytes(hdr) as usize];
+                conn.read_exact(&mut body).unwrap();
+                let answer = match serde_json::from_slice::<OldRequest>(&body) {
+                    Ok(OldRequest::ResolveService { channel_id }) => {
+                        seen.push(channel_id);
+                        Response::Ok
+                    }
+                    // As flowlaned answers a request it cannot decode.
+                    Err(e) => Response::error(ErrorCode::BadRequest, e.to_string()),
+                };
+                let frame = proto::encode_frame(&answer, proto::MAX_RESPONSE_FRAME).unwrap();
+                conn.write_all(&frame).unwrap();
+            }
+            seen
+        });
+        let mut c = DaemonClient::connect(&p, Duration::from_secs(5)).unwrap();
+        assert!(c.resolve_service(7, 3).unwrap());
+        assert!(!c.is_broken());
+        assert_eq!(server.join().unwrap(), vec![7]);
+        let _ = std::fs::remove_file(&p);
     }
 
     #[test]

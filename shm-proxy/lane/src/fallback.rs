@@ -70,11 +70,15 @@ pub enum FallbackReason {
     /// connection was also source-NATed, as kube-proxy does for a pod that
     /// reaches itself through its Service).
     ServiceUnresolved,
+    /// A relayed claim whose client's daemon said a Service connection's
+    /// stream was on its way, and the stream did not come in time (the
+    /// client's set-up failed after it was asked).
+    ServiceStreamMissed,
 }
 
 impl FallbackReason {
     /// Every reason, in declaration order.
-    pub const ALL: [FallbackReason; 23] = [
+    pub const ALL: [FallbackReason; 24] = [
         FallbackReason::NoDaemon,
         FallbackReason::NotLocalPod,
         FallbackReason::NoPeerLibrary,
@@ -98,6 +102,7 @@ impl FallbackReason {
         FallbackReason::RelayRefused,
         FallbackReason::RelayStreamRefused,
         FallbackReason::ServiceUnresolved,
+        FallbackReason::ServiceStreamMissed,
     ];
 
     /// Stable name: on the wire, in counters, `flowlane status` and the
@@ -127,6 +132,7 @@ impl FallbackReason {
             FallbackReason::RelayRefused => "relay-refused",
             FallbackReason::RelayStreamRefused => "relay-stream-refused",
             FallbackReason::ServiceUnresolved => "service-unresolved",
+            FallbackReason::ServiceStreamMissed => "service-stream-missed",
         }
     }
 

@@ -128,9 +128,18 @@ pub enum Request {
     /// After the connect of [`Request::ServiceIntent`] `channel_id`
     /// returned (connected or in progress): the daemon looks the
     /// connection up in the node's conntrack table. `ok`: the backend is a
-    /// pod of this node with a flowlane listener, wait for its attach;
-    /// `no-channel`: stay on TCP now (the channel is dropped).
-    ResolveService { channel_id: u64 },
+    /// pod of this node with a flowlane listener, or a pod of another node
+    /// that publishes a lane, whose daemon registered the relay's stream:
+    /// wait for the attach; `no-channel`: stay on TCP now (the channel is
+    /// dropped). `socket_fd` (the connecting socket's fd number in the
+    /// calling process, as in [`Request::RelayableIntent`]) lets the relay
+    /// carry a connection to a backend on another node; without it such a
+    /// connection stays on TCP.
+    ResolveService {
+        channel_id: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        socket_fd: Option<i32>,
+    },
 }
 
 /// The injection probe's decision for one image of a pod.

@@ -335,7 +335,7 @@ pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
     // not a lane peer the connection stays on TCP at once, without waiting
     // for an attach that cannot come. An error keeps the channel: the
     // attach handshake still decides (a server may have attached).
-    if service && matches!(with_daemon(|d| d.resolve_service(id)), Some(Ok(false))) {
+    if service && matches!(with_daemon(|d| d.resolve_service(id, fd)), Some(Ok(false))) {
         log_at!(
             4,
             "fd {fd}: channel {id}: the Service's backend is no lane peer, TCP"

@@ -1387,9 +1387,10 @@ fn lane_error(node: &Node, kind: &str) -> u64 {
 /// n0's and n1's pods is live: a stranger (a pod's address, not a node of
 /// the table, even with the key), a daemon without a key (the old header),
 /// a wrong key, a replayed transcript, a spoofed client address (a node
-/// carrying pod traffic that is not its own) and a duplicate stream key
-/// (of the live connection, and of a pending stream). Each is refused and
-/// counted; the live connection, new connections and both daemons go on.
+/// carrying pod traffic that is not its own), a duplicate stream key
+/// (of the live connection, and of a pending stream) and the Service
+/// relay's stream question asked for a server that is not the asker's.
+/// Each is refused and counted; the live connection, new connections and both daemons go on.
 #[test]
 fn impostors_on_the_lane_port_get_nothing_and_change_nothing() {
     let _turn = crate::turn::take(module_path!());
@@ -1532,6 +1533,33 @@ fn impostors_on_the_lane_port_get_nothing_and_change_nothing() {
     assert_eq!(second, Some(0xB2), "its duplicate: STREAM_REFUSED");
     assert_eq!(lane_error(n1, "stream_duplicate"), 2, "{}", c.logs());
     drop(pending);
+
+    // 7. The Service relay's question (relay/service.rs): the daemon of a
+    // key's server asks the daemon of its client whether that stream is
+    // coming. Asked by n0 for its own pod as server about n1's pod as
+    // client, it is answered, from n1's pending Service intents (none):
+    // STREAM_NONE, counted as `peer-stream-query`, nothing else changes.
+    // The same question for a server that is no pod of n0 is refused.
+    let queries = |n: &Node| {
+        n.stats()
+            .requests
+            .get("peer-stream-query")
+            .copied()
+            .unwrap_or(0)
+    };
+    let asked_before = queries(n1);
+    let query_client: std::net::SocketAddr = (b.ip, 45005).into();
+    let (answer, _q) = authed_stream(&n0.netns, lane, query_client, (a.ip, 7613).into());
+    assert_eq!(answer, Some(0xD0), "n0 asks about its own pod: STREAM_NONE");
+    assert_eq!(queries(n1), asked_before + 1, "{}", c.logs());
+    let (answer, _q2) = authed_stream(&n0.netns, lane, query_client, (b.ip, 7614).into());
+    assert_eq!(
+        answer,
+        Some(0xB2),
+        "a question for a server of another node: STREAM_REFUSED"
+    );
+    assert_eq!(queries(n1), asked_before + 1, "not answered: {}", c.logs());
+    assert_eq!(lane_error(n1, "stream_foreign_client"), 3, "{}", c.logs());
 
     // Nothing changed: the live connection carries on, on the relay.
     std::fs::write(&go, b"").unwrap();

@@ -79,6 +79,11 @@ fn echo(node: &SvcNode, client: &Pod, ip: Ipv4Addr, bytes: u64, seed: u32) {
 
 /// [`echo`] to any address.
 fn echo_to(node: &SvcNode, client: &Pod, to: SocketAddrV4, bytes: u64, seed: u32) {
+    echo_with(node, client, true, to, bytes, seed);
+}
+
+/// [`echo_to`], the client with the library if `preload`.
+fn echo_with(node: &SvcNode, client: &Pod, preload: bool, to: SocketAddrV4, bytes: u64, seed: u32) {
     let (ip, port, n) = (
         to.ip().to_string(),
         to.port().to_string(),
@@ -89,7 +94,7 @@ fn echo_to(node: &SvcNode, client: &Pod, to: SocketAddrV4, bytes: u64, seed: u32
     let seed = seed.to_string();
     let argv = [&src, PYTHON, "-c", &script, &ip, &port, &n, &seed];
     let out = run_ok(
-        node.cmd(client, true, &argv),
+        node.cmd(client, preload, &argv),
         T,
         "echo client through the Service",
     );
@@ -239,9 +244,9 @@ fn svc_a_backend_without_the_library_costs_no_wait() {
 #[test]
 fn svc_a_backend_on_another_node_stays_on_tcp_at_once() {
     let _turn = crate::turn::take(module_path!());
-    // The relay does not carry Service connections yet: the client's
-    // daemon says so at connect (`not-local-pod`), the client does not
-    // wait; the backend's claim finds no intent on its node.
+    // Nodes without a lane (no relay): the client's daemon says so at
+    // connect (`not-local-pod`), the client does not wait; the backend's
+    // claim finds no intent on its node.
     let c = SvcCluster::new(2, 2);
     let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
     let far = &n1.pods[0];
@@ -272,6 +277,244 @@ fn svc_a_backend_on_another_node_stays_on_tcp_at_once() {
         c.logs()
     );
     assert_eq!(pending(n0), 0);
+}
+
+/// Connections a daemon's relay opened since `before`.
+fn relayed(before: &Stats, after: &Stats) -> u64 {
+    let opened = |s: &Stats| s.lanes.get("relay").map_or(0, |l| l.connections_opened);
+    opened(after) - opened(before)
+}
+
+/// Peer daemons' questions "is a stream with this key coming?" that a
+/// daemon answered since `before` (`requests`, op `peer-stream-query`).
+fn queries(before: &Stats, after: &Stats) -> u64 {
+    let n = |s: &Stats| s.requests.get("peer-stream-query").copied().unwrap_or(0);
+    n(after) - n(before)
+}
+
+/// Streams a daemon's relay refused because their claim had stopped
+/// waiting (`stream_late`).
+fn late_streams(s: &Stats) -> u64 {
+    s.lane_errors
+        .get("relay")
+        .and_then(|e| e.get("stream_late"))
+        .copied()
+        .unwrap_or(0)
+}
+
+/// The daemon log's lines with `message`, colours removed (the daemon's
+/// log is tracing's fmt output, with ANSI colour codes).
+fn log_lines(node: &SvcNode, message: &str) -> Vec<String> {
+    node.log()
+        .lines()
+        .map(|l| {
+            let mut out = String::new();
+            let mut chars = l.chars();
+            while let Some(c) = chars.next() {
+                if c == '\u{1b}' {
+                    // An SGR sequence: ESC [ ... m.
+                    for c in chars.by_ref() {
+                        if c == 'm' {
+                            break;
+                        }
+                    }
+                } else {
+                    out.push(c);
+                }
+            }
+            out
+        })
+        .filter(|l| l.contains(message))
+        .collect()
+}
+
+/// The value of field `name` (`name=value`) in a log line.
+fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+}
+
+/// What the backend's daemon asked the client's about its claims.
+struct Asked {
+    /// Told a stream is coming.
+    coming: u64,
+    /// Told none is.
+    none: u64,
+    /// No answer in time (a lane too slow under load): TCP too, logged.
+    unanswered: u64,
+    /// The answered round trips, in microseconds.
+    us: Vec<u64>,
+}
+
+/// What the backend's daemon logged per claim it asked about.
+fn asked(node: &SvcNode) -> Asked {
+    let unanswered = log_lines(
+        node,
+        "relay: the client's daemon did not answer whether a stream is coming",
+    )
+    .len() as u64;
+    let lines = log_lines(node, "relay: asked the client's daemon");
+    let said = |v: &str| {
+        lines
+            .iter()
+            .filter(|l| field(l, "coming") == Some(v))
+            .count() as u64
+    };
+    Asked {
+        coming: said("true"),
+        none: said("false"),
+        unanswered,
+        us: lines
+            .iter()
+            .filter_map(|l| field(l, "us")?.parse().ok())
+            .collect(),
+    }
+}
+
+/// Two nodes with the relay; a Service with three backends: a pod of the
+/// client's node with the library, a pod of the other node with the
+/// library, one there without. Each connection takes its backend's path:
+/// the shm lane, the relay (opened by both daemons), TCP told at connect
+/// (`no-listener`: the other daemon answered the stream so; never a wait
+/// for an attach, which would count `no-peer-library`).
+fn backends_on_two_nodes(mode: ProxyMode) {
+    // 30 connections over 3 backends: one gets none with probability
+    // 3 * (2/3)^30 < 2e-5.
+    const CONNS: u32 = 30;
+    let c = SvcCluster::with_lanes(2);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let svc = service(50, &[&n0.pods[1], &n1.pods[0], &n1.pods[1]]);
+    for n in [n0, n1] {
+        n.kube_proxy(mode, std::slice::from_ref(&svc));
+    }
+    let near = backend(n0, &n0.pods[1], true);
+    let far = backend(n1, &n1.pods[0], true);
+    let plain = backend(n1, &n1.pods[1], false);
+    let (before0, before1) = (n0.stats(), n1.stats());
+    for seed in 0..CONNS {
+        echo(n0, &n0.pods[0], cluster_ip(50), 256 << 10, seed);
+    }
+    let (after0, after1) = (n0.stats(), n1.stats());
+    let (near, far, plain) = (
+        accepted(near) as u64,
+        accepted(far) as u64,
+        accepted(plain) as u64,
+    );
+    println!("figure service-two-nodes mode={mode:?} shm={near} relay={far} tcp={plain}");
+    assert_eq!(near + far + plain, u64::from(CONNS));
+    assert!(near > 0 && far > 0 && plain > 0, "{near} {far} {plain}");
+    let (shm0, fallbacks0) = since(&before0, &after0);
+    let (shm1, fallbacks1) = since(&before1, &after1);
+    assert_eq!(
+        (shm0, relayed(&before0, &after0), fallbacks0),
+        (near, far, counts(&[("no-listener", plain)])),
+        "client node: each connection on its backend's path\n{}",
+        c.logs()
+    );
+    assert_eq!(
+        (shm1, relayed(&before1, &after1), fallbacks1),
+        (0, far, counts(&[])),
+        "backend node: the relayed ones, nothing fell back\n{}",
+        c.logs()
+    );
+    assert_eq!(pending(n0), 0);
+}
+
+#[test]
+fn svc_iptables_mode_a_backend_on_another_node_gets_the_relay() {
+    let _turn = crate::turn::take(module_path!());
+    backends_on_two_nodes(ProxyMode::Iptables);
+}
+
+#[test]
+fn svc_nftables_mode_a_backend_on_another_node_gets_the_relay() {
+    let _turn = crate::turn::take(module_path!());
+    backends_on_two_nodes(ProxyMode::Nftables);
+}
+
+/// A client WITHOUT the library on one node, a server with it on the
+/// other, both daemons serving Service IPs and running the relay: through
+/// the Service and to the pod IP, every connection stays on TCP and the
+/// backend's claim waits for no stream. Its daemon asks the client's once
+/// per claim (`peer-stream-query` there) and is told that none is coming:
+/// `claim-without-intent`, never `service-stream-missed` (what a claim
+/// counts that waited for an announced stream in vain), no late stream
+/// refused, and both daemons logged "none" for every claim. No clock.
+fn a_plain_client_on_another_node(mode: ProxyMode) {
+    const CONNS: u64 = 6;
+    let c = SvcCluster::with_lanes(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let server = &n1.pods[0];
+    let svc = service(85, &[server]);
+    for n in [n0, n1] {
+        n.kube_proxy(mode, std::slice::from_ref(&svc));
+    }
+    let srv = backend(n1, server, true);
+    let (before0, before1) = (n0.stats(), n1.stats());
+    for seed in 0..CONNS as u32 {
+        // Through the Service and straight to the pod, in turn.
+        let to = if seed % 2 == 0 {
+            SocketAddrV4::new(cluster_ip(85), PORT)
+        } else {
+            SocketAddrV4::new(server.ip, TARGET)
+        };
+        echo_with(n0, &n0.pods[0], false, to, 64 << 10, seed);
+    }
+    let (after0, after1) = (n0.stats(), n1.stats());
+    assert_eq!(accepted(srv) as u64, CONNS);
+    assert_eq!(
+        (
+            relayed(&before1, &after1),
+            since(&before1, &after1).1,
+            late_streams(&after1),
+        ),
+        (0, counts(&[("claim-without-intent", CONNS)]), 0),
+        "backend node: each claim went on over TCP, none waited for a stream\n{}",
+        c.logs()
+    );
+    // The client's node: nothing relayed, nothing announced by the plain
+    // client, so nothing fell back there either.
+    assert_eq!(
+        (relayed(&before0, &after0), since(&before0, &after0).1),
+        (0, BTreeMap::new()),
+        "{}",
+        c.logs()
+    );
+    // What the daemons said: every claim asked once; the client's daemon
+    // said "none" to each question that reached it (a question that found
+    // no answer in time under load is logged as such, and also stays on
+    // TCP without waiting for a stream).
+    let a = asked(n1);
+    let answered = log_lines(n0, "relay: answered whether a stream is coming");
+    let answered_coming = answered
+        .iter()
+        .filter(|l| field(l, "coming") != Some("false"))
+        .count();
+    let queried = queries(&before0, &after0);
+    assert_eq!(
+        (a.coming, a.none + a.unanswered, answered_coming),
+        (0, CONNS, 0),
+        "what the daemons said\n{}",
+        c.logs()
+    );
+    assert!(
+        (a.none..=CONNS).contains(&queried) && answered.len() as u64 == queried,
+        "{queried} questions answered, {} told none\n{}",
+        a.none,
+        c.logs()
+    );
+}
+
+#[test]
+fn svc_iptables_mode_a_client_without_the_library_on_another_node_waits_for_no_stream() {
+    let _turn = crate::turn::take(module_path!());
+    a_plain_client_on_another_node(ProxyMode::Iptables);
+}
+
+#[test]
+fn svc_nftables_mode_a_client_without_the_library_on_another_node_waits_for_no_stream() {
+    let _turn = crate::turn::take(module_path!());
+    a_plain_client_on_another_node(ProxyMode::Nftables);
 }
 
 /// `claim.py SOCKET LOCAL PEER`: a hostile pod's raw claim on the daemon
@@ -453,6 +696,90 @@ fn svc_figures_connection_set_up_through_a_service() {
     println!(
         "figure service-connrate tcp-via-service={tcp_svc:.0} lane-via-service={lane_svc:.0} \
          lane-to-pod-ip={lane_pod:.0} connections/s ({N} each)"
+    );
+}
+
+#[test]
+fn svc_figures_set_up_through_a_service_to_another_node() {
+    let _turn = crate::turn::take(module_path!());
+    // As above, the backend on the other node: the relay. Figures printed,
+    // never asserted; asserted is that every library connection was
+    // relayed (both daemons) and none fell back, and that the claims of a
+    // client without the library were told at once that no stream comes
+    // (the round trip of that question is printed).
+    const N: usize = 200;
+    let c = SvcCluster::with_lanes(1);
+    let (n0, n1) = (&c.nodes[0], &c.nodes[1]);
+    let (client, server) = (&n0.pods[0], &n1.pods[0]);
+    let svc = service(70, &[server]);
+    for n in [n0, n1] {
+        n.kube_proxy(ProxyMode::Nftables, std::slice::from_ref(&svc));
+    }
+    let bin = flowlane_e2e::shm::build_dir().join("shm-bench");
+    let bin = bin.to_str().unwrap();
+    let (port, direct) = (TARGET.to_string(), (TARGET + 1).to_string());
+    let _srv = Bg::spawn(n1.cmd(server, true, &[bin, "serve", &port]));
+    let _direct = Bg::spawn(n1.cmd(server, true, &[bin, "serve", &direct]));
+    wait_listening(server, TARGET);
+    wait_listening(server, TARGET + 1);
+    let via_svc = format!("{}:{PORT}", cluster_ip(70));
+    let to_pod = format!("{}:{direct}", server.ip);
+    let plain = [n0.stats(), n1.stats()];
+    let tcp_svc = connrate(n0, client, false, &via_svc, N);
+    let tcp_pod = connrate(n0, client, false, &to_pod, N);
+    let before = [n0.stats(), n1.stats()];
+    // A client without the library: each claim asked the client's daemon
+    // and was never told a stream is coming (no wait for one).
+    let n = 2 * N as u64;
+    let a = asked(n1);
+    assert_eq!(
+        (
+            since(&plain[1], &before[1]).1,
+            relayed(&plain[1], &before[1]),
+            a.coming,
+            a.none + a.unanswered
+        ),
+        (counts(&[("claim-without-intent", n)]), 0, 0, n),
+        "without the library\n{}",
+        c.logs()
+    );
+    let mut us = a.us;
+    us.sort_unstable();
+    let pct = |p: usize| {
+        let i = (us.len() * p / 100).min(us.len().saturating_sub(1));
+        us.get(i).copied().unwrap_or(0)
+    };
+    println!(
+        "figure service-stream-query median={}us p90={}us max={}us ({} claims of a client \
+         without the library asked the client's daemon, {} unanswered in time; it answered {})",
+        pct(50),
+        pct(90),
+        pct(100),
+        us.len(),
+        a.unanswered,
+        queries(&plain[0], &before[0])
+    );
+    let relay_svc = connrate(n0, client, true, &via_svc, N);
+    let mid = [n0.stats(), n1.stats()];
+    let relay_pod = connrate(n0, client, true, &to_pod, N);
+    let after = [n0.stats(), n1.stats()];
+    for (from, to, what) in [
+        (&before, &mid, "through the Service"),
+        (&mid, &after, "to the pod IP"),
+    ] {
+        for i in 0..2 {
+            assert_eq!(
+                (relayed(&from[i], &to[i]), since(&from[i], &to[i]).1),
+                (N as u64, BTreeMap::new()),
+                "{what}, node {i}\n{}",
+                c.logs()
+            );
+        }
+    }
+    println!(
+        "figure service-connrate-remote tcp-via-service={tcp_svc:.0} tcp-to-pod-ip={tcp_pod:.0} \
+         relay-via-service={relay_svc:.0} relay-to-pod-ip={relay_pod:.0} connections/s ({N} each; \
+         tcp: a client without the library, the server with it)"
     );
 }
 

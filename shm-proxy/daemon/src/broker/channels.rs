@@ -109,7 +109,7 @@ impl Broker {
         self.next_id += 1;
         let created = self
             .kernel
-            .channel_memfd(&format!("flowlane-ch-{id}"), region_len)
+            .channel_memfd(&super::channel_memfd_name(id), region_len)
             .and_then(|fd| Ok((fd.try_clone()?, fd)));
         let (client_copy, kept) = match created {
             Ok(fds) => fds,

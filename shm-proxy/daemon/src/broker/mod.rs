@@ -46,6 +46,7 @@ mod upkeep;
 
 pub use admission::Admitted;
 pub use kernel::{Kernel, RealKernel};
+pub use service::{RemoteService, Resolved};
 
 use channels::{IntentKey, Pending};
 use connections::Active;
@@ -89,6 +90,12 @@ pub struct Caller {
     /// daemon's user namespace): they decide node requests only.
     pub uid: Option<u32>,
     pub gid: Option<u32>,
+}
+
+/// The name of channel `id`'s memfd (`/memfd:NAME` in a mapping process's
+/// maps).
+fn channel_memfd_name(id: u64) -> String {
+    format!("flowlane-ch-{id}")
 }
 
 /// The answer to one request.
@@ -259,7 +266,7 @@ impl Broker {
                 dst,
                 region_len,
             } => self.service_intent(caller, src, dst, region_len),
-            Request::ResolveService { channel_id } => self.resolve_service(caller, channel_id),
+            Request::ResolveService { channel_id, .. } => self.resolve_service(caller, channel_id),
             Request::ReportClosed {
                 channel_id,
                 sent,

@@ -19,6 +19,10 @@
 //!    `local`: a pod cannot take a Service connection sent elsewhere. The
 //!    claim may come before step 2 (a blocking connect returns after the
 //!    handshake); it resolves the same way.
+//! 4. A backend that is a pod of another node publishing a lane (the daemon
+//!    runs the relay): [`Broker::resolve_service_with`] hands the channel
+//!    to the relay (`relay/service.rs`), which carries it as a relayed
+//!    connection keyed by (client, backend).
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -34,6 +38,34 @@ use crate::pods::PodId;
 pub struct Services {
     ranges: Vec<Entry>,
     conntrack: Option<Box<dyn Conntrack>>,
+    /// The daemon runs the relay: a backend may be a pod of another node,
+    /// so a Service intent gets a channel even when no local pod listens.
+    remote_backends: bool,
+}
+
+/// What `resolve-service` found.
+pub enum Resolved {
+    /// Answer the client now (a local backend, or TCP).
+    Answer(Answer),
+    /// The backend is a pod of another node with a lane: the relay carries
+    /// the channel (taken out of the broker, no fallback counted yet).
+    Remote(RemoteService),
+}
+
+/// A Service channel whose backend is on another node.
+#[derive(Debug)]
+pub struct RemoteService {
+    pub id: u64,
+    /// The client's address (the stream key's client).
+    pub src: SocketAddr,
+    /// The backend conntrack names (the stream key's server).
+    pub backend: SocketAddr,
+    pub client_pod: PodId,
+    /// The channel's memfd (the client got its own copy at the intent) and
+    /// its name, as the client process maps it.
+    pub memfd: std::os::fd::OwnedFd,
+    pub memfd_name: String,
+    pub len: u64,
 }
 
 impl std::fmt::Debug for Services {
@@ -52,7 +84,38 @@ impl Broker {
         self.services = Services {
             ranges,
             conntrack: Some(conntrack),
+            remote_backends: self.services.remote_backends,
         };
+    }
+
+    /// The relay runs: Service backends may be pods of other nodes.
+    pub fn set_remote_service_backends(&mut self) {
+        self.services.remote_backends = true;
+    }
+
+    /// True when this daemon serves Service IPs (`--service-cidr`): a
+    /// relayed claim may then arrive before the stream a peer daemon opens
+    /// once it resolved its client's Service connection (`relay/service.rs`).
+    pub fn serves_services(&self) -> bool {
+        self.services.conntrack.is_some()
+    }
+
+    /// True when `channel_id` is a pending Service channel (the relay
+    /// takes its `resolve-service`).
+    pub fn is_pending_service(&self, channel_id: u64) -> bool {
+        self.pending_ids.get(&channel_id).is_some_and(|k| k.service)
+    }
+
+    /// True when a pod of this node announced a Service connection from
+    /// `src` that is not resolved yet (the backend's daemon asks whether a
+    /// relay stream for it may still come: `relay/service.rs`).
+    pub fn has_pending_service_from(&self, src: SocketAddr) -> bool {
+        let key = IntentKey {
+            src: canonical(src),
+            dst_port: 0,
+            service: true,
+        };
+        self.pending.contains_key(&key)
     }
 
     fn is_service_ip(&self, ip: IpAddr) -> bool {
@@ -76,8 +139,9 @@ impl Broker {
         if !self.is_service_ip(dst.ip()) || self.services.conntrack.is_none() {
             return self.no_channel(NoChannelReason::NotLocalPod, FallbackReason::NotLocalPod);
         }
-        // No pod of the node serves the lane: no backend can have one.
-        if self.listeners.is_empty() {
+        // No pod of the node serves the lane and no other node's can be
+        // reached: no backend can have one.
+        if self.listeners.is_empty() && !self.services.remote_backends {
             return self.no_channel(NoChannelReason::NoListener, FallbackReason::NoListener);
         }
         let key = IntentKey {
@@ -89,32 +153,47 @@ impl Broker {
     }
 
     pub(super) fn resolve_service(&mut self, caller: &Caller, channel_id: u64) -> Answer {
+        match self.resolve_service_with(caller, channel_id, &|_| false) {
+            Resolved::Answer(a) => a,
+            Resolved::Remote(_) => unreachable!("no backend is remote here"),
+        }
+    }
+
+    /// `resolve-service`; `remote(ip)`: `ip` is a pod of another node
+    /// whose daemon the relay reaches (then the channel goes to the relay).
+    pub fn resolve_service_with(
+        &mut self,
+        caller: &Caller,
+        channel_id: u64,
+        remote: &dyn Fn(IpAddr) -> bool,
+    ) -> Resolved {
         let pod = match self.caller_pod(caller) {
             Ok(p) => p,
-            Err(a) => return a,
+            Err(a) => return Resolved::Answer(a),
         };
+        let answer = |a: Answer| Resolved::Answer(a);
         let Some(&key) = self.pending_ids.get(&channel_id) else {
             // Claimed already (the server's claim resolved it), or gone.
-            return match self.active.get(&channel_id) {
+            return answer(match self.active.get(&channel_id) {
                 Some(c) if c.client_pod == pod => Response::Ok.into(),
                 Some(_) => self.deny(ErrorCode::Forbidden, "the channel belongs to other pods"),
                 None => Response::NoChannel {
                     reason: NoChannelReason::NoIntent,
                 }
                 .into(),
-            };
+            });
         };
         let Some((client_pod, dst)) = self.pending.get(&key).map(|p| (p.client_pod, p.dst)) else {
-            return Response::error(ErrorCode::Internal, "pending channel vanished").into();
+            return answer(Response::error(ErrorCode::Internal, "pending channel vanished").into());
         };
         if client_pod != pod {
-            return self.deny(
+            return answer(self.deny(
                 ErrorCode::Forbidden,
                 "the channel was announced by another pod",
-            );
+            ));
         }
         if !key.service {
-            return Response::error(ErrorCode::BadRequest, "not a Service channel").into();
+            return answer(Response::error(ErrorCode::BadRequest, "not a Service channel").into());
         }
         let (why, counter) = match self.backend_of(key.src, dst) {
             None => (
@@ -122,6 +201,24 @@ impl Broker {
                 FallbackReason::ServiceUnresolved,
             ),
             Some(backend) => match self.local_pod_of(backend.ip()) {
+                None if remote(backend.ip()) => {
+                    let Some(p) = self.pending.remove(&key) else {
+                        return answer(
+                            Response::error(ErrorCode::Internal, "pending channel vanished").into(),
+                        );
+                    };
+                    self.pending_ids.remove(&p.id);
+                    tracing::debug!(id = channel_id, src = %key.src, service = %dst, %backend, "service connection to another node: the relay's");
+                    return Resolved::Remote(RemoteService {
+                        id: p.id,
+                        src: key.src,
+                        backend,
+                        client_pod: p.client_pod,
+                        memfd: p.memfd,
+                        memfd_name: super::channel_memfd_name(p.id),
+                        len: p.len,
+                    });
+                }
                 None => (NoChannelReason::NotLocalPod, FallbackReason::NotLocalPod),
                 Some(server) if !self.has_listener(server, backend) => {
                     (NoChannelReason::NoListener, FallbackReason::NoListener)
@@ -131,7 +228,7 @@ impl Broker {
                         p.server_pod = Some(server);
                     }
                     tracing::debug!(id = channel_id, src = %key.src, service = %dst, %backend, "service connection resolved");
-                    return Response::Ok.into();
+                    return answer(Response::Ok.into());
                 }
             },
         };
@@ -139,7 +236,7 @@ impl Broker {
         if let Some(p) = self.pending.remove(&key) {
             self.pending_ids.remove(&p.id);
         }
-        self.no_channel(why, counter)
+        answer(self.no_channel(why, counter))
     }
 
     /// The pending Service channel of client `peer` that conntrack says

@@ -80,8 +80,14 @@ fn channel(a: &Answer) -> u64 {
 }
 
 fn resolve(b: &mut Broker, who: u64, id: u64) -> Response {
-    b.handle(&pod(who), Request::ResolveService { channel_id: id })
-        .response
+    b.handle(
+        &pod(who),
+        Request::ResolveService {
+            channel_id: id,
+            socket_fd: None,
+        },
+    )
+    .response
 }
 
 fn claim(b: &mut Broker, who: u64, local: &str, peer: &str) -> Answer {
@@ -312,4 +318,65 @@ fn a_source_port_remapped_by_nat_still_pairs_with_its_own_backend_only() {
         id
     );
     assert_eq!(b.stats().lanes["shm"].connections_opened, 2);
+}
+
+#[test]
+fn a_backend_on_a_node_the_relay_reaches_goes_to_the_relay() {
+    let (mut n, ct) = service_node("svc-remote");
+    let b = &mut n.broker;
+    let far = "10.212.77.5:8080";
+    let remote = |ip: std::net::IpAddr| ip == sa(far).ip();
+    assert!(!b.has_pending_service_from(sa(CLIENT)));
+    let a = intent(b, 1, CLIENT, SVC);
+    let id = channel(&a);
+    // A peer daemon asking about this client is told a stream may come.
+    assert!(b.has_pending_service_from(sa(CLIENT)));
+    assert!(!b.has_pending_service_from(sa("10.202.9.1:40001")));
+    ct.dnat(CLIENT, SVC, far);
+    // Only the announcing pod may resolve it, relay or not.
+    assert!(matches!(
+        b.resolve_service_with(&pod(3), id, &remote),
+        Resolved::Answer(Answer { ref response, .. }) if forbidden(response)
+    ));
+    let Resolved::Remote(r) = b.resolve_service_with(&pod(1), id, &remote) else {
+        panic!("not handed to the relay");
+    };
+    assert_eq!(
+        (r.id, r.src, r.backend, r.client_pod),
+        (id, sa(CLIENT), sa(far), 1)
+    );
+    assert_eq!(r.len, 8192);
+    assert_eq!(r.memfd_name, format!("flowlane-ch-{id}"));
+    assert!(same_file(a.fd.as_ref().unwrap(), &r.memfd));
+    // Out of the broker, no fallback counted (the relay counts its own).
+    let st = b.stats();
+    assert_eq!(st.lanes["shm"].channels_pending, 0);
+    assert!(st.fallbacks.values().all(|&v| v == 0), "{:?}", st.fallbacks);
+    assert!(!b.is_pending_service(id));
+    // From here the relay answers for it (`relay/service.rs`).
+    assert!(!b.has_pending_service_from(sa(CLIENT)));
+    // A backend on a node the relay does not reach: TCP at once.
+    let client = "10.202.9.1:40005";
+    let id = channel(&intent(b, 1, client, SVC));
+    assert!(b.is_pending_service(id));
+    ct.dnat(client, SVC, "10.212.78.5:8080");
+    assert!(matches!(
+        b.resolve_service_with(&pod(1), id, &remote),
+        Resolved::Answer(Answer { ref response, .. })
+            if no_channel(response, NoChannelReason::NotLocalPod)
+    ));
+    assert!(!b.has_pending_service_from(sa(client)));
+}
+
+#[test]
+fn with_the_relay_a_service_intent_needs_no_local_listener() {
+    let mut n = node("svc-relay-none", Limits::default());
+    n.broker.set_services(
+        vec![Entry::new(sa(SVC).ip(), 24)],
+        Box::new(Table::default()),
+    );
+    n.broker.set_remote_service_backends();
+    let id = channel(&intent(&mut n.broker, 1, CLIENT, SVC));
+    assert!(n.broker.is_pending_service(id));
+    assert!(n.broker.serves_services());
 }

@@ -13,6 +13,14 @@
 //!   server daemon -> client daemon   CLAIMED     the server pod claimed the connection
 //!   client daemon -> server daemon   ATTACHED    the client pod is on the ring: go
 //!                                    REFUSED     it is not (gave up / never mapped): TCP
+//! a query stream (opened the other way: by the daemon of the key's server,
+//! to the daemon of the key's client; `service.rs`), one byte, then the end:
+//!   client daemon -> server daemon   STREAM_COMING  a stream with this key is on its
+//!                                                way (or came): the client pod has a
+//!                                                pending Service connection from that
+//!                                                address, or its relay set-up runs
+//!                                    STREAM_NONE    none will come: the claim stays on
+//!                                                TCP at once
 //! then, both ways:
 //!   DATA  u32-le length, bytes       application bytes from my pod
 //!   WAKE                             ring a doorbell on your pod's socket: my pod sleeps
@@ -44,6 +52,8 @@ use flowlane_rdma::LaneStream;
 pub const REGISTERED: u8 = 0xB1;
 pub const NO_LISTENER: u8 = 0xB0;
 pub const STREAM_REFUSED: u8 = 0xB2;
+pub const STREAM_NONE: u8 = 0xD0;
+pub const STREAM_COMING: u8 = 0xD1;
 pub const CLAIMED: u8 = 0xC1;
 pub const ATTACHED: u8 = 0xA1;
 pub const REFUSED: u8 = 0xA0;

@@ -16,7 +16,9 @@
 //! 2. Daemon 2 accepts the stream, keeps it for B's claim and answers
 //!    REGISTERED; daemon 1 answers A only then, so when B accepts A's
 //!    connection its claim finds the stream at once (a claim for a
-//!    connection no daemon announced never waits).
+//!    connection no daemon announced never waits; on daemons serving
+//!    Service IPs it first asks A's daemon whether a Service connection's
+//!    stream is coming: one lane round trip, `service.rs`).
 //! 3. B's `relayable-claim` for a peer on another node: daemon 2 pairs it
 //!    with the stream, sends CLAIMED; daemon 1 checks that A mapped its
 //!    channel and sets A's attach word (this is where A's lane is decided,
@@ -33,6 +35,7 @@ pub mod frames;
 mod os;
 mod placed;
 pub mod route;
+mod service;
 #[cfg(feature = "test-transport")]
 pub mod tcp_test;
 mod wait_trace;
@@ -41,7 +44,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use flowlane_lane::proto::{
@@ -89,6 +92,10 @@ pub mod refusal {
     /// A stream with the key of a live one (waiting for its claim, or
     /// carried): refused, the live one goes on.
     pub const DUPLICATE: &str = "stream_duplicate";
+    /// A Service connection's stream that arrived after its server pod's
+    /// claim stopped waiting for it (`service.rs`): refused, both pods stay
+    /// on TCP.
+    pub const LATE: &str = "stream_late";
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -106,6 +113,15 @@ pub struct Relay {
     shared: Shared,
     /// Streams peer daemons opened, waiting for our pod's claim.
     accepted: Mutex<HashMap<StreamKey, Accepted>>,
+    /// Signalled when a stream joins `accepted` (a claim may be waiting
+    /// for it: `service.rs`).
+    arrived: Condvar,
+    /// Keys whose claim stopped waiting for their stream, and when: that
+    /// stream is refused if it still comes (`service.rs`).
+    missed: Mutex<HashMap<StreamKey, Instant>>,
+    /// Service connections of our pods being set up, whose stream may not
+    /// be registered yet (`service.rs`: a peer daemon may ask).
+    service_inflight: Mutex<service::InFlight>,
     /// Answered streams kept a moment so their answer is read before the
     /// drop (the sweep releases them).
     lingering: Mutex<Vec<Accepted>>,
@@ -119,6 +135,7 @@ pub struct Relay {
     closed_bytes: [AtomicU64; 2],
     refused_foreign: AtomicU64,
     refused_duplicate: AtomicU64,
+    refused_late: AtomicU64,
     /// Move bytes without copies where the transport can (see `placed.rs`).
     zero_copy: bool,
     /// Ring size (per direction) of zero-copy relayed connections: nothing
@@ -156,6 +173,24 @@ fn zero_copy_ring() -> usize {
 /// A client-side set-up: the announcing pod (netns inode) and its stream.
 type Setup = (u64, Arc<dyn LaneStream>);
 
+/// What the client daemon holds for one connection it set up, until the
+/// server daemon's CLAIMED decides it.
+struct ClientSetup {
+    id: u64,
+    /// The client pod (netns inode), which alone may cancel it.
+    pod: u64,
+    key: StreamKey,
+    /// The pod's region, mapped by this daemon (its ring peer).
+    region: Arc<Region>,
+    /// This daemon's reference to the pod's socket.
+    sock: OwnedFd,
+    pidfd: Option<OwnedFd>,
+    pid: u32,
+    /// The region's memfd name, as the pod's process maps it.
+    memfd_name: String,
+    reservation: budget::Reservation,
+}
+
 impl Relay {
     /// Starts the relay: its accept thread runs for the daemon's lifetime.
     pub fn start(
@@ -184,6 +219,9 @@ impl Relay {
             lane,
             shared,
             accepted: Mutex::new(HashMap::new()),
+            arrived: Condvar::new(),
+            missed: Mutex::new(HashMap::new()),
+            service_inflight: Mutex::new(HashMap::new()),
             lingering: Mutex::new(Vec::new()),
             setups: Mutex::new(HashMap::new()),
             active: Mutex::new(HashMap::new()),
@@ -192,6 +230,7 @@ impl Relay {
             closed_bytes: Default::default(),
             refused_foreign: AtomicU64::new(0),
             refused_duplicate: AtomicU64::new(0),
+            refused_late: AtomicU64::new(0),
             zero_copy,
             zero_copy_ring,
             budget: budget::MemoryBudget::new(memory_budget),
@@ -223,6 +262,14 @@ impl Relay {
                     // The opening daemon (authenticated by the transport)
                     // carries its own node's pods only.
                     if !from.is_some_and(|f| self.router.is_pod_of(f, key.client.ip())) {
+                        // The other way round: the daemon of the key's
+                        // server asks whether our pod's stream is coming.
+                        if from.is_some_and(|f| self.router.is_pod_of(f, key.server.ip()))
+                            && self.shared.lock().is_local_pod_ip(key.client.ip())
+                        {
+                            self.answer_stream_query(&key, stream);
+                            continue;
+                        }
                         tracing::warn!(client = %key.client, server = %key.server, ?from, "relay: stream refused: its client is no pod of the node that opened it");
                         self.refused_foreign.fetch_add(1, Ordering::Relaxed);
                         self.answer_and_linger(stream, frames::STREAM_REFUSED);
@@ -238,6 +285,15 @@ impl Relay {
                     // `accepted`: never the other way round.)
                     let carried = lock(&self.active).values().any(|c| c.key == key);
                     let mut acc = lock(&self.accepted);
+                    // Checked under `accepted`, which a waiting claim holds
+                    // when it gives up (`service.rs`).
+                    if self.missed_claim(&key) {
+                        drop(acc);
+                        tracing::info!(client = %key.client, server = %key.server, "relay: stream refused: its claim stopped waiting for it");
+                        self.refused_late.fetch_add(1, Ordering::Relaxed);
+                        self.answer_and_linger(stream, frames::STREAM_REFUSED);
+                        continue;
+                    }
                     let live = carried || acc.contains_key(&key);
                     if live {
                         drop(acc);
@@ -246,12 +302,18 @@ impl Relay {
                         self.answer_and_linger(stream, frames::STREAM_REFUSED);
                         continue;
                     }
-                    let stream: Arc<dyn LaneStream> = Arc::from(stream);
-                    acc.insert(key, (stream.clone(), now));
-                    drop(acc);
+                    // REGISTERED goes out before any claim can take the
+                    // stream (and send CLAIMED on it): the opening daemon
+                    // reads them in that order. One byte on a fresh
+                    // stream, sent under `accepted` so that a claim
+                    // arriving meanwhile finds the stream once it is
+                    // announced.
                     if frames::send_all(&*stream, &[frames::REGISTERED]).is_err() {
-                        lock(&self.accepted).remove(&key);
+                        continue;
                     }
+                    acc.insert(key, (Arc::from(stream), now));
+                    drop(acc);
+                    self.arrived.notify_all();
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "lane accept failed");
@@ -308,6 +370,7 @@ impl Relay {
         for (kind, n) in [
             (refusal::FOREIGN_CLIENT, &self.refused_foreign),
             (refusal::DUPLICATE, &self.refused_duplicate),
+            (refusal::LATE, &self.refused_late),
         ] {
             let n = n.load(Ordering::Relaxed);
             if counting || n > 0 {
@@ -359,6 +422,10 @@ impl Relay {
         match req {
             Request::RelayableIntent { dst, .. } => remote(dst.ip()),
             Request::RelayableClaim { peer, .. } => remote(peer.ip()),
+            // Its backend may be a pod of another node (`service.rs`).
+            Request::ResolveService { channel_id, .. } => {
+                self.shared.lock().is_pending_service(*channel_id)
+            }
             Request::CancelIntent { channel_id } => lock(&self.setups).contains_key(channel_id),
             _ => false,
         }
@@ -385,6 +452,10 @@ impl Relay {
                 peer,
                 socket_fd,
             } => self.claim(caller, canonical(local), canonical(peer), socket_fd),
+            Request::ResolveService {
+                channel_id,
+                socket_fd,
+            } => self.resolve_service(caller, channel_id, socket_fd),
             Request::CancelIntent { channel_id } => {
                 let mut setups = lock(&self.setups);
                 if setups
@@ -541,53 +612,23 @@ impl Relay {
             client: src,
             server: dst,
         };
-        let stream = match self.open_within(peer_daemon, key, OPEN_WAIT) {
+        let stream = match self.open_registered(peer_daemon, key) {
             Ok(s) => s,
-            Err(e) => {
-                tracing::info!(%peer_daemon, error = %e, "relay: lane not open in time; TCP");
-                return self.fallback(
-                    NoChannelReason::NotLocalPod,
-                    FallbackReason::RelayLaneUnreachable,
-                );
-            }
+            Err((why, counter)) => return self.fallback(why, counter),
         };
-        match recv_byte_within(&stream, REGISTER_WAIT) {
-            Ok(frames::REGISTERED) => {}
-            Ok(frames::NO_LISTENER) => {
-                return self.fallback(NoChannelReason::NoListener, FallbackReason::NoListener);
-            }
-            Ok(frames::STREAM_REFUSED) => {
-                tracing::info!(%peer_daemon, %src, %dst, "relay: the peer daemon refused the stream; TCP");
-                return self.fallback(
-                    NoChannelReason::NotLocalPod,
-                    FallbackReason::RelayStreamRefused,
-                );
-            }
-            other => {
-                tracing::info!(%peer_daemon, answer = ?other, "relay: peer daemon did not register the stream; TCP");
-                stream.reset();
-                return self.fallback(
-                    NoChannelReason::NotLocalPod,
-                    FallbackReason::RelayLaneUnreachable,
-                );
-            }
-        }
-        let pod = admitted.client_pod;
-        lock(&self.setups).insert(id, (pod, stream.clone()));
-        let r = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("relay-setup-{id}"))
-            .spawn(move || {
-                r.client_setup(id, key, stream, region, sock, pidfd, pid, name, reservation)
-            });
-        if spawned.is_err() {
-            if let Some((_, s)) = lock(&self.setups).remove(&id) {
-                s.reset();
-            }
-            return self.fallback(
-                NoChannelReason::NotLocalPod,
-                FallbackReason::RelaySetupFailed,
-            );
+        let setup = ClientSetup {
+            id,
+            pod: admitted.client_pod,
+            key,
+            region,
+            sock,
+            pidfd,
+            pid,
+            memfd_name: name,
+            reservation,
+        };
+        if let Err((why, counter)) = self.start_client_setup(setup, stream) {
+            return self.fallback(why, counter);
         }
         tracing::debug!(id, %src, %dst, %peer_daemon, "relay: channel announced");
         Answer {
@@ -599,21 +640,87 @@ impl Relay {
         }
     }
 
+    /// Client daemon: opens the stream for `key` to `peer_daemon` and waits
+    /// for its REGISTERED (the server daemon found a flowlane listener
+    /// there); else the fallback to count.
+    fn open_registered(
+        &self,
+        peer_daemon: SocketAddr,
+        key: StreamKey,
+    ) -> Result<Arc<dyn LaneStream>, (NoChannelReason, FallbackReason)> {
+        let (src, dst) = (key.client, key.server);
+        let stream = match self.open_within(peer_daemon, key, OPEN_WAIT) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::info!(%peer_daemon, error = %e, "relay: lane not open in time; TCP");
+                return Err((
+                    NoChannelReason::NotLocalPod,
+                    FallbackReason::RelayLaneUnreachable,
+                ));
+            }
+        };
+        match recv_byte_within(&stream, REGISTER_WAIT) {
+            Ok(frames::REGISTERED) => Ok(stream),
+            Ok(frames::NO_LISTENER) => {
+                Err((NoChannelReason::NoListener, FallbackReason::NoListener))
+            }
+            Ok(frames::STREAM_REFUSED) => {
+                tracing::info!(%peer_daemon, %src, %dst, "relay: the peer daemon refused the stream; TCP");
+                Err((
+                    NoChannelReason::NotLocalPod,
+                    FallbackReason::RelayStreamRefused,
+                ))
+            }
+            other => {
+                tracing::info!(%peer_daemon, answer = ?other, "relay: peer daemon did not register the stream; TCP");
+                stream.reset();
+                Err((
+                    NoChannelReason::NotLocalPod,
+                    FallbackReason::RelayLaneUnreachable,
+                ))
+            }
+        }
+    }
+
+    /// Client daemon: records the set-up (the pod may cancel it) and runs
+    /// [`Relay::client_setup`] on its own thread.
+    fn start_client_setup(
+        self: &Arc<Self>,
+        setup: ClientSetup,
+        stream: Arc<dyn LaneStream>,
+    ) -> Result<(), (NoChannelReason, FallbackReason)> {
+        let id = setup.id;
+        lock(&self.setups).insert(id, (setup.pod, stream.clone()));
+        let r = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("relay-setup-{id}"))
+            .spawn(move || r.client_setup(setup, stream));
+        if spawned.is_err() {
+            if let Some((_, s)) = lock(&self.setups).remove(&id) {
+                s.reset();
+            }
+            return Err((
+                NoChannelReason::NotLocalPod,
+                FallbackReason::RelaySetupFailed,
+            ));
+        }
+        Ok(())
+    }
+
     /// Client daemon: waits for the server daemon's CLAIMED, decides the
     /// client pod's lane (attach word), answers, and starts the pumps.
-    #[allow(clippy::too_many_arguments)]
-    fn client_setup(
-        self: Arc<Self>,
-        id: u64,
-        key: StreamKey,
-        stream: Arc<dyn LaneStream>,
-        region: Arc<Region>,
-        sock: OwnedFd,
-        pidfd: Option<OwnedFd>,
-        pid: u32,
-        memfd_name: String,
-        reservation: budget::Reservation,
-    ) {
+    fn client_setup(self: Arc<Self>, setup: ClientSetup, stream: Arc<dyn LaneStream>) {
+        let ClientSetup {
+            id,
+            pod: _,
+            key,
+            region,
+            sock,
+            pidfd,
+            pid,
+            memfd_name,
+            reservation,
+        } = setup;
         let mut b = [0u8; 1];
         let claimed = matches!(stream.recv(&mut b), Ok(1)) && b[0] == frames::CLAIMED;
         let still_ours = lock(&self.setups).remove(&id).is_some();
@@ -685,11 +792,12 @@ impl Relay {
             client: peer,
             server: local,
         };
-        let Some(stream) = self.take_accepted(&key) else {
-            return self.fallback(
-                NoChannelReason::NoIntent,
-                FallbackReason::ClaimWithoutIntent,
-            );
+        let stream = match self.take_accepted(&key) {
+            Some(s) => s,
+            None => match self.await_service_stream(&key) {
+                Ok(s) => s,
+                Err(counter) => return self.fallback(NoChannelReason::NoIntent, counter),
+            },
         };
         let (sock, pidfd, _pid) = match Self::take_socket(caller, socket_fd, local, Some(peer)) {
             Ok(t) => t,
@@ -785,8 +893,9 @@ impl Relay {
         }
     }
 
-    /// The stream a peer daemon opened for `key` (registered before the
-    /// client pod's connect, so it is there or not coming).
+    /// The stream a peer daemon opened for `key` (for a pod-IP connection
+    /// registered before the client pod's connect, so it is there or not
+    /// coming; a Service connection's may come later: `service.rs`).
     fn take_accepted(&self, key: &StreamKey) -> Option<Arc<dyn LaneStream>> {
         lock(&self.accepted).remove(key).map(|(s, _)| s)
     }
@@ -796,6 +905,7 @@ impl Relay {
     fn sweep(&self) {
         let now = Instant::now();
         lock(&self.lingering).retain(|(_, at)| now.duration_since(*at) < LINGER);
+        lock(&self.missed).retain(|_, at| now.duration_since(*at) < LINGER);
         lock(&self.accepted).retain(|_, (s, at)| {
             let keep = now.duration_since(*at) < UNCLAIMED_TTL;
             if !keep {
