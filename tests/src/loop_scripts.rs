@@ -223,10 +223,14 @@ async def server(port, conns):
                 crc = zlib.crc32(d, crc); n += len(d)
                 writer.write(d); await writer.drain()
             writer.write(f'{n} {crc:08x}\n'.encode()); await writer.drain()
-            if tls:
-                writer.close(); await writer.wait_closed()
-            else:
-                writer.write_eof(); await reader.read(); writer.close()
+            if not tls:
+                writer.write_eof(); await reader.read()
+            # close() only starts the flush: uvloop still buffers the
+            # trailer here (it writes at the end of the loop's iteration),
+            # and a write that met a full ring waits for room. Returning
+            # before wait_closed let the last connection's trailer die with
+            # the loop when the server exited.
+            writer.close(); await writer.wait_closed()
             say(f'conn {n} {crc:08x}')
         except Exception as e:
             say(f'conn error {e!r}'); writer.close()

@@ -7,8 +7,9 @@
 //! - the RDMA device goes away while TCP stays up (`rdma link delete rxe0`)
 //!   and is added back.
 //!
-//! Relayed connections must end (EOF or an error on both pods, never a
-//! hang), with every byte that arrived intact: both pods stream a pattern in
+//! Relayed connections must be reset for both pods (`ECONNRESET` on the
+//! receiving side: a cut transfer never looks complete; never a hang), with
+//! every byte that arrived intact: both pods stream a pattern in
 //! which every byte is a function of its offset, checked on arrival. Then new
 //! connections must use the lane again. Timings are printed, never asserted:
 //! `cargo test --release -p flowlane-e2e --test e2e -- rdma::link_down:: --nocapture`.
@@ -287,6 +288,12 @@ fn clean_end(rig: &RdmaRig, job: Job, what: &str) -> (String, f64) {
         out.status,
         out.stdout,
         out.stderr,
+        logs(rig)
+    );
+    // The failure reaches the reader as a reset, not a clean end-of-stream.
+    assert!(
+        line.contains(" recv=ConnectionResetError@"),
+        "the {what} pod's read did not see a reset: {line}\n{}",
         logs(rig)
     );
     let first_end = line

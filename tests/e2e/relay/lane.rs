@@ -952,9 +952,9 @@ fn peer_kill_pair(c: &Cluster, port: u16) -> (Bg, Bg) {
     (srv, cli)
 }
 
-/// SIGKILL of either pod mid-stream: the other one sees an error or EOF
-/// within seconds, never a hang, and both daemons end the relayed
-/// connection.
+/// SIGKILL of either pod mid-stream: the other one sees the connection
+/// reset (`ECONNRESET`; `EPIPE` on a write), never a clean end-of-stream
+/// and never a hang, and both daemons end the relayed connection.
 #[test]
 fn peer_killed_mid_stream_ends_the_other_side() {
     let _turn = crate::turn::take(module_path!());
@@ -1011,6 +1011,7 @@ fn peer_killed(zero_copy: bool) {
             "the {what} hung after its peer was killed: {out} {err}\n{}",
             c.logs()
         );
+        assert_reset(&out, what == "client", &c);
         eprintln!(
             "peer killed: the {what} ended after {took:?}: {}",
             out.trim()
@@ -1022,9 +1023,51 @@ fn peer_killed(zero_copy: bool) {
     }
 }
 
-/// One daemon killed (SIGKILL) mid-stream: the relayed connection ends for
-/// both pods (end-of-stream or an error), never a hang, and the surviving
-/// daemon closes its side.
+/// PEER_KILL's end line shows a reset: `ConnectionResetError` for the
+/// reader (the server), that or `BrokenPipeError` for the writer (the
+/// client). A clean end-of-stream (`ended eof`) would make a cut transfer
+/// look complete.
+fn assert_reset(out: &str, writer: bool, c: &Cluster) {
+    let line = out.lines().find(|l| l.starts_with("ended")).unwrap_or("");
+    let reset = line.starts_with("ended ConnectionResetError ")
+        || (writer && line.starts_with("ended BrokenPipeError "));
+    assert!(
+        reset,
+        "the {} saw no reset: {out}\n{}",
+        if writer { "client" } else { "server" },
+        c.logs()
+    );
+}
+
+/// PEER_KILL's server and client after `what` (a failure of the relay):
+/// both must end within 30 s, each with a reset (see `assert_reset`).
+fn both_reset(c: &Cluster, srv: Bg, cli: Bg, what: &str) {
+    let t0 = Instant::now();
+    let (st, out, err) = cli.finish(Duration::from_secs(30));
+    let (sst, sout, serr) = srv.finish(Duration::from_secs(30));
+    let took = t0.elapsed();
+    assert!(
+        st.is_some() && out.contains("ended"),
+        "{what}: the client hung: {out} {err}\n{}",
+        c.logs()
+    );
+    assert!(
+        sst.is_some() && sout.contains("ended"),
+        "{what}: the server hung: {sout} {serr}\n{}",
+        c.logs()
+    );
+    eprintln!(
+        "{what}: both pods ended within {took:?}: client {}, server {}",
+        out.lines().last().unwrap_or(""),
+        sout.lines().last().unwrap_or("")
+    );
+    assert_reset(&out, true, c);
+    assert_reset(&sout, false, c);
+}
+
+/// One daemon killed (SIGKILL) mid-stream: the relayed connection is reset
+/// for both pods (`ECONNRESET`; `EPIPE` on a write), never a clean
+/// end-of-stream and never a hang, and the surviving daemon closes its side.
 #[test]
 fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
     let _turn = crate::turn::take(module_path!());
@@ -1036,25 +1079,7 @@ fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
     let mut d = c.nodes[1].daemon.take().expect("daemon of n1");
     d.kill().unwrap();
     d.wait().unwrap();
-    let t0 = Instant::now();
-    let (st, out, err) = cli.finish(Duration::from_secs(30));
-    let (sst, sout, serr) = srv.finish(Duration::from_secs(30));
-    let took = t0.elapsed();
-    assert!(
-        st.is_some() && out.contains("ended"),
-        "the client hung after the server's daemon died: {out} {err}\n{}",
-        c.logs()
-    );
-    assert!(
-        sst.is_some() && sout.contains("ended"),
-        "the server hung after its daemon died: {sout} {serr}\n{}",
-        c.logs()
-    );
-    eprintln!(
-        "daemon killed: both pods ended within {took:?}: client {}, server {}",
-        out.lines().last().unwrap_or(""),
-        sout.lines().last().unwrap_or("")
-    );
+    both_reset(&c, srv, cli, "daemon killed");
     let t0 = Instant::now();
     while c.nodes[0].relay().1 < 1 {
         assert!(t0.elapsed() < Duration::from_secs(30), "{}", c.logs());
@@ -1062,6 +1087,50 @@ fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
     }
     let file = c.nodes_file();
     c.nodes[1].start_daemon(&file);
+}
+
+/// The lane itself fails mid-stream, both daemons and both pods alive: the
+/// relay's stream connections on the underlay are destroyed (`ss -K` in
+/// node n0's namespace: ECONNABORTED on n0's daemon, an RST to n1's). Both
+/// pods must see the connection reset (`ECONNRESET`; `EPIPE` on a write),
+/// never a clean end-of-stream: the transfer was cut short. Both daemons
+/// close the connection, keep running, and relay the next one.
+#[test]
+fn lane_cut_mid_stream_resets_the_connection_for_both_pods() {
+    let _turn = crate::turn::take(module_path!());
+    let _g = serial();
+    let c = Cluster::new(1);
+    let port = 7572u16;
+    let (srv, cli) = peer_kill_pair(&c, port);
+    for node in &c.nodes {
+        assert_eq!(node.relay().0, 1, "{}", c.logs());
+    }
+    let filter = format!("( sport = :{LANE_PORT} or dport = :{LANE_PORT} )");
+    let o = sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &c.nodes[0].netns,
+        "ss",
+        "-K",
+        "-H",
+        "-t",
+        &filter,
+    ]);
+    let killed = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && killed.lines().count() >= 1,
+        "no lane connection cut (ss -K needs CONFIG_INET_DIAG_DESTROY): {killed:?} {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    both_reset(&c, srv, cli, "lane cut");
+    wait_closed(&c, 1);
+    // Both daemons survived the cut and relay the next connection.
+    let (srv, cli) = peer_kill_pair(&c, port + 10);
+    for node in &c.nodes {
+        assert_eq!(node.relay().0, 2, "{}", c.logs());
+    }
+    drop((srv, cli));
 }
 
 /// iperf3 through the relay (both directions), with plain TCP between the

@@ -349,7 +349,8 @@ fn ring_allreduce_across_nodes_over_the_rdma_relay() {
 }
 
 /// The server node's daemon killed mid-stream over the RDMA relay: both
-/// pods see their connection end (error or EOF), neither hangs.
+/// pods see their connection reset (`ECONNRESET`; `EPIPE` on the client's
+/// write), never a clean end-of-stream, neither hangs.
 #[test]
 fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
     let _turn = crate::turn::take(module_path!());
@@ -407,6 +408,19 @@ fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
         s.status,
         s.stdout,
         s.stderr,
+        logs(&rig)
+    );
+    assert!(
+        s.stdout.contains("ended ConnectionResetError "),
+        "the server saw no reset: {}\n{}",
+        s.stdout,
+        logs(&rig)
+    );
+    assert!(
+        c.stdout.contains("ended ConnectionResetError ")
+            || c.stdout.contains("ended BrokenPipeError "),
+        "the client saw no reset: {}\n{}",
+        c.stdout,
         logs(&rig)
     );
     // Node 1's daemon counts the broken RDMA link (metrics:

@@ -20,9 +20,10 @@
 //! are settled and the peer confirmed (FINAL) that all our bytes reached its
 //! pod's ring. Only then can the kernel send the pod connection's FIN, so the
 //! remote library never sees TCP end-of-stream before the ring's last byte.
-//! Failures (lane reset, peer daemon gone, pod killed) shut the pod
-//! connection down for both pods: they see end-of-stream or a reset, never a
-//! hang; a killed pod's socket is closed with an RST.
+//! Failures (lane reset, peer daemon gone, pod killed) reset the pod
+//! connection for both pods (`os::abort_connection`): they see
+//! `ECONNRESET` (or `EPIPE` on a write), like a TCP reset, never a clean
+//! end-of-stream and never a hang.
 
 use std::io;
 use std::os::fd::OwnedFd;
@@ -83,7 +84,6 @@ pub struct Carried {
     pub(super) send_lock: Mutex<()>,
     wake_pending: AtomicBool,
     failed: AtomicBool,
-    pub(super) pod_died: AtomicBool,
     pub(super) sent_eof: AtomicBool,
     pub(super) sent_gone: AtomicBool,
     pub(super) got_eof: AtomicBool,
@@ -134,7 +134,6 @@ impl Carried {
             send_lock: Mutex::new(()),
             wake_pending: AtomicBool::new(false),
             failed: AtomicBool::new(false),
-            pod_died: AtomicBool::new(false),
             sent_eof: AtomicBool::new(false),
             sent_gone: AtomicBool::new(false),
             got_eof: AtomicBool::new(false),
@@ -227,10 +226,10 @@ impl Carried {
         }
         tracing::info!(id = self.id, client = %self.key.client, server = %self.key.server, why, "relayed connection failed; ending it for both pods");
         self.stream.reset();
-        if self.pod_died.load(Ordering::Acquire) {
-            os::linger_zero(&self.sock);
-        }
-        os::shutdown_both(&self.sock);
+        // A reset for both pods (ours now; the remote one by the RST and by
+        // its own daemon, which sees the lane reset): never a clean
+        // end-of-stream, which would make a cut transfer look complete.
+        os::abort_connection(&self.sock);
     }
 
     /// Both directions settled here: tell the peer (FINAL) and end our side.
@@ -320,7 +319,6 @@ impl Carried {
     /// The pod process is gone without closing its sending side: killed.
     /// Fails the connection so the remote pod sees a reset, not a clean EOF.
     pub(super) fn pod_killed(&self) {
-        self.pod_died.store(true, Ordering::Release);
         self.fail("the pod process exited without closing the connection");
     }
 

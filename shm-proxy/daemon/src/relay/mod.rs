@@ -751,7 +751,7 @@ impl Relay {
             tracing::info!(id, error = %e, "relay: lane failed during set-up");
             if attached {
                 // The pod is on the ring already: end it visibly.
-                os::shutdown_both(&sock);
+                os::abort_connection(&sock);
             }
             stream.reset();
             return;

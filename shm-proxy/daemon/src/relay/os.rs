@@ -125,29 +125,39 @@ pub fn ring_doorbell(fd: &OwnedFd) {
     };
 }
 
-/// Ends the pod's TCP connection for both pods at once (FIN both ways;
-/// both libraries then see end-of-stream), used when the relay fails.
-pub fn shutdown_both(fd: &OwnedFd) {
-    // SAFETY: shutdown on a socket we hold a reference to.
-    unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+/// Ends the pod's TCP connection abortively for both pods, as a TCP reset
+/// does (a relay failure must never look like a clean end: a transfer cut
+/// by it would look complete). `connect(AF_UNSPEC)` on our reference
+/// disconnects the socket itself (the kernel's `tcp_disconnect`): it sends
+/// an RST to the remote pod (`ECONNRESET` there) and leaves `ECONNRESET`,
+/// then `ENOTCONN`, on the local pod's socket, and wakes both pods' poll
+/// and epoll sleepers (`POLLERR | POLLHUP`). `SO_LINGER` 0 and a close of
+/// our reference would do nothing while the pod holds the socket: ours is
+/// not the last reference. If the disconnect fails, `shutdown(SHUT_RDWR)`
+/// still ends the connection (end-of-stream, never a hang).
+pub fn abort_connection(fd: &OwnedFd) {
+    if let Err(e) = disconnect(fd) {
+        tracing::warn!(error = %e, "relay: could not reset the pod's connection; shutting it down instead");
+        // SAFETY: shutdown on a socket we hold a reference to.
+        unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+    }
 }
 
-/// Makes the last close of the socket send an RST (SO_LINGER 0).
-pub fn linger_zero(fd: &OwnedFd) {
-    let l = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    // SAFETY: setsockopt with a local linger struct.
-    unsafe {
-        libc::setsockopt(
+/// `connect(fd, AF_UNSPEC)`: the socket's connection is reset (see
+/// [`abort_connection`]).
+fn disconnect(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: sockaddr is plain old data; zeroed is AF_UNSPEC.
+    let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
+    sa.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+    // SAFETY: connect with a local sockaddr of its size.
+    let r = unsafe {
+        libc::connect(
             fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&l as *const libc::linger).cast(),
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            &sa,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
         )
     };
+    check(r as libc::c_long).map(|_| ())
 }
 
 /// True when `pid` maps the memfd named `name` (the library maps its
@@ -171,4 +181,89 @@ pub fn process_mapping_memfd(name: &str, except: u32) -> Option<u32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|&pid| pid != except)
         .find(|&pid| process_maps_memfd(pid, name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{ErrorKind, Read, Write};
+    use std::net::{TcpListener, TcpStream};
+
+    /// A connected loopback pair: (the "pod's" end, the remote end).
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    fn read_err(s: &mut TcpStream) -> io::Result<usize> {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        s.read(&mut [0u8; 16])
+    }
+
+    /// Our reference is a second fd of the socket, as `pidfd_getfd` gives:
+    /// aborting through it resets the connection for both ends while the
+    /// "pod" still holds its own fd, and neither sees a clean end.
+    #[test]
+    fn abort_through_a_second_reference_resets_both_ends() {
+        let (mut a, mut b) = pair();
+        let ours = OwnedFd::from(a.try_clone().unwrap());
+        abort_connection(&ours);
+        assert_eq!(
+            read_err(&mut b).unwrap_err().kind(),
+            ErrorKind::ConnectionReset
+        );
+        assert_eq!(
+            read_err(&mut a).unwrap_err().kind(),
+            ErrorKind::ConnectionReset
+        );
+        // The local end stays failed (ENOTCONN), never end-of-stream.
+        assert!(read_err(&mut a).is_err());
+        assert!(a.write_all(&[0u8; 4]).is_err());
+        drop(ours);
+    }
+
+    /// A remote that already closed its side (FIN) still gets the reset:
+    /// its unconfirmed bytes did not all arrive.
+    #[test]
+    fn abort_after_the_remote_closed_its_side_still_resets_it() {
+        let (mut a, mut b) = pair();
+        b.shutdown(std::net::Shutdown::Write).unwrap();
+        assert_eq!(read_err(&mut a).unwrap(), 0);
+        let ours = OwnedFd::from(a.try_clone().unwrap());
+        abort_connection(&ours);
+        assert_eq!(
+            read_err(&mut b).unwrap_err().kind(),
+            ErrorKind::ConnectionReset
+        );
+    }
+
+    /// `SO_LINGER` 0 and a close of a second reference do nothing while the
+    /// socket's other fd is open: why the relay disconnects instead.
+    #[test]
+    fn linger_zero_close_of_a_second_reference_resets_nothing() {
+        let (mut a, mut b) = pair();
+        let ours = OwnedFd::from(a.try_clone().unwrap());
+        let l = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: setsockopt with a local linger struct.
+        unsafe {
+            libc::setsockopt(
+                ours.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&l as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        drop(ours);
+        a.write_all(b"still").unwrap();
+        let mut got = [0u8; 5];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"still");
+    }
 }
