@@ -52,7 +52,7 @@ pub fn take(suite: &'static str) -> Turn {
         // exited. The Soft-RoCE rig's two idle QEMU guests keep both cores
         // busy, which would slow (and perturb) every suite after a rig
         // suite.
-        flowlane_e2e::rdma_vm::shutdown_shared();
+        flowlane_cluster::rdma_rig::shutdown_shared();
         if let (Some(last), Some(t0)) = (s.last, s.last_started) {
             report_duration(last, t0);
         }

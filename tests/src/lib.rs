@@ -22,7 +22,6 @@ pub mod netns;
 pub mod node_ns;
 pub mod outside;
 pub mod process;
-pub mod rdma_vm;
 pub mod result;
 pub mod services;
 pub mod shm;

@@ -15,7 +15,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use flowlane_workloads::models::{Gpu, ModelProfile};
 use flowlane_workloads::report::{self, Report, RunRecord};
@@ -173,25 +173,16 @@ pub fn run(cfg: &DemoConfig, bins: &Binaries, progress: &dyn Fn(&str)) -> Result
         .iter()
         .map(|m| m.on(cfg.gpu).scaled(cfg.scale))
         .collect();
-    let mut rep = Report {
-        title: format!(
+    let mut rep = Report::new(
+        format!(
             "flowlane demo: distributed-training traffic over each lane ({} {})",
             cfg.gpu.name(),
             cfg.gpu.precision()
         ),
-        gpu: cfg.gpu.label(),
-        generated_unix: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        host_cpus: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
-        scale: cfg.scale,
-        notes: notes(cfg, &models),
-        findings: Vec::new(),
-        runs: Vec::new(),
-    };
+        cfg.gpu.label(),
+        cfg.scale,
+        notes(cfg, &models),
+    );
     let start_load = load_average();
     let mut phases: Vec<(u32, u32)> = Vec::new();
     if cfg.single_node {

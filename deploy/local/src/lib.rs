@@ -22,6 +22,7 @@ pub mod kube_check;
 pub mod lanes;
 pub mod probe;
 pub mod procs;
+pub mod rdma_rig;
 pub mod sh;
 pub mod spec;
 pub mod status;

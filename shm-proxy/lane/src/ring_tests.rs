@@ -49,6 +49,64 @@ fn pattern(s: u64, i: u64) -> u8 {
     (x >> 56) as u8
 }
 
+/// Under miri each byte made or checked one by one costs (about a
+/// thousand times a native run's), so there the stream is a block of 4093
+/// bytes (a prime: no ring offset or size is a multiple of it) repeated,
+/// copied and compared a slice at a time.
+const MIRI_PERIOD: usize = 4093;
+
+fn miri_block() -> &'static [u8] {
+    static BLOCK: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    BLOCK.get_or_init(|| (0..MIRI_PERIOD as u64).map(|i| pattern(0, i)).collect())
+}
+
+/// The stream of seed `s` from byte `start` on, `len` bytes at a time:
+/// yields (offset in the caller's buffer, the stream's bytes there).
+fn miri_chunks(s: u64, start: u64, len: usize) -> impl Iterator<Item = (usize, &'static [u8])> {
+    let mut pos = ((start.wrapping_add(s)) % MIRI_PERIOD as u64) as usize;
+    let mut off = 0;
+    std::iter::from_fn(move || {
+        (off < len).then(|| {
+            let n = (len - off).min(MIRI_PERIOD - pos);
+            let chunk = (off, &miri_block()[pos..pos + n]);
+            off += n;
+            pos = 0;
+            chunk
+        })
+    })
+}
+
+/// Fills `buf` with the stream of seed `s` from byte `start` on.
+fn fill_pattern(s: u64, start: u64, buf: &mut [u8]) {
+    if cfg!(miri) {
+        for (off, chunk) in miri_chunks(s, start, buf.len()) {
+            buf[off..off + chunk.len()].copy_from_slice(chunk);
+        }
+    } else {
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = pattern(s, start + i as u64);
+        }
+    }
+}
+
+/// Panics at the first byte of `buf` that is not the stream of seed `s`
+/// from byte `start` on.
+fn assert_pattern(s: u64, start: u64, buf: &[u8]) {
+    let mut want = vec![0u8; buf.len()];
+    fill_pattern(s, start, &mut want);
+    if buf != want.as_slice() {
+        let i = buf.iter().zip(&want).position(|(a, b)| a != b).unwrap();
+        panic!("byte {} is {} not {}", start + i as u64, buf[i], want[i]);
+    }
+}
+
+/// `len` bytes of the stream with seed `s`.
+fn pattern_bytes(s: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    fill_pattern(s, 0, &mut out);
+    out
+}
+
 #[test]
 fn sizes_are_powers_of_two_that_fit() {
     assert_eq!(ring_size_for(HEADER_LEN + 2 * 4096), Some(4096));
@@ -80,11 +138,12 @@ fn wrap_around_matches_a_model() {
     let mut model = VecDeque::new();
     let mut rng = Rng(7);
     let mut written = 0u64;
-    for round in 0..200_000 {
+    for round in 0..under_miri(200_000, 120) {
         match rng.below(4) {
             0 | 1 => {
                 let len = rng.below(3000);
-                let buf: Vec<u8> = (0..len as u64).map(|i| pattern(1, written + i)).collect();
+                let mut buf = vec![0u8; len];
+                fill_pattern(1, written, &mut buf);
                 let n = if round % 3 == 0 {
                     let (a, b) = buf.split_at(len / 2);
                     p.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])
@@ -120,7 +179,10 @@ fn wrap_around_matches_a_model() {
         }
         assert_eq!(p.free(), 4096 - model.len());
     }
-    assert!(written > 100 * 4096, "the test must wrap many times");
+    assert!(
+        written > under_miri(100, 5) * 4096,
+        "the test must wrap many times"
+    );
 }
 
 #[test]
@@ -154,9 +216,7 @@ fn stream_two_threads(ring: usize, total: u64, max_msg: usize, seed: u64) {
             let mut sent = 0u64;
             while sent < total {
                 let len = (1 + rng.below(max_msg)).min((total - sent) as usize);
-                for (i, b) in buf[..len].iter_mut().enumerate() {
-                    *b = pattern(seed, sent + i as u64);
-                }
+                fill_pattern(seed, sent, &mut buf[..len]);
                 let mut off = 0;
                 while off < len {
                     let n = p.write(&buf[off..len]);
@@ -180,9 +240,7 @@ fn stream_two_threads(ring: usize, total: u64, max_msg: usize, seed: u64) {
                 ReadState::Data(_) => {
                     let want = 1 + rng.below(max_msg);
                     let n = c.read(&mut buf[..want]);
-                    for (i, b) in buf[..n].iter().enumerate() {
-                        assert_eq!(*b, pattern(seed, got + i as u64), "byte {}", got + i as u64);
-                    }
+                    assert_pattern(seed, got, &buf[..n]);
                     got += n as u64;
                 }
             }
@@ -198,7 +256,7 @@ fn two_threads_small_ring_checksummed() {
 
 #[test]
 fn two_threads_large_ring_checksummed() {
-    stream_two_threads(1 << 20, under_miri(512 << 20, 256 << 10), 200_000, 12);
+    stream_two_threads(1 << 20, under_miri(512 << 20, 48 << 10), 200_000, 12);
 }
 
 /// A pipe standing in for the TCP doorbell.
@@ -473,7 +531,7 @@ fn misaligned_copies_move_the_right_bytes() {
     let mut r = Mem::new(HEADER_LEN + 2 * RING);
     let (mut tx, _) = r.ends(Side::Client);
     let (_, mut rx) = r.ends(Side::Server);
-    let src: Vec<u8> = (0..3 * RING).map(|i| pattern(5, i as u64)).collect();
+    let src = pattern_bytes(5, 3 * RING);
     let mut dst = vec![0u8; 3 * RING];
     let mut pos = 0u64;
     for skew in 0..under_miri(67usize, 6) {
@@ -558,13 +616,14 @@ fn small_traffic_touches_only_the_starting_capacity() {
 /// reads the bytes back in order.
 #[test]
 fn capacity_grows_at_empty_moments_only() {
-    const RING: usize = 256 << 10;
-    let mut r = Mem::new(region_len_for(RING));
+    // Above 32 KiB, the last size the steps below grow to before the full one.
+    let ring = under_miri(256 << 10, 64 << 10);
+    let mut r = Mem::new(region_len_for(ring));
     let (mut tx, _) = r.ends(Side::Client);
     let (_, mut rx) = r.ends(Side::Server);
     tx.start_small(4096);
-    let mut buf = vec![0u8; RING];
-    let src: Vec<u8> = (0..4 * RING).map(|i| pattern(9, i as u64)).collect();
+    let mut buf = vec![0u8; ring];
+    let src = pattern_bytes(9, 4 * ring);
     let mut sent = 0usize;
     let mut got = 0usize;
     let mut check = |rx: &mut Consumer, got: &mut usize| {
@@ -597,16 +656,16 @@ fn capacity_grows_at_empty_moments_only() {
     check(&mut rx, &mut got);
     assert_eq!(rx.capacity(), 32 << 10);
     // A write far larger than the mapped ring: grows to the mapped size.
-    let n = tx.write(&src[sent..sent + 3 * RING]);
-    assert_eq!((n, tx.capacity()), (RING, RING));
+    let n = tx.write(&src[sent..sent + 3 * ring]);
+    assert_eq!((n, tx.capacity()), (ring, ring));
     sent += n;
     check(&mut rx, &mut got);
-    assert_eq!((got, rx.capacity()), (sent, RING));
+    assert_eq!((got, rx.capacity()), (sent, ring));
     // Full size: never more, whatever the writes.
-    assert_eq!(tx.write(&src[sent..sent + RING]), RING);
+    assert_eq!(tx.write(&src[sent..sent + ring]), ring);
     assert_eq!(tx.write(&src[sent..sent + 1]), 0);
     assert!(!tx.wants_to_grow(), "nothing left to grow");
-    assert_eq!(tx.capacity(), RING);
+    assert_eq!(tx.capacity(), ring);
 }
 
 /// A region whose capacity is fixed (the daemon's relay maps it so): the
@@ -649,9 +708,7 @@ fn grow_two_threads(ring: usize, start: usize, total: u64, max_msg: usize, seed:
             let mut caps = vec![];
             while sent < total {
                 let len = (1 + rng.below(max_msg)).min((total - sent) as usize);
-                for (i, b) in buf[..len].iter_mut().enumerate() {
-                    *b = pattern(seed, sent + i as u64);
-                }
+                fill_pattern(seed, sent, &mut buf[..len]);
                 let mut off = 0;
                 while off < len {
                     let n = if rng.below(4) == 0 {
@@ -703,9 +760,7 @@ fn grow_two_threads(ring: usize, start: usize, total: u64, max_msg: usize, seed:
                         c.read(&mut buf[..want])
                     };
                     let _ = c.take_writer_wakeup();
-                    for (i, b) in buf[..n].iter().enumerate() {
-                        assert_eq!(*b, pattern(seed, got + i as u64), "byte {}", got + i as u64);
-                    }
+                    assert_pattern(seed, got, &buf[..n]);
                     got += n as u64;
                     if seen.last() != Some(&c.capacity()) {
                         seen.push(c.capacity());
@@ -715,11 +770,17 @@ fn grow_two_threads(ring: usize, start: usize, total: u64, max_msg: usize, seed:
         }
         assert_eq!(got, total);
         let caps = writer.join().unwrap();
-        assert_eq!(
-            caps.last(),
-            Some(&ring),
-            "never reached the full ring: {caps:?}"
-        );
+        // Whether the ring fills at every size is up to the scheduler. The
+        // native run asserts it; miri's scheduler (one thread at a time,
+        // its own preemption) often lets the reader keep up, and miri is
+        // here for the races between the ends, which the stream still has.
+        if !cfg!(miri) {
+            assert_eq!(
+                caps.last(),
+                Some(&ring),
+                "never reached the full ring: {caps:?}"
+            );
+        }
         assert!(caps.windows(2).all(|w| w[0] < w[1]), "capacities {caps:?}");
         assert!(caps[0] < ring, "never started small: {caps:?}");
         // Every capacity the reader used is one the writer set.
@@ -736,7 +797,7 @@ fn growth_races_the_consumer_small_messages() {
     grow_two_threads(
         under_miri(256 << 10, 32 << 10),
         4096,
-        under_miri(64 << 20, 128 << 10),
+        under_miri(64 << 20, 96 << 10),
         3000,
         21,
     );
@@ -745,10 +806,10 @@ fn growth_races_the_consumer_small_messages() {
 #[test]
 fn growth_races_the_consumer_bulk_stream() {
     grow_two_threads(
-        under_miri(1 << 20, 128 << 10),
+        under_miri(1 << 20, 64 << 10),
         16 << 10,
-        under_miri(256 << 20, 512 << 10),
-        under_miri(200_000, 50_000),
+        under_miri(256 << 20, 192 << 10),
+        under_miri(200_000, 20_000),
         22,
     );
 }

@@ -16,7 +16,7 @@
 
 use std::time::{Duration, Instant};
 
-use flowlane_e2e::rdma_vm::{self, shell_quote, Job, RdmaRig};
+use flowlane_cluster::rdma_rig::{self, shell_quote, Job, RdmaRig};
 use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER};
 use serde_json::Value;
 
@@ -80,7 +80,7 @@ print("ended recv=%s send=%s sent=%d recv=%d intact" % (st["recv_end"], st["send
 /// Both guests healthy (an earlier failed test may have left rxe0 removed
 /// or eth0 down), then both daemons (re)started with the RDMA lane.
 fn nodes_up(rig: &RdmaRig) {
-    for node in rdma_vm::NODES {
+    for node in rdma_rig::NODES {
         rig.run_ok(
             node,
             "ip link set eth0 up; ip route replace $RIG_PEER_POD_CIDR via $RIG_PEER_ADDR dev eth0; \
@@ -255,7 +255,7 @@ fn carried_stream<'a>(
             }
         }
         eprintln!("pattern stream on port {p} not carried over RDMA (or ended at once); next port");
-        for node in rdma_vm::NODES {
+        for node in rdma_rig::NODES {
             let _ = rig.run(
                 node,
                 &format!("kill $(cat /tmp/pattern-{p}.pid) 2>/dev/null"),
@@ -357,7 +357,9 @@ fn epoch_now(rig: &RdmaRig, node: u8) -> f64 {
 #[test]
 fn underlay_down_ends_relayed_connections_and_the_lane_comes_back() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     nodes_up(&rig);
     rig.add_pod(1, "ldcli").expect("client pod on node1");
@@ -446,7 +448,9 @@ fn underlay_down_ends_relayed_connections_and_the_lane_comes_back() {
 #[test]
 fn rdma_device_removed_under_a_stream_ends_it_cleanly_and_the_lane_comes_back() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     nodes_up(&rig);
     rig.add_pod(1, "lrcli").expect("client pod on node1");

@@ -5,7 +5,7 @@
 //! Figures (perftest, iperf3) are printed, never asserted:
 //! `cargo test --release -p flowlane-e2e --test e2e -- rdma::rig:: --nocapture`.
 
-use flowlane_e2e::rdma_vm::{self, perftest, pod_cidr, underlay_addr, RdmaRig, NODES};
+use flowlane_cluster::rdma_rig::{self, perftest, pod_cidr, underlay_addr, RdmaRig, NODES};
 use serde_json::Value;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -50,7 +50,9 @@ fn link_counter(rig: &RdmaRig, node: u8, dev: &str, name: &str) -> u64 {
 #[test]
 fn rxe_port_is_active_with_an_ipv4_roce_v2_gid_and_diag_reports_it() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     eprintln!("rig booted in {:.1?}", rig.boot_time());
     nodes_up(&rig);
@@ -146,7 +148,7 @@ fn rxe_port_is_active_with_an_ipv4_roce_v2_gid_and_diag_reports_it() {
         // other node reaches it over the underlay.
         let metrics = rig
             .run_ok(
-                rdma_vm::peer(node),
+                rdma_rig::peer(node),
                 &format!("curl -sS --max-time 20 http://{addr}:9464/metrics"),
                 T,
             )
@@ -165,7 +167,9 @@ fn rxe_port_is_active_with_an_ipv4_roce_v2_gid_and_diag_reports_it() {
 #[test]
 fn pod_on_node1_reaches_pod_on_node2_over_tcp_across_the_underlay() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     nodes_up(&rig);
     let client_ip = rig.add_pod(1, "tcp-cli").expect("pod on node1");
@@ -248,7 +252,9 @@ fn pod_on_node1_reaches_pod_on_node2_over_tcp_across_the_underlay() {
 #[test]
 fn perftest_baseline_between_the_guests() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     let sent = |n| link_counter(&rig, n, "eth0", "tx_bytes");
     let before = sent(1);

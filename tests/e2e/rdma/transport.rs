@@ -13,7 +13,7 @@
 //! the workspace first), then
 //! `cargo test --release -p flowlane-e2e --test e2e -- rdma::transport:: --nocapture`
 
-use flowlane_e2e::rdma_vm::{self, underlay_addr, RdmaRig};
+use flowlane_cluster::rdma_rig::{self, underlay_addr, RdmaRig};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -84,7 +84,9 @@ fn tagged(out: &str, tag: &str) -> Value {
 #[test]
 fn checked_transfer_over_many_streams_in_both_directions() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     start_server(&rig, 2, "--checksums");
     let out = rig.run(
@@ -128,7 +130,9 @@ fn checked_transfer_over_many_streams_in_both_directions() {
 #[test]
 fn killing_the_peer_process_resets_its_streams_and_a_restarted_peer_is_reachable() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     start_server(&rig, 2, "");
     let peer = underlay_addr(2);

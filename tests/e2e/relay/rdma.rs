@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use flowlane_e2e::rdma_vm::{self, perftest, shell_quote, RdmaRig};
+use flowlane_cluster::rdma_rig::{self, perftest, shell_quote, RdmaRig};
 use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PEER_KILL};
 use serde_json::Value;
 
@@ -87,7 +87,9 @@ fn warm_up(rig: &RdmaRig, cli: &str, srv: &str, srv_ip: std::net::Ipv4Addr) {
 #[test]
 fn relay_over_rdma_carries_a_checksummed_echo_and_iperf3() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     relay_nodes_up(&rig);
     rig.add_pod(1, "rrcli").expect("client pod on node1");
@@ -303,7 +305,9 @@ fn relay_nodes_up_copying(rig: &RdmaRig) {
 #[test]
 fn ring_allreduce_across_nodes_over_the_rdma_relay() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     relay_nodes_up(&rig);
     let ip1 = rig.add_pod(1, "rrar0").expect("rank 0 pod on node1");
@@ -354,7 +358,9 @@ fn ring_allreduce_across_nodes_over_the_rdma_relay() {
 #[test]
 fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
     let _turn = crate::turn::take(module_path!());
-    let Some(rig) = rdma_vm::shared() else { return };
+    let Some(rig) = rdma_rig::shared() else {
+        return;
+    };
     let rig = rig.lock();
     relay_nodes_up(&rig);
     rig.add_pod(1, "rrkcli").expect("client pod on node1");

@@ -15,7 +15,7 @@
 //! TCG and rxe does all transport work in software): compare ratios only.
 
 use anyhow::{bail, Context, Result};
-use flowlane_e2e::rdma_vm::{perftest, underlay_addr, RdmaRig, RigConfig};
+use flowlane_cluster::rdma_rig::{perftest, underlay_addr, RdmaRig, RigConfig};
 use serde_json::Value;
 use std::time::Duration;
 

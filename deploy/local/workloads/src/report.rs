@@ -4,6 +4,7 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -264,6 +265,26 @@ pub struct Report {
 }
 
 impl Report {
+    /// An empty report made now on this machine (its time and CPU count),
+    /// for the demo and `rdma-demo` to add runs to.
+    pub fn new(title: String, gpu: String, scale: f64, notes: Vec<String>) -> Report {
+        Report {
+            title,
+            gpu,
+            generated_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            host_cpus: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(0),
+            scale,
+            notes,
+            findings: Vec::new(),
+            runs: Vec::new(),
+        }
+    }
+
     /// Puts images/s at the modelled rate (the measured steps/s times the
     /// scale: compute and tensors are scaled, the batch is not), computes
     /// speed-up and scaling efficiency of every run against the one-worker

@@ -1,5 +1,5 @@
 //! rdma-demo: the demo report's RDMA-lane rows, measured on the Soft-RoCE
-//! two-guest rig (tests/rdma-vm; this machine's kernel has no RDMA).
+//! two-guest rig (deploy/local/rdma-rig; this machine's kernel has no RDMA).
 //!
 //!   cargo build --release --workspace
 //!   target/release/rdma-demo --out rdma-rows.json      (root; boots the rig, minutes)
@@ -21,10 +21,10 @@
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use flowlane_e2e::rdma_vm::{RdmaRig, RigConfig};
+use flowlane_cluster::rdma_rig::{RdmaRig, RigConfig};
 use flowlane_workloads::models::{self, Gpu, ModelProfile};
 use flowlane_workloads::report::{self, LaneEvidence, Report, RunRecord};
 use flowlane_workloads::stats::WorkerResult;
@@ -234,7 +234,7 @@ fn run_job(
     let train = "$FLOWLANE_BIN_DIR/flowlane-train";
     let steps = steps_args(a, m);
     let p = m.params;
-    let check = |o: flowlane_e2e::rdma_vm::JobOutput| -> Result<String> {
+    let check = |o: flowlane_cluster::rdma_rig::JobOutput| -> Result<String> {
         if !o.success() {
             bail!(
                 "node{} exit {}: {}",
@@ -428,21 +428,12 @@ fn main() -> Result<()> {
     if a.ps {
         kinds.push(Kind::PsSync);
     }
-    let mut rep = Report {
-        title: "flowlane demo: RDMA lane rows (Soft-RoCE rig)".into(),
-        generated_unix: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        host_cpus: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
-        scale: a.scale,
-        notes: notes(&a, &scaled, &rig),
-        gpu: a.gpu.label(),
-        findings: Vec::new(),
-        runs: Vec::new(),
-    };
+    let mut rep = Report::new(
+        "flowlane demo: RDMA lane rows (Soft-RoCE rig)".into(),
+        a.gpu.label(),
+        a.scale,
+        notes(&a, &scaled, &rig),
+    );
     let total = scaled.len() * kinds.len() * 2;
     let mut port = 7700u16;
     for m in &scaled {

@@ -3,7 +3,11 @@
 //! QEMU socket netdev (one TCP connection) on 127.0.0.1. This machine's kernel has no RDMA, so real
 //! verbs only exist inside the guests.
 //!
-//! The shell side lives in `tests/rdma-vm/` (see `docs/rdma.md`, "Test rig"):
+//! It lives here, beside the demo, because `flowlane demo --rdma` runs the
+//! RDMA lane in it (`rdma-demo`); the e2e rdma suites and `rdma-bench` use it
+//! from here.
+//!
+//! The shell side lives in `deploy/local/rdma-rig/` (see `docs/rdma.md`, "Test rig"):
 //! `prepare.sh` fetches and caches the kernel and builds the initramfs,
 //! `boot-node.sh` runs one QEMU, `guest/agent.sh` wires the underlay and runs
 //! jobs, `guest/node-up.sh` and `guest/pod-add.sh` make a node and its pods.
@@ -42,9 +46,9 @@ pub fn cache_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/var/cache/flowlane-rdma-vm"))
 }
 
-/// `tests/rdma-vm/` of this checkout.
+/// `deploy/local/rdma-rig/` of this checkout.
 pub fn scripts_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("rdma-vm")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("rdma-rig")
 }
 
 /// Node `n`'s underlay address (on its `eth0`, where `rxe0` lives).
@@ -63,6 +67,17 @@ pub fn pod_cidr(node: u8) -> String {
 pub fn peer(node: u8) -> u8 {
     check_node(node);
     3 - node
+}
+
+/// The `<target>/release` the guests' jobs see: `FLOWLANE_BIN_DIR`, else the
+/// running executable's (as the e2e harness finds the binaries under test).
+fn build_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("FLOWLANE_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    crate::spec::Binaries::beside_current_exe()
+        .expect("current_exe")
+        .dir
 }
 
 fn check_node(node: u8) {
@@ -90,7 +105,7 @@ impl Default for RigConfig {
             // A TCG boot takes 5-15 s; a loaded 2-core CI machine and a first
             // run that downloads the kernel take longer.
             boot_timeout: Duration::from_secs(300),
-            bin_dir: crate::binaries::build_dir(),
+            bin_dir: build_dir(),
         }
     }
 }
@@ -777,7 +792,7 @@ fn remove_stale_runs(runs: &Path) {
     };
     let mut dead: Vec<(std::time::SystemTime, PathBuf)> = entries
         .flatten()
-        // Only the harness's own `<pid>-<n>` dirs: `tests/rdma-vm/rig` keeps its
+        // Only the harness's own `<pid>-<n>` dirs: `deploy/local/rdma-rig/rig` keeps its
         // guests running after its shell has exited.
         .filter(|e| {
             let name = e.file_name();
