@@ -1,5 +1,5 @@
 //! `RdmaTransport` (flowlane_rdma::transport) on real verbs: Soft-RoCE in
-//! the two QEMU guests of the rig (tests/rdma-vm), driven through
+//! the two QEMU guests of the rig (deploy/local/rdma-rig), driven through
 //! `rdma-lane-bench` (rdma/src/bin), which the guests run from this test's
 //! own target directory.
 //!

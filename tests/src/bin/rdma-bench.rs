@@ -1,6 +1,6 @@
 //! rdma-bench: the RDMA lane's transport (`RdmaTransport`) against perftest
 //! and plain TCP, in the same run on the same Soft-RoCE pair (the two QEMU
-//! guests of tests/rdma-vm).
+//! guests of deploy/local/rdma-rig).
 //!
 //!   cargo build --release --workspace
 //!   target/release/rdma-bench [--rounds N]        (root; boots the rig, ~3-5 min)
