@@ -1,5 +1,5 @@
 //! Exercises and measures the RDMA lane between two hosts (the Soft-RoCE
-//! guests of tests/rdma-vm, or two real RDMA nodes).
+//! guests of deploy/local/rdma-rig, or two real RDMA nodes).
 //!
 //! ```text
 //! rdma-lane-bench serve   --device rxe0 --gid-index 1 --listen 192.168.47.2:7480 [--checksums]
