@@ -560,18 +560,15 @@ impl RelayPair {
             &link,
             [c.nodes[0].underlay_end(), c.nodes[1].underlay_end()],
         );
-        let nodes: Vec<_> = c
-            .nodes
-            .iter()
-            .map(|n| {
-                serde_json::json!({
-                    "name": n.name, "podCIDRs": [n.cidr],
-                    "underlay": n.underlay.to_string(), "lanePort": LANE_PORT,
-                })
-            })
-            .collect();
-        let file = dir.join("nodes.json");
-        std::fs::write(&file, serde_json::json!({ "nodes": nodes }).to_string()).unwrap();
+        let file = node_ns::write_nodes_file(
+            &dir,
+            c.nodes.iter().map(|n| node_ns::NodeRow {
+                name: &n.name,
+                pod_cidr: &n.cidr,
+                underlay: n.underlay,
+                lane_port: LANE_PORT,
+            }),
+        );
         for node in &mut c.nodes {
             for _ in 0..pods_per_node {
                 node.add_pod();

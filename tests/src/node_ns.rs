@@ -119,3 +119,31 @@ pub fn join(link: &str, ends: [Underlay<'_>; 2]) {
         ]);
     }
 }
+
+/// One row of the daemons' static node table (`--nodes-file`).
+pub struct NodeRow<'a> {
+    pub name: &'a str,
+    pub pod_cidr: &'a str,
+    pub underlay: Ipv4Addr,
+    pub lane_port: u16,
+}
+
+/// Writes the static node table the relay's daemons share to
+/// `dir/nodes.json` and returns its path.
+pub fn write_nodes_file<'a>(
+    dir: &Path,
+    rows: impl IntoIterator<Item = NodeRow<'a>>,
+) -> std::path::PathBuf {
+    let nodes: Vec<_> = rows
+        .into_iter()
+        .map(|n| {
+            serde_json::json!({
+                "name": n.name, "podCIDRs": [n.pod_cidr],
+                "underlay": n.underlay.to_string(), "lanePort": n.lane_port,
+            })
+        })
+        .collect();
+    let file = dir.join("nodes.json");
+    std::fs::write(&file, serde_json::json!({ "nodes": nodes }).to_string()).unwrap();
+    file
+}

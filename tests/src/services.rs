@@ -398,19 +398,15 @@ impl SvcCluster {
             node_ns::join(&format!("{tag}u"), [a.underlay_end(), b.underlay_end()]);
         }
         let nodes_file = lanes.then(|| {
-            let nodes: Vec<_> = c
-                .nodes
-                .iter()
-                .map(|n| {
-                    serde_json::json!({
-                        "name": n.name, "podCIDRs": [n.cidr],
-                        "underlay": n.underlay.to_string(), "lanePort": LANE_PORT,
-                    })
-                })
-                .collect();
-            let file = dir.join("nodes.json");
-            std::fs::write(&file, serde_json::json!({ "nodes": nodes }).to_string()).unwrap();
-            file
+            node_ns::write_nodes_file(
+                &dir,
+                c.nodes.iter().map(|n| node_ns::NodeRow {
+                    name: &n.name,
+                    pod_cidr: &n.cidr,
+                    underlay: n.underlay,
+                    lane_port: LANE_PORT,
+                }),
+            )
         });
         for node in &mut c.nodes {
             for _ in 0..pods {
