@@ -270,12 +270,20 @@ impl Conn {
         }
     }
 
-    /// Sends one doorbell byte on the TCP socket.
+    /// Sends one doorbell byte on the TCP socket. Keeps errno unchanged.
+    ///
+    /// A send on a socket the peer reset takes the pending `ECONNRESET`
+    /// (the kernel reports a socket error once); a later `recv` then reads
+    /// 0, a clean end-of-stream. So the reset is noted here, where the
+    /// error is consumed: a relayed connection whose own daemon died
+    /// learns of its failure only from the peer's RST (docs/relay.md,
+    /// "Failures").
     pub fn ring_bell(&self, fd: c_int) {
         bump(&self.counts.bells);
         let b = 0u8;
+        let saved = errno();
         // SAFETY: one byte from a local.
-        unsafe {
+        let r = unsafe {
             real::send(
                 fd,
                 (&b as *const u8).cast(),
@@ -283,6 +291,11 @@ impl Conn {
                 libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
             )
         };
+        if r < 0 && errno() == libc::ECONNRESET && !self.tcp_reset.swap(true, Ordering::AcqRel) {
+            // Threads asleep on the ring or the socket re-evaluate.
+            self.sleepers.wake_others();
+        }
+        set_errno(saved);
     }
 
     /// Consumes pending doorbells and notes EOF/RST of the TCP socket.
@@ -895,4 +908,92 @@ fn read_into(rx: &mut Consumer, bufs: &mut [&mut [u8]], mut skip: usize) -> usiz
         }
     }
     total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+
+    /// A server-side connection over a fresh region, as after a claim.
+    fn server_conn() -> Conn {
+        let len = flowlane_lane::ring::region_len_for(64 << 10);
+        let memfd = flowlane_lane::region::sealed_memfd(len).expect("sealed memfd");
+        Conn::new(7, memfd, len, Side::Server, false, false).expect("map the region")
+    }
+
+    /// A loopback TCP pair (the library leaves loopback alone).
+    fn tcp_pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        (c, s)
+    }
+
+    /// Waits (2 s at most) until the peer's end (FIN or RST) reached `fd`.
+    fn wait_peer_end(fd: c_int) {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { real::poll(&mut p, 1, 2000) };
+        assert!(r == 1, "the peer's end did not arrive within 2 s");
+    }
+
+    #[test]
+    fn a_doorbell_that_takes_the_peers_reset_resets_the_connection() {
+        let conn = server_conn();
+        let (client, server) = tcp_pair();
+        // The peer resets the connection: SO_LINGER 0, then close.
+        let l = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: setsockopt with a local linger struct.
+        let r = unsafe {
+            libc::setsockopt(
+                client.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&l as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0);
+        drop(client);
+        wait_peer_end(server.as_raw_fd());
+        set_errno(libc::EINTR);
+        conn.ring_bell(server.as_raw_fd());
+        assert_eq!(errno(), libc::EINTR, "ring_bell changed errno");
+        assert!(
+            conn.tcp_reset.load(Ordering::Acquire),
+            "the doorbell took the reset but the connection did not note it"
+        );
+        // Why it must be noted there: the kernel reported the error once,
+        // and the socket now reads as a clean end-of-stream.
+        let mut b = [0u8; 1];
+        // SAFETY: reading into a local buffer of its length.
+        let n = unsafe { real::recv(server.as_raw_fd(), b.as_mut_ptr().cast(), 1, 0) };
+        assert_eq!(n, 0);
+        // The application reads the reset, not an end-of-stream.
+        let mut buf = [0u8; 16];
+        let mut bufs = [&mut buf[..]];
+        assert_eq!(
+            conn.recv(server.as_raw_fd(), &mut bufs, 0),
+            Err(libc::ECONNRESET)
+        );
+    }
+
+    #[test]
+    fn a_doorbell_to_a_peer_that_closed_cleanly_is_no_reset() {
+        let conn = server_conn();
+        let (client, server) = tcp_pair();
+        drop(client);
+        wait_peer_end(server.as_raw_fd());
+        conn.ring_bell(server.as_raw_fd());
+        assert!(!conn.tcp_reset.load(Ordering::Acquire));
+    }
 }

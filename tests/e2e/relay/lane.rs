@@ -1040,13 +1040,11 @@ fn assert_reset(out: &str, writer: bool, c: &Cluster) {
 }
 
 /// PEER_KILL's server and client after `what` (a failure of the relay):
-/// both must end within 30 s, each with a reset (see `assert_reset`).
-/// `server_daemon_alive` false: the server's own daemon was killed, so its
-/// pod learns of the failure only from the RST the other node sends; the
-/// library can then still read a clean end-of-stream (a doorbell `send`
-/// may consume the socket's pending error before its `recv` sees it: an
-/// open gap, docs/relay.md "Failures"), so only its end is required.
-fn both_reset(c: &Cluster, srv: Bg, cli: Bg, what: &str, server_daemon_alive: bool) {
+/// both must end within 30 s, each with a reset (see `assert_reset`),
+/// also a pod whose own daemon was killed: it learns of the failure only
+/// from the RST the other node sends, which a doorbell `send` of its
+/// library may be the first to see (docs/relay.md, "Failures").
+fn both_reset(c: &Cluster, srv: Bg, cli: Bg, what: &str) {
     let t0 = Instant::now();
     let (st, out, err) = cli.finish(Duration::from_secs(30));
     let (sst, sout, serr) = srv.finish(Duration::from_secs(30));
@@ -1067,9 +1065,7 @@ fn both_reset(c: &Cluster, srv: Bg, cli: Bg, what: &str, server_daemon_alive: bo
         sout.lines().last().unwrap_or("")
     );
     assert_reset(&out, true, c);
-    if server_daemon_alive {
-        assert_reset(&sout, false, c);
-    }
+    assert_reset(&sout, false, c);
 }
 
 /// One daemon killed (SIGKILL) mid-stream: the relayed connection is reset
@@ -1086,7 +1082,7 @@ fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
     let mut d = c.nodes[1].daemon.take().expect("daemon of n1");
     d.kill().unwrap();
     d.wait().unwrap();
-    both_reset(&c, srv, cli, "daemon killed", false);
+    both_reset(&c, srv, cli, "daemon killed");
     let t0 = Instant::now();
     while c.nodes[0].relay().1 < 1 {
         assert!(t0.elapsed() < Duration::from_secs(30), "{}", c.logs());
@@ -1130,7 +1126,7 @@ fn lane_cut_mid_stream_resets_the_connection_for_both_pods() {
         "no lane connection cut (ss -K needs CONFIG_INET_DIAG_DESTROY): {killed:?} {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    both_reset(&c, srv, cli, "lane cut", true);
+    both_reset(&c, srv, cli, "lane cut");
     wait_closed(&c, 1);
     // Both daemons survived the cut and relay the next connection.
     let (srv, cli) = peer_kill_pair(&c, port + 10);

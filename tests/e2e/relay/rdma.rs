@@ -353,8 +353,8 @@ fn ring_allreduce_across_nodes_over_the_rdma_relay() {
 }
 
 /// The server node's daemon killed mid-stream over the RDMA relay: both
-/// pods see their connection end, neither hangs; the client's (its daemon
-/// alive) as a reset (`ECONNRESET`, or `EPIPE` on its write).
+/// pods see their connection reset (`ECONNRESET`, or `EPIPE` on the
+/// client's write), neither hangs, neither sees a clean end-of-stream.
 #[test]
 fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
     let _turn = crate::turn::take(module_path!());
@@ -416,16 +416,20 @@ fn daemon_killed_mid_stream_over_rdma_ends_the_connection_for_both_pods() {
         s.stderr,
         logs(&rig)
     );
-    // The server's own daemon is dead: its pod learns of the failure only
-    // from the RST the client's node sends, and the library can then still
-    // read a clean end-of-stream (an open gap, docs/relay.md "Failures"):
-    // only its end is required (above). The client's daemon is alive and
-    // resets its pod's socket.
+    // The client's daemon is alive and resets its pod's socket. The
+    // server's own daemon is dead: its pod learns of the failure from the
+    // RST the client's node sends (docs/relay.md, "Failures").
     assert!(
         c.stdout.contains("ended ConnectionResetError ")
             || c.stdout.contains("ended BrokenPipeError "),
         "the client saw no reset: {}\n{}",
         c.stdout,
+        logs(&rig)
+    );
+    assert!(
+        s.stdout.contains("ended ConnectionResetError "),
+        "the server saw no reset: {}\n{}",
+        s.stdout,
         logs(&rig)
     );
     // Node 1's daemon counts the broken RDMA link (metrics:
