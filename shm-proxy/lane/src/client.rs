@@ -493,6 +493,13 @@ fn is_unknown_op(code: ErrorCode, message: &str) -> bool {
     code == ErrorCode::BadRequest && message.contains("unknown variant")
 }
 
+/// An older daemon's refusal of a portless intent (source port 0 with the
+/// socket named, `flowlaned`'s broker/channels.rs): the caller binds its
+/// socket and asks again.
+pub fn is_portless_refused(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::InvalidInput && e.to_string().contains("port 0 in an intent")
+}
+
 /// An older daemon's answer to a field added to an op it knows.
 fn is_unknown_field(code: ErrorCode, message: &str) -> bool {
     code == ErrorCode::BadRequest && message.contains("unknown field")

@@ -274,7 +274,40 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
         report_fallback(FallbackReason::Unsupported);
         return None;
     }
+    let region_len = ring::region_len_for(cfg.ring_size);
+    // The socket's fd number lets the daemon read the connection's
+    // addresses from the socket itself (a portless intent) and lets a
+    // daemon with a cross-node lane take its own reference to it
+    // (doorbells, liveness); see docs/rdma.md.
+    let ask = |src: SocketAddr| {
+        with_daemon(|d| {
+            if service {
+                d.service_intent(src, dst, region_len)
+            } else {
+                d.connect_intent_relayable(src, dst, region_len, fd)
+            }
+        })
+    };
     let mut src = name_of(fd, false)?;
+    if src.port() == 0 && !service {
+        // Not bound: ask with port 0 and leave the port to `connect`, as
+        // without the library. A `bind(ip, 0)` first would reserve the
+        // port against every destination (the kernel's connect reuses a
+        // port towards other peers) and scans the port space while many
+        // earlier connections sit in TIME_WAIT. A daemon that predates
+        // portless intents refuses port 0: bind and ask again.
+        let unbound = SocketAddr::new(
+            match dst {
+                SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+            },
+            0,
+        );
+        match ask(unbound) {
+            Some(Err(e)) if flowlane_lane::client::is_portless_refused(&e) => {}
+            answer => return intent_from(answer, unbound, dst, service),
+        }
+    }
     if src.port() == 0 {
         let ip = route_source(&dst)?;
         if leave_alone(ip) {
@@ -292,16 +325,17 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
         }
         src = name_of(fd, false)?;
     }
-    let region_len = ring::region_len_for(cfg.ring_size);
-    // The socket's fd number lets a daemon with a cross-node lane take its
-    // own reference to it (doorbells, liveness); see docs/rdma.md.
-    let answer = with_daemon(|d| {
-        if service {
-            d.service_intent(src, dst, region_len)
-        } else {
-            d.connect_intent_relayable(src, dst, region_len, fd)
-        }
-    });
+    intent_from(ask(src), src, dst, service)
+}
+
+/// The daemon's answer to an intent for `src` -> `dst`, as the connect
+/// path uses it.
+fn intent_from(
+    answer: Option<std::io::Result<Option<Channel>>>,
+    src: SocketAddr,
+    dst: SocketAddr,
+    service: bool,
+) -> Option<Intent> {
     match answer {
         None => {
             log_at!(4, "{src} -> {dst}: no daemon, TCP");

@@ -76,11 +76,80 @@ fn pt_outside_destinations_cost_no_system_call_and_no_daemon_round_trip() {
         assert_eq!(count(&log, call), 0, "{call}:\n{log}");
     }
     // The same trace towards a pod (a lane candidate whose server has no
-    // library) shows the library's set-up: the trace sees it.
+    // library) shows the library's set-up: a daemon round trip per
+    // connection (the trace sees it), and still no bind: the port is left
+    // to connect (a portless intent, flowlaned's broker/channels.rs).
     let log = traced_connrate(&node, &format!("{}:7301", node.pods[1].ip), n);
-    assert!(count(&log, "bind") >= n, "{log}");
-    assert!(count(&log, "socket") > n, "{log}");
+    assert!(count(&log, "recvmsg") >= n, "{log}");
+    assert_eq!(count(&log, "bind"), 0, "{log}");
     assert_eq!(node.shm_opened(), 0);
+}
+
+/// Lane connections take ports as plain TCP does: `connect` picks them,
+/// and one port serves several destinations at once. With a `bind(ip, 0)`
+/// before `connect` (the library's set-up until portless intents), each
+/// lane connection reserved its port against every destination until its
+/// TIME_WAIT ended, so a pod ran out of ports at a fraction of what its
+/// plain TCP could open. The client pod gets 64 ephemeral ports; it opens
+/// 48 lane connections to each of two servers (96, closed one by one, each
+/// leaving a TIME_WAIT): every one must succeed, on the lane.
+#[test]
+fn pt_lane_connections_reserve_no_port_beyond_what_connect_would() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("ptpo", 2);
+    let (a, b) = (7310u16, 7311u16);
+    let _srv_a = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7310"]));
+    let _srv_b = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7311"]));
+    wait_listening(&node.pods[1], a);
+    wait_listening(&node.pods[1], b);
+    let client = &node.pods[0];
+    shm::sh_ok(&[
+        "ip",
+        "netns",
+        "exec",
+        &client.netns,
+        "sysctl",
+        "-q",
+        "-w",
+        "net.ipv4.ip_local_port_range=40000 40063",
+    ]);
+    let before = node.shm_opened();
+    let per_server = 48;
+    for port in [a, b] {
+        let addr = format!("{}:{port}", node.pods[1].ip);
+        let out = run_ok(
+            node.cmd(
+                client,
+                true,
+                &[&bench_bin(), "connrate", &addr, &per_server.to_string()],
+            ),
+            T,
+            "connrate with 64 ports",
+        );
+        assert!(out.contains("connrate"), "{out}");
+    }
+    let tw = shm::sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &client.netns,
+        "ss",
+        "-Htan",
+        "state",
+        "time-wait",
+    ]);
+    let time_wait = String::from_utf8_lossy(&tw.stdout).lines().count();
+    eprintln!("96 lane connections through 64 ports; {time_wait} in TIME_WAIT");
+    assert!(
+        time_wait > 64,
+        "the check needs more TIME_WAIT sockets than ports: {time_wait}"
+    );
+    assert_eq!(
+        node.shm_opened() - before,
+        2 * per_server as u64,
+        "every connection on the lane\n{}",
+        node.daemon_log()
+    );
 }
 
 /// A client process that stays up and connects on command: `N THREADS

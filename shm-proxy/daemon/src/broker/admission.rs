@@ -6,7 +6,7 @@
 //! | case | answer | counted as |
 //! |---|---|---|
 //! | caller is no (live) pod of this node | `unknown-pod` | `auth-failed` |
-//! | port 0 | `bad-request` | nothing (a malformed request) |
+//! | destination port 0, or source port 0 without the caller's socket | `bad-request` | nothing (a malformed request) |
 //! | region below `min_region` | `bad-request` | `region-too-small` |
 //! | region above `max_region` | `too-large` | `region-too-large` |
 //! | `src` an address the pod does not own | `forbidden` | `auth-failed` |
@@ -33,17 +33,23 @@ impl Broker {
     /// Checks an intent from `caller` for a connection `src` -> `dst` with
     /// a region of `region_len` bytes (see the module header for the
     /// answers). A refusal is counted here; the caller returns it as is.
+    ///
+    /// `src` may have port 0 (the socket is not bound yet; its `connect`
+    /// picks the port) only when the caller named its socket
+    /// (`with_socket`): the daemon then reads the port from the socket
+    /// itself (`channels.rs`, "portless intents").
     pub fn admit_intent(
         &mut self,
         caller: &Caller,
         src: SocketAddr,
         dst: SocketAddr,
         region_len: u64,
+        with_socket: bool,
     ) -> Result<Admitted, Answer> {
         let client_pod = self.caller_pod(caller).inspect_err(|_| {
             self.counters.fallback(FallbackReason::AuthFailed);
         })?;
-        if src.port() == 0 || dst.port() == 0 {
+        if dst.port() == 0 || (src.port() == 0 && !with_socket) {
             return Err(Response::error(ErrorCode::BadRequest, "port 0 in an intent").into());
         }
         let (min, max) = (self.limits.min_region, self.limits.max_region);

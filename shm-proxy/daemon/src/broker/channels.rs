@@ -1,6 +1,19 @@
 //! Pending channels: announced by a client's intent (its memfd made here),
 //! found again by the server's claim after accept, cancelled, undelivered
 //! or expired.
+//!
+//! **Portless intents.** A client whose socket is not bound yet sends its
+//! intent with source port 0 and its socket's fd number, and connects
+//! without binding first: `connect` picks the port as for any TCP
+//! connection (a `bind(ip, 0)` before it would reserve the port against
+//! every destination and scan the port space under many TIME_WAIT
+//! sockets). The server's claim names the peer's address; a claim that
+//! finds no intent under it looks at the portless intents of the peer's
+//! pod to the claimed port and asks the kernel for each one's socket
+//! (`Kernel::connection_of`: the client's own socket, through pidfd):
+//! the one bound to the peer's address and connected to the claimed
+//! local address is this connection. By the time the server accepted,
+//! the client's `connect` has sent its SYN, so its socket has the port.
 
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
@@ -10,7 +23,7 @@ use flowlane_lane::proto::{ErrorCode, FallbackReason, NoChannelReason, Response}
 
 use super::admission::Admitted;
 use super::connections::Active;
-use super::{Answer, Broker, Caller};
+use super::{canonical, Answer, Broker, Caller};
 use crate::identity::ProcessId;
 use crate::pods::PodId;
 use crate::ring_watch::RingWatch;
@@ -25,6 +38,22 @@ pub(super) struct IntentKey {
     pub(super) src: SocketAddr,
     pub(super) dst_port: u16,
     pub(super) service: bool,
+    /// A portless intent's channel id (its `src` has port 0, so several
+    /// may wait at once); 0 for every other key.
+    pub(super) portless: u64,
+}
+
+/// An intent admitted, to be recorded (`Broker::announce`).
+pub(super) struct Announce {
+    pub(super) key: IntentKey,
+    pub(super) client_pod: PodId,
+    /// The server's pod; `None` for a Service connection until resolved.
+    pub(super) server_pod: Option<PodId>,
+    /// The destination the client named.
+    pub(super) dst: SocketAddr,
+    pub(super) region_len: u64,
+    /// A portless intent's socket: its fd number in the client process.
+    pub(super) client_socket: Option<i32>,
 }
 
 #[derive(Debug)]
@@ -40,6 +69,8 @@ pub(super) struct Pending {
     /// The destination the client named (a Service IP for a Service key).
     pub(super) dst: SocketAddr,
     pub(super) client_process: Option<ProcessId>,
+    /// A portless intent's socket: its fd number in the client process.
+    pub(super) client_socket: Option<i32>,
     pub(super) created: Instant,
 }
 
@@ -51,17 +82,20 @@ impl Broker {
         id
     }
 
+    /// `socket_fd`: the client's socket, named by a relayable intent; with
+    /// it, `src` may have port 0 (a portless intent, module header).
     pub(super) fn connect_intent(
         &mut self,
         caller: &Caller,
         src: SocketAddr,
         dst: SocketAddr,
         region_len: u64,
+        socket_fd: Option<i32>,
     ) -> Answer {
         let Admitted {
             client_pod,
             src: client_addr,
-        } = match self.admit_intent(caller, src, dst, region_len) {
+        } = match self.admit_intent(caller, src, dst, region_len, socket_fd.is_some()) {
             Ok(admitted) => admitted,
             Err(refused) => return refused,
         };
@@ -71,24 +105,37 @@ impl Broker {
         if !self.has_listener(server_pod, dst) {
             return self.no_channel(NoChannelReason::NoListener, FallbackReason::NoListener);
         }
+        let portless = client_addr.port() == 0;
         let key = IntentKey {
             src: client_addr,
             dst_port: dst.port(),
             service: false,
+            // Unique per intent: the id `announce` is about to give it.
+            portless: if portless { self.next_id } else { 0 },
         };
-        self.announce(caller, key, client_pod, Some(server_pod), dst, region_len)
+        self.announce(
+            caller,
+            Announce {
+                key,
+                client_pod,
+                server_pod: Some(server_pod),
+                dst,
+                region_len,
+                client_socket: if portless { socket_fd } else { None },
+            },
+        )
     }
 
     /// Records a pending channel under `key` and answers it to the client.
-    pub(super) fn announce(
-        &mut self,
-        caller: &Caller,
-        key: IntentKey,
-        client_pod: PodId,
-        server_pod: Option<PodId>,
-        dst: SocketAddr,
-        region_len: u64,
-    ) -> Answer {
+    pub(super) fn announce(&mut self, caller: &Caller, a: Announce) -> Answer {
+        let Announce {
+            key,
+            client_pod,
+            server_pod,
+            dst,
+            region_len,
+            client_socket,
+        } = a;
         let pending_of_pod = self
             .pending
             .values()
@@ -132,6 +179,7 @@ impl Broker {
                 key,
                 dst,
                 client_process: caller.process,
+                client_socket,
                 created: Instant::now(),
             },
         );
@@ -205,6 +253,7 @@ impl Broker {
             src: peer,
             dst_port: local.port(),
             service: false,
+            portless: 0,
         };
         let key = match self.pending.get(&direct) {
             Some(p) if p.server_pod != Some(pod) => {
@@ -213,11 +262,14 @@ impl Broker {
                 return self.deny(ErrorCode::Forbidden, "the channel belongs to another pod");
             }
             Some(_) => direct,
-            // A connection to a Service IP, if conntrack says that it
-            // reached `local` (`service.rs`).
-            None => match self.service_claim(pod, local, peer) {
-                Ok(key) => key,
-                Err(refused) => return refused,
+            None => match self.portless_claim(pod, local, peer) {
+                Some(key) => key,
+                // A connection to a Service IP, if conntrack says that it
+                // reached `local` (`service.rs`).
+                None => match self.service_claim(pod, local, peer) {
+                    Ok(key) => key,
+                    Err(refused) => return refused,
+                },
             },
         };
         let Some(p) = self.pending.remove(&key) else {
@@ -270,5 +322,82 @@ impl Broker {
             },
             fd: Some(p.memfd),
         }
+    }
+    /// The portless intent (module header) whose client socket is this
+    /// connection's: from `peer`'s pod, to `local`'s port, for the claiming
+    /// pod, its socket bound to `peer` and connected to `local`.
+    ///
+    /// Every portless intent of that pod and port whose socket has its port
+    /// by now is re-keyed under its real source address on the way
+    /// (`learn_port`), so each socket is read about once, not once per
+    /// claim: a client opening a thousand connections at once (an asyncio
+    /// program) costs a thousand reads, not half a million.
+    pub(super) fn portless_claim(
+        &mut self,
+        pod: PodId,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Option<IntentKey> {
+        let candidates: Vec<(IntentKey, ProcessId, i32)> = self
+            .pending
+            .values()
+            .filter(|p| {
+                p.key.portless != 0
+                    && p.key.dst_port == local.port()
+                    && p.key.src.ip() == peer.ip()
+                    && p.server_pod == Some(pod)
+            })
+            .filter_map(|p| Some((p.key, p.client_process?, p.client_socket?)))
+            .collect();
+        for (key, process, fd) in candidates {
+            match self.kernel.connection_of(&process, fd) {
+                Ok((bound, connected)) if bound.port() != 0 => {
+                    self.learn_port(key, bound, connected);
+                }
+                // Not connected yet: read again at a later claim.
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(pid = process.pid, fd, error = %e, "portless intent: cannot read the client's socket");
+                }
+            }
+        }
+        let direct = IntentKey {
+            src: peer,
+            dst_port: local.port(),
+            service: false,
+            portless: 0,
+        };
+        self.pending
+            .get(&direct)
+            .is_some_and(|p| p.server_pod == Some(pod))
+            .then_some(direct)
+    }
+
+    /// The portless intent `key`'s socket turned out bound to `bound` and
+    /// connected to `connected`: it waits from now on under its real
+    /// source, as an intent that named its port. A socket connected to
+    /// another destination than its intent named is not its connection:
+    /// left as it is (it expires).
+    fn learn_port(&mut self, key: IntentKey, bound: SocketAddr, connected: SocketAddr) {
+        let Some(p) = self.pending.get(&key) else {
+            return;
+        };
+        if canonical(p.dst) != connected || bound.ip() != key.src.ip() {
+            return;
+        }
+        let real = IntentKey {
+            src: bound,
+            dst_port: key.dst_port,
+            service: false,
+            portless: 0,
+        };
+        // The same source port again means the earlier attempt is dead.
+        self.drop_pending(real, FallbackReason::IntentCancelled);
+        let Some(mut p) = self.pending.remove(&key) else {
+            return;
+        };
+        p.key = real;
+        self.pending_ids.insert(p.id, real);
+        self.pending.insert(real, p);
     }
 }

@@ -23,7 +23,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -49,6 +49,10 @@ struct Node {
     next_pid: u32,
     groups: HashMap<u32, Vec<u32>>,
     listening: HashSet<u16>,
+    /// Connected TCP sockets: (process, fd) -> (local, peer).
+    sockets: HashMap<(ProcessId, i32), (SocketAddr, SocketAddr)>,
+    /// How often the broker read each socket (`connection_of`).
+    socket_reads: HashMap<(ProcessId, i32), u32>,
     listener_file: Vec<ListenerRecord>,
     /// What the broker last published for the peer table.
     published: Option<Vec<IpAddr>>,
@@ -114,6 +118,17 @@ impl FakeKernel {
 
     pub fn set_groups(&self, pid: u32, groups: Vec<u32>) {
         self.node().groups.insert(pid, groups);
+    }
+
+    /// Process `p`'s fd `fd` is a TCP socket bound to `local`, connected
+    /// to `peer` (what its `connect` made of it).
+    pub fn connect_socket(&self, p: ProcessId, fd: i32, local: SocketAddr, peer: SocketAddr) {
+        self.node().sockets.insert((p, fd), (local, peer));
+    }
+
+    /// How often the broker read process `p`'s socket `fd`.
+    pub fn socket_reads(&self, p: ProcessId, fd: i32) -> u32 {
+        self.node().socket_reads.get(&(p, fd)).copied().unwrap_or(0)
     }
 
     pub fn listen(&self, port: u16) {
@@ -187,6 +202,18 @@ impl Kernel for FakeKernel {
 
     fn channel_memfd(&self, name: &str, len: u64) -> io::Result<OwnedFd> {
         crate::memfd::create_sealed(name, len)
+    }
+
+    fn connection_of(&self, process: &ProcessId, fd: i32) -> io::Result<(SocketAddr, SocketAddr)> {
+        let mut n = self.node();
+        if !n.running.contains(process) {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        *n.socket_reads.entry((*process, fd)).or_default() += 1;
+        n.sockets
+            .get(&(*process, fd))
+            .copied()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))
     }
 
     fn load_listeners(&self) -> Vec<ListenerRecord> {

@@ -16,7 +16,7 @@
 //! memfds, which they write to move the live byte counts).
 
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
@@ -54,6 +54,10 @@ pub trait Kernel: Send {
     fn listens_on(&self, pid: u32, port: u16) -> io::Result<bool>;
     /// A sealed memfd of exactly `len` bytes (a channel's region).
     fn channel_memfd(&self, name: &str, len: u64) -> io::Result<OwnedFd>;
+    /// The local and the peer address of the TCP socket `fd` of `process`
+    /// (a portless intent's socket, `channels.rs`). An error when the
+    /// process is gone, `fd` is no TCP socket or it is not connected.
+    fn connection_of(&self, process: &ProcessId, fd: i32) -> io::Result<(SocketAddr, SocketAddr)>;
     /// The listeners a predecessor saved (none when unreadable; logged).
     fn load_listeners(&self) -> Vec<ListenerRecord>;
     fn save_listeners(&self, records: &[ListenerRecord]) -> io::Result<()>;
@@ -128,6 +132,26 @@ impl Kernel for RealKernel {
 
     fn channel_memfd(&self, name: &str, len: u64) -> io::Result<OwnedFd> {
         crate::memfd::create_sealed(name, len)
+    }
+
+    fn connection_of(&self, process: &ProcessId, fd: i32) -> io::Result<(SocketAddr, SocketAddr)> {
+        use crate::relay::os;
+        let pidfd = os::pidfd_open(process.pid)?;
+        // The pidfd names the process that had the pid when it was
+        // opened: checked to be the caller, not a later process.
+        if !process.is_alive() {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        let sock = os::pidfd_getfd(&pidfd, fd)?;
+        if !os::is_tcp_socket(&sock) {
+            return Err(io::Error::other(format!("fd {fd} is not a TCP socket")));
+        }
+        let name = |peer| {
+            os::socket_name(&sock, peer)
+                .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOTCONN))
+        };
+        Ok((name(false)?, name(true)?))
     }
 
     fn load_listeners(&self) -> Vec<ListenerRecord> {

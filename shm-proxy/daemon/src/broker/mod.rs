@@ -249,7 +249,7 @@ impl Broker {
                 src,
                 dst,
                 region_len,
-            } => self.connect_intent(caller, src, dst, region_len),
+            } => self.connect_intent(caller, src, dst, region_len, None),
             Request::CancelIntent { channel_id } => self.cancel_intent(caller, channel_id),
             Request::ClaimAccepted { local, peer } => self.claim_accepted(caller, local, peer),
             // The relay (`relay/`) takes these first when the peer is on
@@ -258,8 +258,8 @@ impl Broker {
                 src,
                 dst,
                 region_len,
-                ..
-            } => self.connect_intent(caller, src, dst, region_len),
+                socket_fd,
+            } => self.connect_intent(caller, src, dst, region_len, Some(socket_fd)),
             Request::RelayableClaim { local, peer, .. } => self.claim_accepted(caller, local, peer),
             Request::ServiceIntent {
                 src,

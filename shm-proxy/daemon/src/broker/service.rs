@@ -114,6 +114,7 @@ impl Broker {
             src: canonical(src),
             dst_port: 0,
             service: true,
+            portless: 0,
         };
         self.pending.contains_key(&key)
     }
@@ -132,7 +133,7 @@ impl Broker {
         let Admitted {
             client_pod,
             src: client_addr,
-        } = match self.admit_intent(caller, src, dst, region_len) {
+        } = match self.admit_intent(caller, src, dst, region_len, false) {
             Ok(admitted) => admitted,
             Err(refused) => return refused,
         };
@@ -148,8 +149,19 @@ impl Broker {
             src: client_addr,
             dst_port: 0,
             service: true,
+            portless: 0,
         };
-        self.announce(caller, key, client_pod, None, dst, region_len)
+        self.announce(
+            caller,
+            super::channels::Announce {
+                key,
+                client_pod,
+                server_pod: None,
+                dst,
+                region_len,
+                client_socket: None,
+            },
+        )
     }
 
     pub(super) fn resolve_service(&mut self, caller: &Caller, channel_id: u64) -> Answer {
@@ -252,6 +264,7 @@ impl Broker {
             src: peer,
             dst_port: 0,
             service: true,
+            portless: 0,
         };
         let Some((dst, resolved)) = self.pending.get(&key).map(|p| (p.dst, p.server_pod)) else {
             if let Some(key) = self.remapped_claim(pod, local, peer) {
@@ -303,6 +316,7 @@ impl Broker {
             src,
             dst_port: local.port(),
             service: false,
+            portless: 0,
         };
         if dst == canonical(local)
             && self
@@ -313,10 +327,17 @@ impl Broker {
             tracing::debug!(client = %src, seen_as = %peer, "claim of a source-port-remapped connection");
             return Some(direct);
         }
+        if dst == canonical(local) {
+            if let Some(key) = self.portless_claim(pod, local, src) {
+                tracing::debug!(client = %src, seen_as = %peer, "claim of a source-port-remapped connection (portless intent)");
+                return Some(key);
+            }
+        }
         let service = IntentKey {
             src,
             dst_port: 0,
             service: true,
+            portless: 0,
         };
         let (svc, resolved) = self.pending.get(&service).map(|p| (p.dst, p.server_pod))?;
         let ok = svc == dst

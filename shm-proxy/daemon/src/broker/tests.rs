@@ -378,8 +378,8 @@ fn same_node_intents_and_the_relay_are_admitted_alike() {
         ),
         (
             pod(1),
-            "0.0.0.0:0",
-            "10.202.9.2:80",
+            "0.0.0.0:4000",
+            "10.202.9.2:0",
             8192,
             "bad-request",
             "",
@@ -445,9 +445,11 @@ fn same_node_intents_and_the_relay_are_admitted_alike() {
             b.handle(&caller, req).response
         });
         // The relay's entry (relay/mod.rs `intent`) answers the refusal as is.
-        let relay = outcome(b, |b| match b.admit_intent(&caller, src, dst, region_len) {
-            Ok(a) => panic!("{src} -> {dst} ({region_len}) admitted: {a:?}"),
-            Err(refused) => refused.response,
+        let relay = outcome(b, |b| {
+            match b.admit_intent(&caller, src, dst, region_len, true) {
+                Ok(a) => panic!("{src} -> {dst} ({region_len}) admitted: {a:?}"),
+                Err(refused) => refused.response,
+            }
         });
         // The request counter moves only on dispatch: not part of the answer.
         assert_eq!(same_node, relayable, "{src} -> {dst} ({region_len})");
@@ -1067,4 +1069,136 @@ fn injection_verdicts_are_recorded_for_the_calling_pod_only() {
         }]
     );
     assert_eq!(stats.requests["report-injection"], 4);
+}
+
+/// A relayable intent from pod 1 with source port 0 naming socket `fd`.
+fn portless_intent(b: &mut Broker, fd: i32, dst: &str) -> Response {
+    b.handle(
+        &pod(1),
+        Request::RelayableIntent {
+            src: sa("0.0.0.0:0"),
+            dst: sa(dst),
+            region_len: 8192,
+            socket_fd: fd,
+        },
+    )
+    .response
+}
+
+fn claim(b: &mut Broker, local: &str, peer: &str) -> Response {
+    b.handle(
+        &pod(2),
+        Request::ClaimAccepted {
+            local: sa(local),
+            peer: sa(peer),
+        },
+    )
+    .response
+}
+
+#[test]
+fn portless_intents_are_found_by_the_clients_own_socket() {
+    let mut n = node("portless", Limits::default());
+    let (b, kernel) = (&mut n.broker, &n.kernel);
+    let listen = b.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("0.0.0.0:80"),
+        },
+    );
+    assert_eq!(listen.response, Response::Ok);
+    // Two connections of pod 1 announced before their connects picked
+    // their ports, and a third whose socket ends up connected elsewhere.
+    let ids: Vec<u64> = [7, 8, 9]
+        .into_iter()
+        .map(|fd| match portless_intent(b, fd, "10.202.9.2:80") {
+            Response::Channel { id, .. } => id,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    kernel.connect_socket(ME, 7, sa("10.202.9.1:40001"), sa("10.202.9.2:80"));
+    kernel.connect_socket(ME, 8, sa("10.202.9.1:40002"), sa("10.202.9.2:80"));
+    kernel.connect_socket(ME, 9, sa("10.202.9.1:40003"), sa("10.202.9.3:80"));
+    // Claimed in another order than announced: each by its own socket.
+    let second = claim(b, "10.202.9.2:80", "10.202.9.1:40002");
+    assert_eq!(
+        second,
+        Response::Channel {
+            id: ids[1],
+            len: 8192
+        }
+    );
+    let first = claim(b, "10.202.9.2:80", "10.202.9.1:40001");
+    assert_eq!(
+        first,
+        Response::Channel {
+            id: ids[0],
+            len: 8192
+        }
+    );
+    // Each socket was read once: the first claim learned both ports, and
+    // the second found its intent under its port without reading any.
+    assert_eq!(kernel.socket_reads(ME, 7), 1);
+    assert_eq!(kernel.socket_reads(ME, 8), 1);
+    assert_eq!(kernel.socket_reads(ME, 9), 1);
+    // The connection's client address is its socket's, not port 0.
+    let clients: Vec<SocketAddr> = b
+        .stats()
+        .connections
+        .iter()
+        .map(|c| c.client.addr)
+        .collect();
+    assert!(clients.contains(&sa("10.202.9.1:40001")), "{clients:?}");
+    assert!(clients.contains(&sa("10.202.9.1:40002")), "{clients:?}");
+    // No socket of pod 1 is bound to this port: nothing to claim.
+    assert!(matches!(
+        claim(b, "10.202.9.2:80", "10.202.9.1:40009"),
+        Response::NoChannel { .. }
+    ));
+    // The socket bound to :40003 is connected to another server: its
+    // intent is not this connection's.
+    assert!(matches!(
+        claim(b, "10.202.9.2:80", "10.202.9.1:40003"),
+        Response::NoChannel { .. }
+    ));
+    assert_eq!(b.stats().lanes[SHM_LANE].connections_active, 2);
+    // Without a socket, port 0 stays a bad request.
+    let classic = b.handle(
+        &pod(1),
+        Request::ConnectIntent {
+            src: sa("0.0.0.0:0"),
+            dst: sa("10.202.9.2:80"),
+            region_len: 8192,
+        },
+    );
+    assert!(matches!(
+        classic.response,
+        Response::Error {
+            code: ErrorCode::BadRequest,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn a_portless_intent_is_not_claimed_from_another_pods_address() {
+    let mut n = node("portless-foreign", Limits::default());
+    let (b, kernel) = (&mut n.broker, &n.kernel);
+    b.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("0.0.0.0:80"),
+        },
+    );
+    let Response::Channel { .. } = portless_intent(b, 7, "10.202.9.2:80") else {
+        panic!("no channel")
+    };
+    // Pod 1's socket claims pod 3's address (it cannot in a real kernel;
+    // the broker must not rely on that): a connection from pod 3 does not
+    // get pod 1's channel.
+    kernel.connect_socket(ME, 7, sa("10.202.9.3:40001"), sa("10.202.9.2:80"));
+    assert!(matches!(
+        claim(b, "10.202.9.2:80", "10.202.9.3:40001"),
+        Response::NoChannel { .. }
+    ));
 }

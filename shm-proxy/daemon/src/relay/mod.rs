@@ -32,7 +32,7 @@
 pub mod budget;
 mod carried;
 pub mod frames;
-mod os;
+pub(crate) mod os;
 mod placed;
 pub mod route;
 mod service;
@@ -562,7 +562,7 @@ impl Relay {
         let admitted = match self
             .shared
             .lock()
-            .admit_intent(caller, src, dst, region_len)
+            .admit_intent(caller, src, dst, region_len, true)
         {
             Ok(admitted) => admitted,
             Err(refused) => return refused,
@@ -580,7 +580,18 @@ impl Relay {
         let Some(reservation) = self.reserve(region_len) else {
             return self.fallback(NoChannelReason::NotLocalPod, FallbackReason::RelayBudget);
         };
-        let (sock, pidfd, pid) = match Self::take_socket(caller, socket_fd, src, None) {
+        let taken = Self::take_socket(caller, socket_fd, src, None).and_then(|t| {
+            if src.port() != 0 {
+                return Ok((t, src));
+            }
+            // A portless intent (broker/channels.rs): the stream key needs
+            // the client's port now, so bind its socket here, as the
+            // library did before it left binding to `connect`.
+            os::bind_to_ip(&t.0, src.ip()).map_err(|e| format!("bind: {e}"))?;
+            let bound = os::socket_name(&t.0, false).ok_or("socket has no local address")?;
+            Ok((t, canonical(bound)))
+        });
+        let ((sock, pidfd, pid), src) = match taken {
             Ok(t) => t,
             Err(e) => {
                 tracing::debug!(%src, %dst, error = %e, "relay: cannot take the client's socket");

@@ -4,7 +4,7 @@
 //! socket queries on the pod's TCP socket.
 
 use std::io;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 fn check(r: libc::c_long) -> io::Result<libc::c_long> {
@@ -107,6 +107,48 @@ pub fn socket_name(fd: &OwnedFd, peer: bool) -> Option<SocketAddr> {
             })
         }
         _ => None,
+    }
+}
+
+/// Binds the unbound socket `fd` to `ip`, port 0 (the kernel picks the
+/// port), in the socket's own family: a portless relayed intent, whose
+/// stream key needs the client's port before its `connect`.
+pub fn bind_to_ip(fd: &OwnedFd, ip: IpAddr) -> io::Result<()> {
+    // SAFETY: sockaddr_storage is plain old data.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match (sockopt_int(fd, libc::SOL_SOCKET, libc::SO_DOMAIN), ip) {
+        (Some(libc::AF_INET), IpAddr::V4(v4)) => {
+            // SAFETY: sockaddr_storage is large enough for a sockaddr_in.
+            let a = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in) };
+            a.sin_family = libc::AF_INET as libc::sa_family_t;
+            a.sin_addr.s_addr = u32::from(v4).to_be();
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        (Some(libc::AF_INET6), ip) => {
+            let v6 = match ip {
+                IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+                IpAddr::V6(v6) => v6,
+            };
+            // SAFETY: sockaddr_storage is large enough for a sockaddr_in6.
+            let a = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in6) };
+            a.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            a.sin6_addr.s6_addr = v6.octets();
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+        _ => return Err(io::Error::from_raw_os_error(libc::EAFNOSUPPORT)),
+    };
+    // SAFETY: a valid sockaddr of `len` bytes.
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&ss as *const libc::sockaddr_storage).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 
