@@ -11,6 +11,7 @@ pub mod cni;
 pub mod conformance;
 pub mod cri;
 pub mod csi;
+pub mod daemon;
 pub mod fake_api;
 pub mod frameworks;
 pub mod fsutil;
