@@ -21,6 +21,7 @@ pub mod loop_scripts;
 pub mod names;
 pub mod netns;
 pub mod node_ns;
+pub mod ns_cluster;
 pub mod outside;
 pub mod process;
 pub mod result;
