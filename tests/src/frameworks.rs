@@ -10,16 +10,15 @@
 //! [`crate::shm::Node::new_in`]; relay pods 10.245.0-99.0/24, underlay
 //! 10.245.100-149.0/24).
 
-use crate::node_ns;
-use crate::shm::{build_dir, fresh_netns, preload_lib, sh, sh_ok, Pod};
-use flowlane_lane::client::DaemonClient;
+use crate::node_ns::{DaemonOpts, NsNode, LANE_PORT};
+use crate::ns_cluster::{Layout, NsCluster};
+use crate::shm::{preload_lib, sh, Pod};
 use flowlane_lane::proto::Stats;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -378,8 +377,7 @@ impl Evidence {
 
 /// A daemon's stats.
 pub fn stats(socket: &Path) -> Stats {
-    DaemonClient::connect(socket, Duration::from_secs(5))
-        .and_then(|mut c| c.stats())
+    crate::daemon::stats_within(socket, Duration::from_secs(5))
         .unwrap_or_else(|e| panic!("stats of {}: {e}", socket.display()))
 }
 
@@ -421,85 +419,13 @@ impl Counters {
     }
 }
 
-static RELAY_COUNTER: AtomicU32 = AtomicU32::new(0);
-const LANE_PORT: u16 = 7470;
 const LANE_KEY: &[u8] = b"frameworks: the test cluster's lane key, 32+ bytes\n";
 
 /// One node of a [`RelayPair`].
-pub struct RelayNode {
-    pub name: String,
-    pub netns: String,
-    pub cidr: String,
-    pub underlay: Ipv4Addr,
-    pub dir: PathBuf,
-    pub pods: Vec<Pod>,
-    daemon: Option<Child>,
-}
+pub type RelayNode = NsNode;
 
-impl RelayNode {
-    /// This node's end of the underlay link.
-    fn underlay_end(&self) -> node_ns::Underlay<'_> {
-        node_ns::Underlay {
-            netns: &self.netns,
-            addr: self.underlay,
-            cidr: &self.cidr,
-        }
-    }
-
-    pub fn socket(&self) -> PathBuf {
-        self.dir.join("d.sock")
-    }
-
-    fn cni_conf(&self) -> String {
-        serde_json::json!({
-            "cniVersion": "1.0.0", "name": "ffnet", "type": "flowlane", "bridge": "ffbr0",
-            "isGateway": true, "isDefaultGateway": true,
-            "stateDir": self.dir.join("state"), "daemonSocket": self.socket(),
-            "ipam": {"type": "flowlane", "ranges": [[{"subnet": self.cidr}]],
-                     "dataDir": self.dir.join("ipam")},
-        })
-        .to_string()
-    }
-
-    fn add_pod(&mut self) {
-        let ns = format!("{}p{}", self.netns, self.pods.len());
-        let pod = node_ns::add_pod_in(&self.netns, &self.cni_conf(), &ns);
-        self.pods.push(pod);
-    }
-
-    fn start_daemon(&mut self, nodes_file: &Path) {
-        use std::os::unix::fs::PermissionsExt;
-        let key = self.dir.join("lane.key");
-        std::fs::write(&key, LANE_KEY).unwrap();
-        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.netns])
-            .arg(build_dir().join("flowlaned"))
-            .arg("--state-dir")
-            .arg(self.dir.join("state"))
-            .arg("--socket")
-            .arg(self.socket())
-            .args(["--log-level", "info"])
-            .args(["--lane-listen", &format!("{}:{LANE_PORT}", self.underlay)])
-            .args(["--lane-transport", "tcp-test"])
-            .arg("--lane-key-file")
-            .arg(&key)
-            .arg("--nodes-file")
-            .arg(nodes_file)
-            .args(["--node-name", &self.name])
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start flowlaned");
-        node_ns::wait_daemon(&mut child, &self.socket(), || self.log());
-        self.daemon = Some(child);
-    }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
-    }
-
+impl NsNode {
+    /// Where a task may run on this node: each of its pods.
     pub fn sites(&self) -> Vec<Site> {
         self.pods
             .iter()
@@ -511,73 +437,24 @@ impl RelayNode {
 /// Two nodes (network namespaces, each with its bridge, pods wired by the
 /// real plugin, and its own `flowlaned` with the relay on `--lane-transport
 /// tcp-test`) joined by an underlay veth with host-gw routes: the set-up of
-/// the `relay::lane` suite.
-pub struct RelayPair {
-    pub nodes: Vec<RelayNode>,
-    dir: PathBuf,
-    link: String,
+/// the `relay::lane` suite (`nodes`, ... of the [`NsCluster`] it derefs to).
+pub struct RelayPair(NsCluster);
+
+impl std::ops::Deref for RelayPair {
+    type Target = NsCluster;
+    fn deref(&self) -> &NsCluster {
+        &self.0
+    }
 }
 
 impl RelayPair {
     pub fn new(pods_per_node: usize) -> RelayPair {
-        let n = RELAY_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tag = format!("ff{:x}{n:x}", std::process::id() % 0xfff);
-        let slot = ((std::process::id() + n * 7) % 50) as u8;
-        let dir = std::env::temp_dir().join(format!("{tag}-frameworks"));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let link = format!("{tag}u");
-        let mut c = RelayPair {
-            nodes: Vec::new(),
-            dir: dir.clone(),
-            link: link.clone(),
-        };
-        for i in 0..2u8 {
-            let netns = format!("{tag}n{i}");
-            fresh_netns(&netns);
-            sh_ok(&[
-                "ip",
-                "netns",
-                "exec",
-                &netns,
-                "sysctl",
-                "-qw",
-                "net.ipv4.ip_forward=1",
-            ]);
-            let ndir = dir.join(format!("n{i}"));
-            std::fs::create_dir_all(&ndir).unwrap();
-            c.nodes.push(RelayNode {
-                name: format!("n{i}"),
-                netns,
-                cidr: format!("10.245.{}.0/24", 2 * slot + i),
-                underlay: Ipv4Addr::new(10, 245, 100 + slot, 1 + i),
-                dir: ndir,
-                pods: Vec::new(),
-                daemon: None,
-            });
-        }
-        node_ns::join(
-            &link,
-            [c.nodes[0].underlay_end(), c.nodes[1].underlay_end()],
-        );
-        let file = node_ns::write_nodes_file(
-            &dir,
-            c.nodes.iter().map(|n| node_ns::NodeRow {
-                name: &n.name,
-                pod_cidr: &n.cidr,
-                underlay: n.underlay,
-                lane_port: LANE_PORT,
-            }),
-        );
-        for node in &mut c.nodes {
-            for _ in 0..pods_per_node {
-                node.add_pod();
-            }
-        }
-        for node in &mut c.nodes {
-            node.start_daemon(&file);
-        }
-        c
+        let layout = Layout::new("ff", "frameworks", "FF_KEEP").addresses((245, 0), (245, 100), 50);
+        let mut c = NsCluster::new(&layout, 2);
+        let nodes_file = c.write_nodes_file(|_| Some(LANE_PORT));
+        c.add_pods(pods_per_node);
+        c.start_daemons(|_| DaemonOpts::new("info").lanes(nodes_file.clone(), LANE_KEY));
+        RelayPair(c)
     }
 
     pub fn sockets(&self) -> Vec<PathBuf> {
@@ -585,45 +462,7 @@ impl RelayPair {
     }
 
     pub fn logs(&self) -> String {
-        self.nodes
-            .iter()
-            .map(|n| {
-                format!(
-                    "--- {} daemon log (tail) ---\n{}",
-                    n.name,
-                    tail(&n.log(), 4000)
-                )
-            })
-            .collect()
-    }
-}
-
-/// The last `n` bytes of `s` (on a character boundary).
-pub fn tail(s: &str, n: usize) -> &str {
-    let mut cut = s.len().saturating_sub(n);
-    while !s.is_char_boundary(cut) {
-        cut += 1;
-    }
-    &s[cut..]
-}
-
-impl Drop for RelayPair {
-    fn drop(&mut self) {
-        for node in &mut self.nodes {
-            if let Some(d) = node.daemon.take() {
-                node_ns::stop_daemon(d);
-            }
-            let conf = node.cni_conf();
-            for p in std::mem::take(&mut node.pods) {
-                let _ = node_ns::cni_in(&node.netns, &conf, "DEL", &p.netns, &p.container_id);
-                let _ = sh(&["ip", "netns", "del", &p.netns]);
-            }
-            let _ = sh(&["ip", "netns", "del", &node.netns]);
-        }
-        let _ = sh(&["ip", "link", "del", &format!("{}0", self.link)]);
-        if std::env::var_os("FF_KEEP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        self.0.logs(4000)
     }
 }
 

@@ -43,6 +43,25 @@ pub fn temp_dir_name(tag: &str) -> String {
     format!("{PREFIX}-{tag}-{}-{n}", std::process::id())
 }
 
+/// A network namespace's name, `<tag>-<pid>-<n>` (`tag` carries the
+/// suite's own prefix): netns names are not interface names, so they may
+/// be longer than 15 bytes and carry the whole process id.
+pub fn netns(tag: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{tag}-{}-{n}", std::process::id())
+}
+
+/// A multi-node cluster's tag, `<prefix><pid % 0xfff in hex><n in hex>`
+/// (its node namespaces `<tag>n<i>`, underlay link `<tag>u0` and directory
+/// start with it; short enough for the link's interface names), and `n`,
+/// the cluster's number in this process (which picks its address slot).
+pub fn cluster_tag(prefix: &str) -> (String, u32) {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let tag = format!("{prefix}{:x}{n:x}", std::process::id() % 0xfff);
+    assert!(tag.len() + 2 <= IFNAME_MAX, "{tag} is too long");
+    (tag, n)
+}
+
 /// A container id as a runtime would make it: long, unique, hex-ish.
 pub fn container_id(tag: &str) -> String {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);

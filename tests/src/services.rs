@@ -21,14 +21,11 @@
 //! in 10.96.212.0/24 (inside the node namespaces only). Everything is
 //! removed on drop, also when a test panics.
 
-use crate::node_ns;
-use crate::shm::{build_dir, fresh_netns, preload_lib, sh, sh_ok, Pod};
-use flowlane_lane::proto::Stats;
+use crate::node_ns::{DaemonOpts, NsNode, LANE_PORT};
+use crate::ns_cluster::{Layout, NsCluster};
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::{Command, Stdio};
 
 /// The Service CIDR the daemons serve (`--service-cidr`).
 pub const SERVICE_CIDR: &str = "10.96.212.0/24";
@@ -195,109 +192,12 @@ pub fn nftables_rules(services: &[Service]) -> String {
     all.join("\n") + "\n"
 }
 
-static COUNTER: AtomicU32 = AtomicU32::new(0);
-const LANE_PORT: u16 = 7470;
 const LANE_KEY: &[u8] = b"services: the test cluster's lane key, 32+ bytes\n";
 
-/// One node: its namespace, pods, state directory and daemon.
-pub struct SvcNode {
-    /// The node's name in the nodes file (`n0`, `n1`).
-    pub name: String,
-    pub netns: String,
-    pub cidr: String,
-    pub underlay: Ipv4Addr,
-    pub dir: PathBuf,
-    pub pods: Vec<Pod>,
-    daemon: Option<Child>,
-}
+/// One node of a [`SvcCluster`].
+pub type SvcNode = NsNode;
 
-impl SvcNode {
-    /// This node's end of the underlay link.
-    fn underlay_end(&self) -> node_ns::Underlay<'_> {
-        node_ns::Underlay {
-            netns: &self.netns,
-            addr: self.underlay,
-            cidr: &self.cidr,
-        }
-    }
-
-    pub fn socket(&self) -> PathBuf {
-        self.dir.join("d.sock")
-    }
-
-    fn cni_conf(&self) -> String {
-        serde_json::json!({
-            "cniVersion": "1.0.0", "name": "svcnet", "type": "flowlane", "bridge": "svcbr0",
-            "isGateway": true, "isDefaultGateway": true,
-            // A pod may reach itself through its Service (kube-proxy
-            // masquerades that hairpin), as kubelet's bridge does.
-            "hairpinMode": true,
-            "stateDir": self.dir.join("state"), "daemonSocket": self.socket(),
-            "ipam": {"type": "flowlane", "ranges": [[{"subnet": self.cidr}]],
-                     "dataDir": self.dir.join("ipam")},
-        })
-        .to_string()
-    }
-
-    fn add_pod(&mut self) {
-        let ns = format!("{}p{}", self.netns, self.pods.len());
-        let pod = node_ns::add_pod_in(&self.netns, &self.cni_conf(), &ns);
-        self.pods.push(pod);
-    }
-
-    /// Starts the node's daemon; with `lanes` (the nodes file), with the
-    /// relay on the test transport too.
-    fn start_daemon(&mut self, lanes: Option<&std::path::Path>) {
-        let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
-        let mut lane_args: Vec<std::ffi::OsString> = Vec::new();
-        if let Some(nodes_file) = lanes {
-            use std::os::unix::fs::PermissionsExt;
-            let key = self.dir.join("lane.key");
-            std::fs::write(&key, LANE_KEY).unwrap();
-            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-            let listen = format!("{}:{LANE_PORT}", self.underlay);
-            for a in [
-                "--lane-listen".into(),
-                listen.into(),
-                "--lane-transport".into(),
-                "tcp-test".into(),
-                "--lane-key-file".into(),
-                key.into_os_string(),
-                "--nodes-file".into(),
-                nodes_file.as_os_str().to_owned(),
-                "--node-name".into(),
-                self.name.clone().into(),
-            ] {
-                lane_args.push(a);
-            }
-        }
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.netns])
-            .arg(build_dir().join("flowlaned"))
-            .arg("--state-dir")
-            .arg(self.dir.join("state"))
-            .arg("--socket")
-            .arg(self.socket())
-            .args(["--log-level", "debug"])
-            .args(["--service-cidr", SERVICE_CIDR])
-            .args(&lane_args)
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start flowlaned");
-        node_ns::wait_daemon(&mut child, &self.socket(), || self.log());
-        self.daemon = Some(child);
-    }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
-    }
-
-    /// The daemon's counters.
-    pub fn stats(&self) -> Stats {
-        node_ns::daemon_stats(&self.socket()).expect("daemon stats")
-    }
-
+impl NsNode {
     /// Programs kube-proxy's rules for `services` in this node's namespace.
     pub fn kube_proxy(&self, mode: ProxyMode, services: &[Service]) {
         let (prog, args, input): (&str, &[&str], String) = match mode {
@@ -326,25 +226,17 @@ impl SvcNode {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-
-    /// A command run inside `pod` (of this node), with the preload library
-    /// if `preload`.
-    pub fn cmd(&self, pod: &Pod, preload: bool, argv: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &pod.netns, "env"]);
-        if preload {
-            c.arg(format!("LD_PRELOAD={}", preload_lib().display()));
-            c.arg(format!("FLOWLANE_SOCKET={}", self.socket().display()));
-        }
-        c.args(argv);
-        c
-    }
 }
 
-/// One or two nodes, each with `pods` pods and its daemon.
-pub struct SvcCluster {
-    pub nodes: Vec<SvcNode>,
-    dir: PathBuf,
+/// One or two nodes, each with its pods and its daemon (`nodes`, ... of
+/// the [`NsCluster`] it derefs to).
+pub struct SvcCluster(NsCluster);
+
+impl std::ops::Deref for SvcCluster {
+    type Target = NsCluster;
+    fn deref(&self) -> &NsCluster {
+        &self.0
+    }
 }
 
 impl SvcCluster {
@@ -359,93 +251,32 @@ impl SvcCluster {
     }
 
     fn build(nodes: usize, pods: usize, lanes: bool) -> SvcCluster {
-        assert!((1..=2).contains(&nodes));
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tag = format!("svc{:x}{n:x}", std::process::id() % 0xfff);
-        let slot = ((std::process::id() + n * 7) % 50) as u8;
-        let dir = std::env::temp_dir().join(format!("{tag}-services"));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut c = SvcCluster {
-            nodes: Vec::new(),
-            dir: dir.clone(),
-        };
-        for i in 0..nodes as u8 {
-            let netns = format!("{tag}n{i}");
-            fresh_netns(&netns);
-            for sysctl in [
-                "net.ipv4.ip_forward=1",
-                // kube-proxy needs it: a backend's reply to a client on
-                // the same bridge is bridged, and must still be un-DNATed.
-                "net.bridge.bridge-nf-call-iptables=1",
-            ] {
-                sh_ok(&["ip", "netns", "exec", &netns, "sysctl", "-qw", sysctl]);
-            }
-            let ndir = dir.join(format!("n{i}"));
-            std::fs::create_dir_all(&ndir).unwrap();
-            c.nodes.push(SvcNode {
-                name: format!("n{i}"),
-                netns,
-                cidr: format!("10.212.{}.0/24", 2 * slot + i),
-                underlay: Ipv4Addr::new(10, 212, 100 + slot, 1 + i),
-                dir: ndir,
-                pods: Vec::new(),
-                daemon: None,
-            });
-        }
-        if let [a, b] = &c.nodes[..] {
-            // The veth pair lives in the node namespaces: it goes with them.
-            node_ns::join(&format!("{tag}u"), [a.underlay_end(), b.underlay_end()]);
-        }
-        let nodes_file = lanes.then(|| {
-            node_ns::write_nodes_file(
-                &dir,
-                c.nodes.iter().map(|n| node_ns::NodeRow {
-                    name: &n.name,
-                    pod_cidr: &n.cidr,
-                    underlay: n.underlay,
-                    lane_port: LANE_PORT,
-                }),
-            )
-        });
+        let layout = Layout::new("svc", "services", "SVC_KEEP")
+            .addresses((212, 0), (212, 100), 50)
+            // kube-proxy needs it: a backend's reply to a client on the
+            // same bridge is bridged, and must still be un-DNATed.
+            .sysctl("net.bridge.bridge-nf-call-iptables=1")
+            // A pod may reach itself through its Service (kube-proxy
+            // masquerades that hairpin), as kubelet's bridge does.
+            .cni_key("hairpinMode", true.into());
+        let mut c = NsCluster::new(&layout, nodes as u8);
+        let nodes_file = lanes.then(|| c.write_nodes_file(|_| Some(LANE_PORT)));
         for node in &mut c.nodes {
             for _ in 0..pods {
                 node.add_pod();
             }
-            node.start_daemon(nodes_file.as_deref());
+            let mut opts = DaemonOpts::new("debug").service_cidr(SERVICE_CIDR);
+            if let Some(file) = &nodes_file {
+                opts = opts.lanes(file.clone(), LANE_KEY);
+            }
+            node.start_daemon(opts);
         }
-        c
+        SvcCluster(c)
     }
 
     /// The daemons' logs (for failure messages).
     pub fn logs(&self) -> String {
-        self.nodes
-            .iter()
-            .map(|n| {
-                let log = n.log();
-                let tail = crate::frameworks::tail(&log, 6000);
-                format!("--- {} daemon log (tail) ---\n{tail}", n.netns)
-            })
-            .collect()
-    }
-}
-
-impl Drop for SvcCluster {
-    fn drop(&mut self) {
-        for node in &mut self.nodes {
-            if let Some(d) = node.daemon.take() {
-                node_ns::stop_daemon(d);
-            }
-            let conf = node.cni_conf();
-            for p in std::mem::take(&mut node.pods) {
-                let _ = node_ns::cni_in(&node.netns, &conf, "DEL", &p.netns, &p.container_id);
-                let _ = sh(&["ip", "netns", "del", &p.netns]);
-            }
-            let _ = sh(&["ip", "netns", "del", &node.netns]);
-        }
-        if std::env::var_os("SVC_KEEP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        self.0.logs(6000)
     }
 }
 

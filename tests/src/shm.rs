@@ -101,6 +101,20 @@ pub struct Pod {
     pub container_id: String,
 }
 
+/// `argv` run inside `pod`, with the preload library talking to the
+/// daemon on `socket` if `preload` (`ip netns exec` and `env` exec it in
+/// place: the child's pid is the program's).
+pub fn pod_cmd(pod: &Pod, preload: bool, socket: &Path, argv: &[&str]) -> Command {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", &pod.netns, "env"]);
+    if preload {
+        c.arg(format!("LD_PRELOAD={}", preload_lib().display()));
+        c.arg(format!("FLOWLANE_SOCKET={}", socket.display()));
+    }
+    c.args(argv);
+    c
+}
+
 /// A node: bridge, pods, state directory, daemon.
 pub struct Node {
     pub bridge: String,
@@ -441,14 +455,7 @@ impl Node {
 
     /// A command run inside `pod`, with the preload library if `preload`.
     pub fn cmd(&self, pod: &Pod, preload: bool, argv: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &pod.netns, "env"]);
-        if preload {
-            c.arg(format!("LD_PRELOAD={}", preload_lib().display()));
-            c.arg(format!("FLOWLANE_SOCKET={}", self.socket().display()));
-        }
-        c.args(argv);
-        c
+        pod_cmd(pod, preload, &self.socket(), argv)
     }
 }
 

@@ -18,11 +18,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use flowlane_e2e::binaries::workspace_artifact;
+use flowlane_e2e::daemon;
 use flowlane_e2e::fsutil::TempDir;
 use flowlane_e2e::netns::Netns;
 use flowlane_e2e::process::ChildGuard;
@@ -35,14 +34,10 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Generous: the machine is small and other suites run concurrently.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
-static COUNTER: AtomicU32 = AtomicU32::new(0);
-
 /// `fld<tag>-<pid>-<n>`: this suite's netns prefix, unique on the machine
-/// while this process runs (netns names are not interface names: no
-/// 15-byte limit).
+/// while this process runs ([`flowlane_e2e::names::netns`]).
 pub fn unique_name(tag: &str) -> String {
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("fld{tag}-{}-{n}", std::process::id())
+    flowlane_e2e::names::netns(&format!("fld{tag}"))
 }
 
 /// A node: state dir + socket + (while running) a `flowlaned` process.
@@ -79,44 +74,17 @@ impl Node {
         Registry::new(self.state_dir())
     }
 
-    /// Starts `flowlaned` and waits until it answers.
+    /// Starts `flowlaned` (its output appended to the node's log) and
+    /// waits until it answers.
     pub fn start_daemon(&mut self) {
         assert!(self.daemon.is_none(), "daemon already running");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .expect("daemon log");
-        let child = Command::new(workspace_artifact("flowlaned"))
-            .arg("--state-dir")
-            .arg(self.state_dir())
-            .arg("--socket")
-            .arg(&self.socket)
-            .args(if self.extra_args.iter().any(|a| a == "--log-level") {
-                &[][..]
-            } else {
-                &["--log-level", "debug"][..]
-            })
-            .args(&self.extra_args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn flowlaned");
-        let mut guard = ChildGuard::new(child);
-        let up = flowlane_e2e::wait::until(Duration::from_secs(30), || {
-            if let Ok(Some(status)) = guard.child.try_wait() {
-                panic!(
-                    "flowlaned exited early ({status}); log:\n{}",
-                    self.log_text()
-                );
-            }
-            DaemonClient::connect(&self.socket, CALL_TIMEOUT)
-                .and_then(|mut c| c.stats())
-                .is_ok()
-        });
-        assert!(up, "flowlaned did not come up; log:\n{}", self.log_text());
-        self.daemon = Some(guard);
+        let mut cmd = daemon::command(None, self.state_dir(), &self.socket);
+        if !self.extra_args.iter().any(|a| a == "--log-level") {
+            cmd.args(["--log-level", "debug"]);
+        }
+        cmd.args(&self.extra_args);
+        let up_within = Duration::from_secs(30);
+        self.daemon = Some(daemon::start(cmd, &self.socket, &self.log, up_within));
     }
 
     /// SIGTERM and wait for a clean exit; returns whether it exited 0.
@@ -159,8 +127,7 @@ impl Node {
 
     /// Stats as the node (this test process is not in a pod) sees them.
     pub fn stats(&self) -> Stats {
-        DaemonClient::connect(&self.socket, CALL_TIMEOUT)
-            .and_then(|mut c| c.stats())
+        daemon::stats_within(&self.socket, CALL_TIMEOUT)
             .unwrap_or_else(|e| panic!("stats: {e}; log:\n{}", self.log_text()))
     }
 

@@ -21,11 +21,11 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use flowlane_e2e::binaries::workspace_artifact;
+use flowlane_e2e::daemon;
 use flowlane_e2e::fake_api::{node_object, FakeApi, ANNOTATION};
 use flowlane_e2e::fsutil::TempDir;
 use flowlane_e2e::process::ChildGuard;
 use flowlane_e2e::wait;
-use flowlane_lane::client::DaemonClient;
 use serde_json::{json, Value};
 
 const LIVENESS: Duration = Duration::from_secs(60);
@@ -45,19 +45,11 @@ struct Daemon {
 impl Daemon {
     fn spawn(tag: &str, args: &[String], env: &[(&str, String)]) -> (TempDir, ChildGuard) {
         let dir = TempDir::new(tag);
-        let log = std::fs::File::create(dir.join("flowlaned.log")).expect("log file");
-        let mut cmd = Command::new(workspace_artifact("flowlaned"));
-        cmd.arg("--state-dir")
-            .arg(dir.join("state"))
-            .arg("--socket")
-            .arg(dir.join("flowlaned.sock"))
-            .args(["--log-level", "info,flowlaned=debug"])
+        let mut cmd = daemon::command(None, &dir.join("state"), &dir.join("flowlaned.sock"));
+        cmd.args(["--log-level", "info,flowlaned=debug"])
             // In the host's namespace: no pod routes (tests/e2e/daemon/pod_routes.rs has them).
             .args(["--pod-routes", "off"])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
+            .args(args);
         // Nothing from the test's own environment may steer the client.
         for var in [
             "NODE_NAME",
@@ -76,26 +68,19 @@ impl Daemon {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = ChildGuard::new(cmd.spawn().expect("spawn flowlaned"));
+        let child = daemon::spawn(cmd, &dir.join("flowlaned.log"));
         (dir, child)
     }
 
     /// Starts the daemon and waits until it answers on its socket.
     fn start(tag: &str, args: &[String], env: &[(&str, String)]) -> Daemon {
-        let (dir, child) = Daemon::spawn(tag, args, env);
-        let mut d = Daemon {
+        let (dir, mut child) = Daemon::spawn(tag, args, env);
+        let (socket, log) = (dir.join("flowlaned.sock"), dir.join("flowlaned.log"));
+        daemon::wait_up(&mut child, &socket, &log, LIVENESS);
+        Daemon {
             dir,
             child: Some(child),
-        };
-        let socket = d.dir.join("flowlaned.sock");
-        let up = wait::until(LIVENESS, || {
-            assert!(d.alive(), "flowlaned exited early; log:\n{}", d.log());
-            DaemonClient::connect(&socket, Duration::from_secs(5))
-                .and_then(|mut c| c.stats())
-                .is_ok()
-        });
-        assert!(up, "flowlaned did not come up; log:\n{}", d.log());
-        d
+        }
     }
 
     fn alive(&mut self) -> bool {
@@ -448,16 +433,14 @@ fn rdma_lane_asked_on_a_node_without_rdma_keeps_the_daemon_serving() {
 }
 
 // ---------------------------------------------------------------------
-/// A free TCP port on 127.0.0.1 for a daemon's lane listener.
 /// A lane key file (`--lane-key-file`) in `dir`, mode 0600.
 fn lane_key(dir: &Path) -> String {
-    use std::os::unix::fs::PermissionsExt;
-    let p = dir.join("lane.key");
-    std::fs::write(&p, "daemon_nodes: a lane key of 32 bytes or more\n").unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let key = b"daemon_nodes: a lane key of 32 bytes or more\n";
+    let p = daemon::write_lane_key(dir.join("lane.key"), key);
     p.display().to_string()
 }
 
+/// A free TCP port on 127.0.0.1 for a daemon's lane listener.
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()

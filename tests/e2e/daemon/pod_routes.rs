@@ -17,10 +17,11 @@
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use flowlane_e2e::binaries::workspace_artifact;
+use flowlane_e2e::daemon;
 use flowlane_e2e::fsutil::TempDir;
 use flowlane_e2e::netns::Netns;
 use flowlane_e2e::process::{self, ChildGuard};
@@ -64,24 +65,13 @@ struct Node {
 
 impl Node {
     fn start_daemon(&mut self, nodes_file: &Path) {
-        let log = std::fs::File::create(self.dir.join("flowlaned.log")).expect("log");
-        let child = Command::new("ip")
-            .args(["netns", "exec", self.ns.name()])
-            .arg(workspace_artifact("flowlaned"))
-            .arg("--state-dir")
-            .arg(self.dir.join("state"))
-            .arg("--socket")
-            .arg(self.dir.join("flowlaned.sock"))
-            .arg("--nodes-file")
+        let (state, socket) = (self.dir.join("state"), self.dir.join("flowlaned.sock"));
+        let mut cmd = daemon::command(Some(self.ns.name()), &state, &socket);
+        cmd.arg("--nodes-file")
             .arg(nodes_file)
             .args(["--node-name", &self.name, "--nodes-refresh", "0.5"])
-            .args(["--log-level", "info,flowlaned=debug"])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start flowlaned");
-        self.daemon = Some(ChildGuard::new(child));
+            .args(["--log-level", "info,flowlaned=debug"]);
+        self.daemon = Some(daemon::spawn(cmd, &self.dir.join("flowlaned.log")));
     }
 
     fn log(&self) -> String {

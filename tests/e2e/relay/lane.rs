@@ -12,25 +12,19 @@
 //! 10.174.0.0/16.
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::path::PathBuf;
 use std::process::{Child, Command};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use flowlane_e2e::attack_scripts::{victim_server, HOSTILE};
-use flowlane_e2e::shm::{
-    build_dir, fresh_netns, preload_lib, run_cni, run_ok, sh, sh_ok, wait_listening, Bg, Pod,
-};
+use flowlane_e2e::node_ns::{DaemonOpts, NsNode as Node, LANE_PORT};
+use flowlane_e2e::ns_cluster::{Layout, NsCluster};
+use flowlane_e2e::shm::{build_dir, run_ok, sh, Bg};
 use flowlane_e2e::shm_scripts::{ECHO_CLIENT, ECHO_SERVER, PEER_KILL, PYTHON, SEMANTICS};
-use flowlane_lane::client::DaemonClient;
 use flowlane_lane::peer_table::Verdict;
-use flowlane_lane::proto::Stats;
 
 /// One cluster at a time in this binary (2 cores).
 static SERIAL: Mutex<()> = Mutex::new(());
-static COUNTER: AtomicU32 = AtomicU32::new(0);
-const LANE_PORT: u16 = 7470;
 /// The test cluster's shared lane key.
 const LANE_KEY: &[u8] = b"relay_lane: the test cluster's lane key, 32+ bytes\n";
 const T: Duration = Duration::from_secs(120);
@@ -39,240 +33,21 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-struct Node {
-    name: String,
-    netns: String,
-    cidr: String,
-    underlay: Ipv4Addr,
-    dir: PathBuf,
-    pods: Vec<Pod>,
-    daemon: Option<Child>,
-    /// The relay moves bytes by (emulated) placement into the remote ring:
-    /// the zero-copy protocol of the RDMA transport, over tcp-test.
-    zero_copy: bool,
-    /// Pods wired by the reference `bridge` + `host-local`, then flowlane
-    /// in chained mode (the cluster's routes stand in for the other CNI's).
-    chained: bool,
-    /// More flags for this node's flowlaned.
-    daemon_args: Vec<String>,
-}
+/// Two nodes joined by an underlay, each with `pods` pods and a daemon
+/// (`nodes`, `dir`, ... of the [`NsCluster`] it derefs to).
+struct Cluster(NsCluster);
 
-impl Node {
-    fn socket(&self) -> PathBuf {
-        self.dir.join("d.sock")
-    }
-
-    fn state_dir(&self) -> PathBuf {
-        self.dir.join("state")
-    }
-
-    /// The cluster's lane key (the same bytes on every node), mode 0600.
-    fn lane_key_file(&self) -> PathBuf {
-        use std::os::unix::fs::PermissionsExt;
-        let p = self.dir.join("lane.key");
-        std::fs::write(&p, LANE_KEY).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-        p
-    }
-
-    fn cni_conf(&self) -> String {
-        serde_json::json!({
-            "cniVersion": "1.0.0",
-            "name": "rrnet",
-            "type": "flowlane",
-            "bridge": "rrbr0",
-            "isGateway": true,
-            "isDefaultGateway": true,
-            "stateDir": self.state_dir(),
-            "daemonSocket": self.socket(),
-            "ipam": {
-                "type": "flowlane",
-                "ranges": [[{"subnet": self.cidr}]],
-                "dataDir": self.dir.join("ipam"),
-            }
-        })
-        .to_string()
-    }
-
-    /// The real plugin, run inside the node's namespace as a runtime would.
-    fn cni(&self, command: &str, pod_ns: &str, id: &str) -> std::process::Output {
-        if self.chained {
-            return self.cni_chained(command, pod_ns, id);
-        }
-        self.run_plugin(
-            &build_dir().join("flowlane"),
-            &self.cni_conf(),
-            command,
-            pod_ns,
-            id,
-        )
-    }
-
-    fn run_plugin(
-        &self,
-        binary: &std::path::Path,
-        conf: &str,
-        command: &str,
-        pod_ns: &str,
-        id: &str,
-    ) -> std::process::Output {
-        let mut plugin = Command::new("ip");
-        plugin.args(["netns", "exec", &self.netns]).arg(binary);
-        run_cni(plugin, conf, command, pod_ns, id).expect("run plugin")
-    }
-
-    /// The conflist bridge → flowlane (chained) as libcni runs it: ADD in
-    /// order with bridge's result as flowlane's prevResult, DEL in reverse.
-    fn cni_chained(&self, command: &str, pod_ns: &str, id: &str) -> std::process::Output {
-        let bridge = serde_json::json!({
-            "cniVersion": "1.0.0", "name": "chnet", "type": "bridge", "bridge": "chbr0",
-            "isGateway": true, "isDefaultGateway": true,
-            "ipam": {"type": "host-local", "ranges": [[{"subnet": self.cidr}]],
-                     "dataDir": self.dir.join("ipam")},
-        })
-        .to_string();
-        let flowlane = |prev: Option<serde_json::Value>| {
-            serde_json::json!({
-                "cniVersion": "1.0.0", "name": "chnet", "type": "flowlane", "mode": "chained",
-                "stateDir": self.state_dir(), "daemonSocket": self.socket(), "prevResult": prev,
-            })
-            .to_string()
-        };
-        let (bridge_bin, flowlane_bin) = (
-            std::path::Path::new("/usr/lib/cni/bridge"),
-            build_dir().join("flowlane"),
-        );
-        if command == "ADD" {
-            let out = self.run_plugin(bridge_bin, &bridge, command, pod_ns, id);
-            if !out.status.success() {
-                return out;
-            }
-            let prev = serde_json::from_slice(&out.stdout).expect("bridge result");
-            return self.run_plugin(&flowlane_bin, &flowlane(Some(prev)), command, pod_ns, id);
-        }
-        let out = self.run_plugin(&flowlane_bin, &flowlane(None), command, pod_ns, id);
-        if !out.status.success() {
-            return out;
-        }
-        self.run_plugin(bridge_bin, &bridge, command, pod_ns, id)
-    }
-
-    fn add_pod(&mut self) {
-        let ns = format!("{}p{}", self.netns, self.pods.len());
-        fresh_netns(&ns);
-        let id = format!("{ns}-{}", std::process::id());
-        let out = self.cni("ADD", &ns, &id);
-        assert!(
-            out.status.success(),
-            "CNI ADD in {}: {}",
-            self.netns,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let ip = v["ips"][0]["address"]
-            .as_str()
-            .and_then(|a| a.split('/').next()?.parse().ok())
-            .expect("pod IP in the CNI result");
-        self.pods.push(Pod {
-            netns: ns,
-            ip,
-            container_id: id,
-        });
-    }
-
-    fn start_daemon(&mut self, nodes_file: &std::path::Path) {
-        let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
-        let child = Command::new("ip")
-            .args(["netns", "exec", &self.netns])
-            .arg(build_dir().join("flowlaned"))
-            .arg("--state-dir")
-            .arg(self.state_dir())
-            .arg("--socket")
-            .arg(self.socket())
-            .args(["--log-level", "debug"])
-            .args(["--lane-listen", &format!("{}:{LANE_PORT}", self.underlay)])
-            // The test double, said explicitly (the default is rdma).
-            .args(["--lane-transport", "tcp-test"])
-            .arg("--lane-key-file")
-            .arg(self.lane_key_file())
-            .arg("--nodes-file")
-            .arg(nodes_file)
-            .args(["--node-name", &self.name])
-            .args(&self.daemon_args)
-            .env(
-                "FLOWLANE_RELAY_ZERO_COPY",
-                if self.zero_copy { "1" } else { "0" },
-            )
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start flowlaned");
-        self.daemon = Some(child);
-        let t0 = Instant::now();
-        while self.stats_opt().is_none() {
-            if let Some(st) = self.daemon.as_mut().unwrap().try_wait().unwrap() {
-                panic!("flowlaned exited ({st}): {}", self.log());
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "flowlaned did not come up: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
-    }
-
-    fn stats_opt(&self) -> Option<Stats> {
-        DaemonClient::connect(&self.socket(), Duration::from_secs(2))
-            .ok()?
-            .stats()
-            .ok()
-    }
-
-    fn stats(&self) -> Stats {
-        self.stats_opt().expect("daemon stats")
-    }
-
-    /// (opened, closed, bytes) of the relay lane.
-    fn relay(&self) -> (u64, u64, u64) {
-        self.stats()
-            .lanes
-            .get("relay")
-            .map(|l| (l.connections_opened, l.connections_closed, l.bytes))
-            .unwrap_or_default()
-    }
-
-    /// A command in `pod` (with the preload library and this node's daemon
-    /// when `preload`).
-    fn cmd(&self, pod: &Pod, preload: bool, argv: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &pod.netns, "env"]);
-        if preload {
-            c.arg(format!("LD_PRELOAD={}", preload_lib().display()));
-            c.arg(format!("FLOWLANE_SOCKET={}", self.socket().display()));
-        }
-        c.args(argv);
-        c
-    }
-
-    /// Starts the server `argv` in `pod` (see `cmd`) and waits until it
-    /// listens on `port`.
-    fn serve(&self, pod: &Pod, preload: bool, port: u16, argv: &[&str]) -> Bg {
-        let srv = Bg::spawn(self.cmd(pod, preload, argv));
-        wait_listening(pod, port);
-        srv
+impl std::ops::Deref for Cluster {
+    type Target = NsCluster;
+    fn deref(&self) -> &NsCluster {
+        &self.0
     }
 }
 
-/// Two nodes joined by an underlay, each with `pods` pods and a daemon.
-struct Cluster {
-    nodes: Vec<Node>,
-    dir: PathBuf,
-    link: String,
+impl std::ops::DerefMut for Cluster {
+    fn deref_mut(&mut self) -> &mut NsCluster {
+        &mut self.0
+    }
 }
 
 impl Cluster {
@@ -296,173 +71,38 @@ impl Cluster {
         chained: bool,
         daemon_args: impl Fn(Ipv4Addr) -> Vec<String>,
     ) -> Cluster {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let prefix = if chained { "ch" } else { "rr" };
-        let tag = format!("{prefix}{:x}{n:x}", std::process::id() % 0xfff);
-        let slot = ((std::process::id() + n * 7) % 120) as u8;
-        let cidr = |i: u8| match chained {
-            true => format!("10.232.{}.0/24", 100 + 2 * (slot % 50) + i),
-            false => format!("10.173.{}.0/24", 2 * slot + i),
+        let layout = match chained {
+            true => Layout::new("ch", "relay", "RR_KEEP")
+                .addresses((232, 100), (232, 200), 50)
+                .chained(),
+            false => Layout::new("rr", "relay", "RR_KEEP").addresses((173, 0), (174, 0), 120),
         };
-        let underlay = |i: u8| match chained {
-            true => Ipv4Addr::new(10, 232, 200 + slot % 50, 1 + i),
-            false => Ipv4Addr::new(10, 174, slot, 1 + i),
-        };
-        let dir = std::env::temp_dir().join(format!("{tag}-relay"));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let link = format!("{tag}u");
-        let mut c = Cluster {
-            nodes: Vec::new(),
-            dir: dir.clone(),
-            link: link.clone(),
-        };
-        for i in 0..2u8 {
-            let netns = format!("{tag}n{i}");
-            fresh_netns(&netns);
-            sh_ok(&[
-                "ip",
-                "netns",
-                "exec",
-                &netns,
-                "sysctl",
-                "-qw",
-                "net.ipv4.ip_forward=1",
-            ]);
-            let ndir = dir.join(format!("n{i}"));
-            std::fs::create_dir_all(&ndir).unwrap();
-            c.nodes.push(Node {
-                name: format!("n{i}"),
-                netns,
-                cidr: cidr(i),
-                underlay: underlay(i),
-                dir: ndir,
-                pods: Vec::new(),
-                daemon: None,
-                zero_copy,
-                chained,
-                daemon_args: daemon_args(underlay(i)),
-            });
-        }
-        // The underlay: one veth between the two node namespaces.
-        let _ = sh(&["ip", "link", "del", &format!("{link}0")]);
-        sh_ok(&[
-            "ip",
-            "link",
-            "add",
-            &format!("{link}0"),
-            "netns",
-            &c.nodes[0].netns,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &format!("{link}1"),
-            "netns",
-            &c.nodes[1].netns,
-        ]);
-        for i in 0..2 {
-            let (me, other) = (&c.nodes[i], &c.nodes[1 - i]);
-            let dev = format!("{link}{i}");
-            sh_ok(&[
-                "ip",
-                "-n",
-                &me.netns,
-                "addr",
-                "add",
-                &format!("{}/24", me.underlay),
-                "dev",
-                &dev,
-            ]);
-            sh_ok(&["ip", "-n", &me.netns, "link", "set", &dev, "up"]);
-            sh_ok(&[
-                "ip",
-                "-n",
-                &me.netns,
-                "route",
-                "add",
-                &other.cidr,
-                "via",
-                &other.underlay.to_string(),
-            ]);
-        }
-        c.write_nodes_file(true);
-        for node in &mut c.nodes {
-            for _ in 0..pods {
-                node.add_pod();
-            }
-        }
-        let file = c.nodes_file();
-        for node in &mut c.nodes {
-            node.start_daemon(&file);
-        }
-        c
-    }
-
-    /// Node n0, node n1, and the first pod of each.
-    fn first_pods(&self) -> (&Node, &Node, &Pod, &Pod) {
-        let (n0, n1) = (&self.nodes[0], &self.nodes[1]);
-        (n0, n1, &n0.pods[0], &n1.pods[0])
-    }
-
-    fn nodes_file(&self) -> PathBuf {
-        self.dir.join("nodes.json")
+        let mut c = NsCluster::new(&layout, 2);
+        let file = c.write_nodes_file(|_| Some(LANE_PORT));
+        c.add_pods(pods);
+        c.start_daemons(|node| {
+            DaemonOpts::new("debug")
+                .lanes(file.clone(), LANE_KEY)
+                .args(daemon_args(node.underlay))
+                // The relay moves bytes by (emulated) placement into the
+                // remote ring: the zero-copy protocol of the RDMA
+                // transport, over tcp-test.
+                .env(
+                    "FLOWLANE_RELAY_ZERO_COPY",
+                    if zero_copy { "1" } else { "0" },
+                )
+        });
+        Cluster(c)
     }
 
     /// The node table; `n1_lane` false: node n1 offers no lane.
     fn write_nodes_file(&self, n1_lane: bool) {
-        let nodes: Vec<_> = self
-            .nodes
-            .iter()
-            .map(|n| {
-                let mut v = serde_json::json!({
-                    "name": n.name,
-                    "podCIDRs": [n.cidr],
-                    "underlay": n.underlay.to_string(),
-                });
-                if n.name == "n0" || n1_lane {
-                    v["lanePort"] = LANE_PORT.into();
-                }
-                v
-            })
-            .collect();
-        let tmp = self.dir.join("nodes.json.tmp");
-        std::fs::write(&tmp, serde_json::json!({ "nodes": nodes }).to_string()).unwrap();
-        std::fs::rename(&tmp, self.nodes_file()).unwrap();
+        self.0
+            .write_nodes_file(|n| (n.name == "n0" || n1_lane).then_some(LANE_PORT));
     }
 
     fn logs(&self) -> String {
-        self.nodes
-            .iter()
-            .map(|n| format!("--- {} daemon log ---\n{}", n.name, n.log()))
-            .collect()
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for node in &mut self.nodes {
-            if let Some(mut d) = node.daemon.take() {
-                // SAFETY: signalling our own child process.
-                unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
-                let t0 = Instant::now();
-                while d.try_wait().ok().flatten().is_none() && t0.elapsed() < Duration::from_secs(5)
-                {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                let _ = d.kill();
-                let _ = d.wait();
-            }
-            for p in std::mem::take(&mut node.pods) {
-                let _ = node.cni("DEL", &p.netns, &p.container_id);
-                let _ = sh(&["ip", "netns", "del", &p.netns]);
-            }
-            let _ = sh(&["ip", "netns", "del", &node.netns]);
-        }
-        let _ = sh(&["ip", "link", "del", &format!("{}0", self.link)]);
-        if std::env::var_os("RR_KEEP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        self.0.logs(usize::MAX)
     }
 }
 
@@ -1079,17 +719,14 @@ fn daemon_killed_mid_stream_ends_the_connection_for_both_pods() {
     let port = 7571u16;
     let (srv, cli) = peer_kill_pair(&c, port);
     assert_eq!(c.nodes[0].relay().0, 1, "{}", c.logs());
-    let mut d = c.nodes[1].daemon.take().expect("daemon of n1");
-    d.kill().unwrap();
-    d.wait().unwrap();
+    c.nodes[1].kill_daemon();
     both_reset(&c, srv, cli, "daemon killed");
     let t0 = Instant::now();
     while c.nodes[0].relay().1 < 1 {
         assert!(t0.elapsed() < Duration::from_secs(30), "{}", c.logs());
         std::thread::sleep(Duration::from_millis(50));
     }
-    let file = c.nodes_file();
-    c.nodes[1].start_daemon(&file);
+    c.nodes[1].restart_daemon();
 }
 
 /// The lane itself fails mid-stream, both daemons and both pods alive: the
@@ -1325,7 +962,7 @@ fn an_idle_relayed_connection_costs_the_daemons_no_cpu() {
         let pids: Vec<u32> = c
             .nodes
             .iter()
-            .map(|n| n.daemon.as_ref().expect("daemon").id())
+            .map(|n| n.daemon.as_ref().expect("daemon").pid())
             .collect();
         let before: Vec<f64> = pids.iter().map(|&p| cpu_seconds(p)).collect();
         std::thread::sleep(Duration::from_secs(3));
@@ -1724,7 +1361,7 @@ fn a_hostile_pod_cannot_crash_its_daemon_through_the_relay() {
         "the daemon must relay an honest connection after every attack:\n{out}"
     );
     let daemon = c.nodes[0].daemon.as_mut().expect("daemon n0");
-    assert!(daemon.try_wait().unwrap().is_none(), "daemon n0 died");
+    assert!(daemon.child.try_wait().unwrap().is_none(), "daemon n0 died");
     let (n0, _, _, _) = c.first_pods();
     let counted = n0
         .stats()
