@@ -7,7 +7,6 @@
 //! per node; a suite may pick its own second octet, `Node::new_in`).
 //! Everything is removed on drop, also when a test panics.
 
-use flowlane_lane::client::DaemonClient;
 use flowlane_lane::proto::Stats;
 use std::io::Write;
 use std::net::Ipv4Addr;
@@ -124,7 +123,7 @@ pub struct Node {
     /// asks for its own range, see [`Node::new_in`]).
     pub net: u8,
     pub pods: Vec<Pod>,
-    daemon: Option<Child>,
+    daemon: Option<crate::process::ChildGuard>,
     /// How the pods were wired: "cni" (the real plugin) or "ip" (fallback).
     pub wiring: &'static str,
 }
@@ -359,49 +358,24 @@ impl Node {
     /// Starts `flowlaned` for this node and waits until it answers.
     pub fn start_daemon(&mut self) {
         assert!(self.daemon.is_none());
-        let log = std::fs::File::create(self.dir.join("daemon.log")).unwrap();
-        let child = Command::new(build_dir().join("flowlaned"))
-            .arg("--state-dir")
-            .arg(self.state_dir())
-            .arg("--socket")
-            .arg(self.socket())
-            .arg("--log-level")
-            .arg("debug")
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start flowlaned");
-        self.daemon = Some(child);
-        let t0 = Instant::now();
-        while self.stats_opt().is_none() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "flowlaned did not come up: {}",
-                self.daemon_log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let log = self.dir.join("daemon.log");
+        let _ = std::fs::remove_file(&log);
+        let mut cmd = crate::daemon::command(None, &self.state_dir(), &self.socket());
+        cmd.args(["--log-level", "debug"]);
+        let d = crate::daemon::start(cmd, &self.socket(), &log, Duration::from_secs(20));
+        self.daemon = Some(d);
     }
 
-    /// Stops the daemon (SIGTERM, then waits).
+    /// Stops the daemon (SIGTERM, up to 10 s to exit, then SIGKILL).
     pub fn stop_daemon(&mut self) {
-        if let Some(mut c) = self.daemon.take() {
-            // SAFETY: signalling our own child process.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let t0 = Instant::now();
-            while c.try_wait().ok().flatten().is_none() {
-                if t0.elapsed() > Duration::from_secs(10) {
-                    let _ = c.kill();
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = c.wait();
+        if let Some(mut d) = self.daemon.take() {
+            d.terminate(Duration::from_secs(10));
         }
     }
 
     /// The daemon's pid, if running.
     pub fn daemon_pid(&self) -> Option<u32> {
-        self.daemon.as_ref().map(|c| c.id())
+        self.daemon.as_ref().map(|c| c.pid())
     }
 
     pub fn daemon_log(&self) -> String {
@@ -409,10 +383,7 @@ impl Node {
     }
 
     fn stats_opt(&self) -> Option<Stats> {
-        DaemonClient::connect(&self.socket(), Duration::from_secs(2))
-            .ok()?
-            .stats()
-            .ok()
+        crate::daemon::stats_opt(&self.socket())
     }
 
     /// The daemon's counters.
