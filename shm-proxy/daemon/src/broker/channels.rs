@@ -344,8 +344,8 @@ impl Broker {
             .filter(|p| {
                 p.key.portless != 0
                     && p.key.dst_port == local.port()
-                    && p.key.src.ip() == peer.ip()
                     && p.server_pod == Some(pod)
+                    && self.pod_owns(p.client_pod, peer.ip())
             })
             .filter_map(|p| Some((p.key, p.client_process?, p.client_socket?)))
             .collect();
@@ -376,13 +376,16 @@ impl Broker {
     /// The portless intent `key`'s socket turned out bound to `bound` and
     /// connected to `connected`: it waits from now on under its real
     /// source, as an intent that named its port. A socket connected to
-    /// another destination than its intent named is not its connection:
-    /// left as it is (it expires).
+    /// another destination than its intent named, or bound to an address
+    /// its pod does not own, is not its connection: left as it is (it
+    /// expires). The address may differ from the one the intent was
+    /// admitted with: `connect` picked it by route, like `pod_owns`
+    /// checks any of the pod's addresses for an intent that names one.
     fn learn_port(&mut self, key: IntentKey, bound: SocketAddr, connected: SocketAddr) {
         let Some(p) = self.pending.get(&key) else {
             return;
         };
-        if canonical(p.dst) != connected || bound.ip() != key.src.ip() {
+        if canonical(p.dst) != connected || !self.pod_owns(p.client_pod, bound.ip()) {
             return;
         }
         let real = IntentKey {
