@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 #[derive(Debug)]
 pub struct TempDir {
     path: PathBuf,
+    /// Kept when this environment variable is set at drop (to look at a
+    /// failed test's logs and state).
+    keep_env: Option<&'static str>,
 }
 
 impl TempDir {
@@ -25,10 +28,30 @@ impl TempDir {
             // `create_dir`, not `create_dir_all`: a directory left by an
             // earlier process with the same pid is never reused.
             match fs::create_dir(&path) {
-                Ok(()) => return TempDir { path },
+                Ok(()) => {
+                    return TempDir {
+                        path,
+                        keep_env: None,
+                    }
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
                 Err(e) => panic!("create temp dir {}: {e}", path.display()),
             }
+        }
+    }
+
+    /// `<tmp>/<name>`, made afresh (a directory left there by an earlier
+    /// run is removed first), kept at drop when `keep_env` is set then.
+    /// For harnesses whose names are already unique on the machine
+    /// (`crate::names`).
+    pub fn fresh(name: &str, keep_env: &'static str) -> Self {
+        let path = std::env::temp_dir().join(name);
+        let _ = fs::remove_dir_all(&path);
+        fs::create_dir_all(&path)
+            .unwrap_or_else(|e| panic!("create temp dir {}: {e}", path.display()));
+        TempDir {
+            path,
+            keep_env: Some(keep_env),
         }
     }
 
@@ -48,6 +71,9 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
+        if self.keep_env.is_some_and(|v| std::env::var_os(v).is_some()) {
+            return;
+        }
         // Best effort: a mount left below (CRI test) would make this fail; such
         // tests unmount first.
         let _ = fs::remove_dir_all(&self.path);

@@ -31,9 +31,44 @@ pub fn unique(tag: &str) -> String {
 
 /// Two base-36 digits derived from the process id.
 fn process_token() -> String {
-    const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let p = std::process::id() as usize % (36 * 36);
-    format!("{}{}", DIGITS[p / 36] as char, DIGITS[p % 36] as char)
+    base36(std::process::id() % (36 * 36), 2)
+}
+
+/// `n` in base 36, at least `width` digits.
+fn base36(mut n: u32, width: usize) -> String {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut out = Vec::new();
+    while n > 0 || out.len() < width {
+        out.push(DIGITS[(n % 36) as usize]);
+        n /= 36;
+    }
+    out.reverse();
+    String::from_utf8(out).unwrap()
+}
+
+/// Nodes of the same-host harness (`crate::shm::Node`) made by this
+/// process: their own count, so that their 2-digit serial in the bridge
+/// name stays short whatever else the run names.
+static HOST_NODES: AtomicU32 = AtomicU32::new(0);
+
+/// A same-host node's serial `n` (this process's n-th) and bridge name
+/// `fls<tag><n in base 36, 2 digits><3 base-36 digits of the pid>b`.
+///
+/// The serial separates nodes within one test binary; the process digits
+/// separate two runs of the binary at once (a full suite run next to
+/// someone's single-suite run on a shared machine): with the serial alone
+/// both made the same bridge and netns names, and each one's set-up
+/// deleted and re-created the other's pods (a pod re-created by the other
+/// run is unknown to this run's daemon: its connections stayed on TCP, or
+/// its peer was unreachable).
+pub fn host_node(tag: &str) -> (u32, String) {
+    assert!(tag.len() <= 5, "tag {tag:?} too long for a bridge name");
+    let n = HOST_NODES.fetch_add(1, Ordering::Relaxed);
+    let run = base36(std::process::id() % (36 * 36 * 36), 3);
+    let bridge = format!("fls{tag}{}{run}b", base36(n, 2));
+    // The manual wiring's host veth end is as long as the bridge's name.
+    assert!(bridge.len() <= IFNAME_MAX, "{bridge} is too long");
+    (n, bridge)
 }
 
 /// A temporary directory's name, `flt-<tag>-<pid>-<n>` (see

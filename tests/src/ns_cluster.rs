@@ -9,6 +9,7 @@
 //! cluster three times, differing only in names, address ranges and the
 //! daemons' flags (their [`Layout`]).
 
+use crate::fsutil::TempDir;
 use crate::names;
 use crate::node_ns::{self, DaemonOpts, NetConf, NsNode};
 use crate::shm::sh;
@@ -86,7 +87,9 @@ pub struct NsCluster {
     pub nodes: Vec<NsNode>,
     pub dir: PathBuf,
     link: String,
-    keep_env: &'static str,
+    /// Owns `dir`: removed after the nodes (fields drop after `drop`'s
+    /// body), unless the layout's keep variable is set.
+    _dir: TempDir,
 }
 
 impl NsCluster {
@@ -96,14 +99,13 @@ impl NsCluster {
         assert!((1..=2).contains(&nodes));
         let (tag, n) = names::cluster_tag(l.prefix);
         let slot = ((std::process::id() + n * 7) % l.slots) as u8;
-        let dir = std::env::temp_dir().join(format!("{tag}-{}", l.dir_suffix));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = TempDir::fresh(&format!("{tag}-{}", l.dir_suffix), l.keep_env);
+        let dir = tmp.path().to_path_buf();
         let mut c = NsCluster {
             nodes: Vec::new(),
             dir: dir.clone(),
             link: format!("{tag}u"),
-            keep_env: l.keep_env,
+            _dir: tmp,
         };
         for i in 0..nodes {
             let (p, u) = (l.pods, l.underlay);
@@ -193,9 +195,6 @@ impl Drop for NsCluster {
     fn drop(&mut self) {
         self.nodes.clear();
         let _ = sh(&["ip", "link", "del", &format!("{}0", self.link)]);
-        if std::env::var_os(self.keep_env).is_none() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
     }
 }
 

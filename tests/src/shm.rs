@@ -12,11 +12,8 @@ use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// Heavy tests (throughput, many connections) take this so that at most one
 /// runs at a time on the 2-core machine.
@@ -124,26 +121,11 @@ pub struct Node {
     pub net: u8,
     pub pods: Vec<Pod>,
     daemon: Option<crate::process::ChildGuard>,
+    /// Owns `dir`: removed after `drop` has stopped the daemon and removed
+    /// the pods (fields drop after the body), unless `FLS_KEEP` is set.
+    _dir: crate::fsutil::TempDir,
     /// How the pods were wired: "cni" (the real plugin) or "ip" (fallback).
     pub wiring: &'static str,
-}
-
-/// `n` in base 36, at least `width` digits.
-fn base36(mut n: u32, width: usize) -> String {
-    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let mut out = Vec::new();
-    while n > 0 || out.len() < width {
-        out.push(DIGITS[(n % 36) as usize]);
-        n /= 36;
-    }
-    out.reverse();
-    String::from_utf8(out).unwrap()
-}
-
-/// Three characters that differ between test processes running at the
-/// same time (their pids modulo 36^3).
-fn process_tag() -> String {
-    base36(std::process::id() % (36 * 36 * 36), 3)
 }
 
 impl Node {
@@ -155,29 +137,19 @@ impl Node {
     /// As [`Node::new`], with the pods in 10.`net`.x.0/24 (a suite's own
     /// range, so that it cannot collide with other suites running at once).
     pub fn new_in(tag: &str, pods: usize, net: u8) -> Node {
-        assert!(tag.len() <= 5);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        // Within one test binary the counter separates nodes; the process
-        // tag separates two runs of the same binary at once (a full suite
-        // run next to someone's single-suite run on a shared machine): with
-        // the counter alone both made the same bridge and netns names, and
-        // each one's set-up deleted and re-created the other's pods. A pod
-        // re-created by the other run is unknown to this run's daemon, so
-        // its connections stayed on TCP (fewer lane connections than
-        // expected), or its peer was unreachable. Mix in the pid so a
-        // crashed earlier run's leftovers are less likely to collide.
+        let (n, bridge) = crate::names::host_node(tag);
+        // Mix in the pid so a crashed earlier run's leftovers are less
+        // likely to collide.
         let subnet = ((n + std::process::id()) % 120) as u8 + 128;
-        let run = process_tag();
-        let bridge = format!("fls{tag}{}{run}b", base36(n, 2));
-        // Interface names have at most 15 bytes (the manual wiring's host
-        // veth end is as long as the bridge's name).
-        assert!(bridge.len() <= 15, "{bridge}");
-        let dir = std::env::temp_dir().join(format!("fls-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = crate::fsutil::TempDir::fresh(
+            &format!("fls-{tag}-{}-{n}", std::process::id()),
+            "FLS_KEEP",
+        );
+        let dir = tmp.path().to_path_buf();
         let mut node = Node {
             bridge,
             dir,
+            _dir: tmp,
             subnet,
             net,
             pods: Vec::new(),
@@ -441,9 +413,6 @@ impl Drop for Node {
             let _ = sh(&["ip", "netns", "del", &p.netns]);
         }
         let _ = sh(&["ip", "link", "del", &self.bridge]);
-        if std::env::var_os("FLS_KEEP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
     }
 }
 
