@@ -323,6 +323,7 @@ impl Broker {
             fd: Some(p.memfd),
         }
     }
+
     /// The portless intent (module header) whose client socket is this
     /// connection's: from `peer`'s pod, to `local`'s port, for the claiming
     /// pod, its socket bound to `peer` and connected to `local`.
