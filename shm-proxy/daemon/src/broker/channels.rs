@@ -28,6 +28,10 @@ use crate::identity::ProcessId;
 use crate::pods::PodId;
 use crate::ring_watch::RingWatch;
 
+/// How many portless intents' sockets one claim reads at most (module
+/// header): a claim's cost stays bounded whatever a pod has announced.
+const PORTLESS_READS_PER_CLAIM: usize = 64;
+
 /// Pending channels are found again by the client's source address and the
 /// destination port: exactly what the server sees after accept, even behind
 /// DNAT. A connection to a Service IP is keyed by its source alone
@@ -339,7 +343,7 @@ impl Broker {
         local: SocketAddr,
         peer: SocketAddr,
     ) -> Option<IntentKey> {
-        let candidates: Vec<(IntentKey, ProcessId, i32)> = self
+        let mut candidates: Vec<(Instant, IntentKey, ProcessId, i32)> = self
             .pending
             .values()
             .filter(|p| {
@@ -348,17 +352,25 @@ impl Broker {
                     && p.server_pod == Some(pod)
                     && self.pod_owns(p.client_pod, peer.ip())
             })
-            .filter_map(|p| Some((p.key, p.client_process?, p.client_socket?)))
+            .filter_map(|p| Some((p.created, p.key, p.client_process?, p.client_socket?)))
             .collect();
-        for (key, process, fd) in candidates {
+        // The newest first: an intent is made just before its connect.
+        candidates.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        for (_, key, process, fd) in candidates.into_iter().take(PORTLESS_READS_PER_CLAIM) {
             match self.kernel.connection_of(&process, fd) {
                 Ok((bound, connected)) if bound.port() != 0 => {
                     self.learn_port(key, bound, connected);
                 }
                 // Not connected yet: read again at a later claim.
                 Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {}
+                // The process is gone, or the fd it named is no TCP socket
+                // (any more): the intent can never match. Dropped, so that
+                // a pod cannot make every claim of its connections read
+                // thousands of bogus fds.
                 Err(e) => {
-                    tracing::debug!(pid = process.pid, fd, error = %e, "portless intent: cannot read the client's socket");
+                    tracing::debug!(pid = process.pid, fd, error = %e, "portless intent: cannot read the client's socket; dropped");
+                    self.drop_pending(key, FallbackReason::IntentCancelled);
                 }
             }
         }

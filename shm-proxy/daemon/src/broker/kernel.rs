@@ -136,16 +136,7 @@ impl Kernel for RealKernel {
 
     fn connection_of(&self, process: &ProcessId, fd: i32) -> io::Result<(SocketAddr, SocketAddr)> {
         use crate::relay::os;
-        let pidfd = os::pidfd_open(process.pid)?;
-        // The pidfd names the process that had the pid when it was
-        // opened: checked to be the caller, not a later process.
-        if !process.is_alive() {
-            return Err(io::Error::from_raw_os_error(libc::ESRCH));
-        }
-        let sock = os::pidfd_getfd(&pidfd, fd)?;
-        if !os::is_tcp_socket(&sock) {
-            return Err(io::Error::other(format!("fd {fd} is not a TCP socket")));
-        }
+        let (sock, _pidfd) = os::take_tcp_socket(process, fd)?;
         let name = |peer| {
             os::socket_name(&sock, peer)
                 .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))

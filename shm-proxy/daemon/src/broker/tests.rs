@@ -1202,3 +1202,27 @@ fn a_portless_intent_is_not_claimed_from_another_pods_address() {
         Response::NoChannel { .. }
     ));
 }
+
+#[test]
+fn a_portless_intent_naming_no_socket_is_dropped_at_its_first_read() {
+    let mut n = node("portless-bogus", Limits::default());
+    let (b, kernel) = (&mut n.broker, &n.kernel);
+    b.handle(
+        &pod(2),
+        Request::RegisterListener {
+            addr: sa("0.0.0.0:80"),
+        },
+    );
+    // fd 99 is no socket of the client (the fake kernel answers EBADF).
+    let Response::Channel { .. } = portless_intent(b, 99, "10.202.9.2:80") else {
+        panic!("no channel")
+    };
+    for _ in 0..3 {
+        assert!(matches!(
+            claim(b, "10.202.9.2:80", "10.202.9.1:40001"),
+            Response::NoChannel { .. }
+        ));
+    }
+    assert_eq!(kernel.socket_reads(ME, 99), 1, "read again after it failed");
+    assert_eq!(b.stats().lanes[SHM_LANE].channels_pending, 0);
+}

@@ -496,14 +496,8 @@ impl Relay {
         peer: Option<SocketAddr>,
     ) -> Result<(OwnedFd, Option<OwnedFd>, u32), String> {
         let process = caller.process.ok_or("unknown calling process")?;
-        let pidfd = os::pidfd_open(process.pid).map_err(|e| format!("pidfd_open: {e}"))?;
-        if !process.is_alive() {
-            return Err("the calling process is gone".into());
-        }
-        let sock = os::pidfd_getfd(&pidfd, socket_fd).map_err(|e| format!("pidfd_getfd: {e}"))?;
-        if !os::is_tcp_socket(&sock) {
-            return Err(format!("fd {socket_fd} is not a TCP socket"));
-        }
+        let (sock, pidfd) = os::take_tcp_socket(&process, socket_fd)
+            .map_err(|e| format!("the caller's fd {socket_fd}: {e}"))?;
         let name = os::socket_name(&sock, false).ok_or("socket has no local address")?;
         let name_ok = name.port() == local.port()
             && (name.ip().is_unspecified() || name.ip().to_canonical() == local.ip());

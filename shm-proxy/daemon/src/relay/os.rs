@@ -110,6 +110,26 @@ pub fn socket_name(fd: &OwnedFd, peer: bool) -> Option<SocketAddr> {
     }
 }
 
+/// Our own reference to process `process`'s TCP socket `fd` (through
+/// `pidfd_getfd`), and the pidfd it came through. The pidfd names the
+/// process that had the pid when it was opened: checked to be `process`
+/// itself, not a later one with its pid. Used by the relay (doorbells,
+/// liveness) and by the broker (a portless intent's addresses).
+pub fn take_tcp_socket(
+    process: &crate::identity::ProcessId,
+    fd: i32,
+) -> io::Result<(OwnedFd, OwnedFd)> {
+    let pidfd = pidfd_open(process.pid)?;
+    if !process.is_alive() {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    let sock = pidfd_getfd(&pidfd, fd)?;
+    if !is_tcp_socket(&sock) {
+        return Err(io::Error::from_raw_os_error(libc::ENOTSOCK));
+    }
+    Ok((sock, pidfd))
+}
+
 /// Binds the unbound socket `fd` to `ip`, port 0 (the kernel picks the
 /// port), in the socket's own family: a portless relayed intent, whose
 /// stream key needs the client's port before its `connect`.
