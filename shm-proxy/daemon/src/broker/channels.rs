@@ -355,7 +355,7 @@ impl Broker {
             .filter_map(|p| Some((p.created, p.key, p.client_process?, p.client_socket?)))
             .collect();
         // The newest first: an intent is made just before its connect.
-        candidates.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        candidates.sort_unstable_by_key(|c| std::cmp::Reverse(c.0));
         for (_, key, process, fd) in candidates.into_iter().take(PORTLESS_READS_PER_CLAIM) {
             match self.kernel.connection_of(&process, fd) {
                 Ok((bound, connected)) if bound.port() != 0 => {
