@@ -28,10 +28,6 @@ use crate::identity::ProcessId;
 use crate::pods::PodId;
 use crate::ring_watch::RingWatch;
 
-/// How many portless intents' sockets one claim reads at most (module
-/// header): a claim's cost stays bounded whatever a pod has announced.
-const PORTLESS_READS_PER_CLAIM: usize = 64;
-
 /// Pending channels are found again by the client's source address and the
 /// destination port: exactly what the server sees after accept, even behind
 /// DNAT. A connection to a Service IP is keyed by its source alone
@@ -343,7 +339,10 @@ impl Broker {
         local: SocketAddr,
         peer: SocketAddr,
     ) -> Option<IntentKey> {
-        let mut candidates: Vec<(Instant, IntentKey, ProcessId, i32)> = self
+        // At most the pod's pending intents (`max_pending_per_pod`); each
+        // is read until its socket has a port, or dropped at its first
+        // read when it can never match.
+        let candidates: Vec<(IntentKey, ProcessId, i32)> = self
             .pending
             .values()
             .filter(|p| {
@@ -352,11 +351,9 @@ impl Broker {
                     && p.server_pod == Some(pod)
                     && self.pod_owns(p.client_pod, peer.ip())
             })
-            .filter_map(|p| Some((p.created, p.key, p.client_process?, p.client_socket?)))
+            .filter_map(|p| Some((p.key, p.client_process?, p.client_socket?)))
             .collect();
-        // The newest first: an intent is made just before its connect.
-        candidates.sort_unstable_by_key(|c| std::cmp::Reverse(c.0));
-        for (_, key, process, fd) in candidates.into_iter().take(PORTLESS_READS_PER_CLAIM) {
+        for (key, process, fd) in candidates {
             match self.kernel.connection_of(&process, fd) {
                 Ok((bound, connected)) if bound.port() != 0 => {
                     self.learn_port(key, bound, connected);
