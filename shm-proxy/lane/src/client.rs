@@ -24,7 +24,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::proto::{self, ErrorCode, NoChannelReason, Request, Response, Stats};
+use crate::proto::{
+    self, ChannelGrant, ErrorCode, NoChannelReason, Request, Response, Stats, StockGrant,
+};
 
 pub use crate::proto::FallbackReason;
 
@@ -38,6 +40,24 @@ pub struct Channel {
     pub memfd: OwnedFd,
     /// Length of the region in bytes.
     pub len: usize,
+}
+
+/// A stock channel the daemon granted (docs/shm-lane.md, "Pre-created
+/// channels").
+#[derive(Debug)]
+pub struct Granted {
+    pub channel: Channel,
+    /// The client pod's address it was made for (a server uses it only for
+    /// connections from there).
+    pub client: std::net::IpAddr,
+}
+
+/// The answer to a stock intent or claim: this connection's channel, if
+/// any, and the stock granted with it.
+#[derive(Debug, Default)]
+pub struct WithStock {
+    pub channel: Option<Channel>,
+    pub stock: Vec<Granted>,
 }
 
 /// One connection to the node daemon.
@@ -99,8 +119,9 @@ mod backoff {
     }
 }
 
-/// Most fds one response may carry; extra ones are closed.
-const MAX_FDS: usize = 4;
+/// Most fds one response may carry (a channel and a full batch of stock);
+/// extra ones are closed.
+const MAX_FDS: usize = 1 + proto::MAX_STOCK_GRANTS;
 
 impl DaemonClient {
     /// Connects to the daemon's Unix socket; fails fast when no daemon listens.
@@ -277,6 +298,76 @@ impl DaemonClient {
             }
             answer => self.channel_from(answer),
         }
+    }
+
+    /// [`Self::connect_intent_relayable`] that also asks for up to `want`
+    /// stock channels for later connections to `dst`
+    /// ([`Request::StockIntent`]). A daemon that predates the op gets the
+    /// relayable intent instead (no stock).
+    pub fn stock_intent(
+        &mut self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: usize,
+        socket_fd: i32,
+        want: u32,
+    ) -> io::Result<WithStock> {
+        let req = Request::StockIntent {
+            src,
+            dst,
+            region_len: region_len as u64,
+            socket_fd,
+            want: want.min(proto::MAX_STOCK_GRANTS as u32),
+        };
+        match self.call(&req)? {
+            (Response::Error { code, message }, _) if is_unknown_op(code, &message) => {
+                Ok(WithStock {
+                    channel: self.connect_intent_relayable(src, dst, region_len, socket_fd)?,
+                    stock: Vec::new(),
+                })
+            }
+            answer => self.stocked_from(answer),
+        }
+    }
+
+    /// [`Self::claim_accepted_relayable`] from a server that takes stock
+    /// ([`Request::StockClaim`]). A daemon that predates the op gets the
+    /// relayable claim instead.
+    pub fn stock_claim(
+        &mut self,
+        local: SocketAddr,
+        peer: SocketAddr,
+        socket_fd: i32,
+    ) -> io::Result<WithStock> {
+        let req = Request::StockClaim {
+            local,
+            peer,
+            socket_fd,
+        };
+        match self.call(&req)? {
+            (Response::Error { code, message }, _) if is_unknown_op(code, &message) => {
+                Ok(WithStock {
+                    channel: self.claim_accepted_relayable(local, peer, socket_fd)?,
+                    stock: Vec::new(),
+                })
+            }
+            answer => self.stocked_from(answer),
+        }
+    }
+
+    /// One way: this server attached stock channel `channel_id` to the
+    /// connection it accepted on `local` from `peer`.
+    pub fn stock_taken(
+        &mut self,
+        channel_id: u64,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> io::Result<()> {
+        self.send_one_way(&Request::StockTaken {
+            channel_id,
+            local,
+            peer,
+        })
     }
 
     /// [`Self::connect_intent`] for a Service IP `dst` (the peer table's
@@ -460,6 +551,51 @@ impl DaemonClient {
             }
             (other, _) => Err(self.unexpected(other)),
         }
+    }
+
+    /// A stock answer (or any answer of a relayable intent or claim),
+    /// every fd checked like a channel's.
+    fn stocked_from(&mut self, answer: (Response, Vec<OwnedFd>)) -> io::Result<WithStock> {
+        let (channel, stock, fds) = match answer {
+            (Response::Stocked { channel, stock }, fds) => (channel, stock, fds),
+            other => {
+                return Ok(WithStock {
+                    channel: self.channel_from(other)?,
+                    stock: Vec::new(),
+                })
+            }
+        };
+        let want = usize::from(channel.is_some()) + stock.len();
+        if stock.len() > proto::MAX_STOCK_GRANTS || fds.len() != want {
+            self.broken = true;
+            return Err(invalid_data(format!(
+                "stock answer carried {} fds for {want} channels",
+                fds.len()
+            )));
+        }
+        let mut fds = fds.into_iter();
+        let mut take = |c: &mut Self, id: u64, len: u64| -> io::Result<Channel> {
+            let memfd = fds.next().ok_or_else(|| invalid_data("missing fd"))?;
+            let len = usize::try_from(len)
+                .map_err(|_| invalid_data("channel length does not fit in memory"))?;
+            sys::check_sealed_region(&memfd, len).inspect_err(|_| c.broken = true)?;
+            Ok(Channel { id, memfd, len })
+        };
+        let channel = match channel {
+            Some(ChannelGrant { id, len }) => Some(take(self, id, len)?),
+            None => None,
+        };
+        let mut granted = Vec::with_capacity(stock.len());
+        for StockGrant { id, len, client } in stock {
+            granted.push(Granted {
+                channel: take(self, id, len)?,
+                client,
+            });
+        }
+        Ok(WithStock {
+            channel,
+            stock: granted,
+        })
     }
 
     /// Turns an error answer (or an answer of the wrong kind) into io::Error.

@@ -5,6 +5,7 @@ pub mod client;
 pub mod copy;
 pub mod fallback;
 pub mod notify;
+pub mod offer;
 pub mod peer_table;
 pub mod proto;
 pub mod region;

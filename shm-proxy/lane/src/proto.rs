@@ -140,6 +140,65 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         socket_fd: Option<i32>,
     },
+    /// [`Request::RelayableIntent`] from a library that keeps *stock*:
+    /// channels made ahead for later connections of this process to the
+    /// same `dst` (docs/shm-lane.md, "Pre-created channels"). `want` (at
+    /// most [`MAX_STOCK_GRANTS`]) is how many the caller would take beside
+    /// this connection's channel; the daemon may grant fewer, or none (the
+    /// listener's server has not shown it takes stock, the destination is
+    /// on another node, the pod's budget is spent). The answer is
+    /// [`Response::Stocked`] or any answer of a relayable intent. Added
+    /// after protocol 1 without a version bump: older daemons answer
+    /// `bad-request`, and the client then sends the relayable intent.
+    StockIntent {
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+        socket_fd: i32,
+        want: u32,
+    },
+    /// [`Request::RelayableClaim`] from a library that takes stock: the
+    /// answer may also grant the stock that clients made for `local` and
+    /// that the calling process does not hold yet ([`Response::Stocked`]).
+    /// Older daemons answer `bad-request` (the client then sends the
+    /// relayable claim).
+    StockClaim {
+        local: SocketAddr,
+        peer: SocketAddr,
+        socket_fd: i32,
+    },
+    /// One-way: the caller's server attached stock channel `channel_id` to
+    /// the connection it accepted on `local` from `peer` (the daemon
+    /// counts it opened, as a claim would). Sent only to a daemon that
+    /// granted stock.
+    StockTaken {
+        channel_id: u64,
+        local: SocketAddr,
+        peer: SocketAddr,
+    },
+}
+
+/// Most stock channels one answer grants (and one intent may ask for).
+pub const MAX_STOCK_GRANTS: usize = 16;
+
+/// One stock channel handed over in a [`Response::Stocked`]; its memfd
+/// travels in the frame's SCM_RIGHTS data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StockGrant {
+    pub id: u64,
+    pub len: u64,
+    /// The client pod's address the channel was made for: a server uses
+    /// it only for a connection accepted from this address.
+    pub client: std::net::IpAddr,
+}
+
+/// A channel as a [`Response::Stocked`] names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChannelGrant {
+    pub id: u64,
+    pub len: u64,
 }
 
 /// The injection probe's decision for one image of a pod.
@@ -165,7 +224,10 @@ pub struct InjectionInfo {
 impl Request {
     /// True for a message the daemon never answers.
     pub fn is_one_way(&self) -> bool {
-        matches!(self, Request::ReportClosedOneWay { .. })
+        matches!(
+            self,
+            Request::ReportClosedOneWay { .. } | Request::StockTaken { .. }
+        )
     }
 
     /// Short name for logs and counters.
@@ -186,6 +248,9 @@ impl Request {
             Request::ReportInjection { .. } => "report-injection",
             Request::ServiceIntent { .. } => "service-intent",
             Request::ResolveService { .. } => "resolve-service",
+            Request::StockIntent { .. } => "stock-intent",
+            Request::StockClaim { .. } => "stock-claim",
+            Request::StockTaken { .. } => "stock-taken",
         }
     }
 }
@@ -240,6 +305,15 @@ pub enum Response {
     },
     Stats {
         stats: Box<Stats>,
+    },
+    /// The answer to [`Request::StockIntent`] and [`Request::StockClaim`]
+    /// when it grants stock: this connection's channel, if any, and up to
+    /// [`MAX_STOCK_GRANTS`] stock channels (at least one of the two). The
+    /// frame's SCM_RIGHTS data holds the channel's memfd first (when
+    /// there is a channel), then one memfd per grant, in order.
+    Stocked {
+        channel: Option<ChannelGrant>,
+        stock: Vec<StockGrant>,
     },
 }
 

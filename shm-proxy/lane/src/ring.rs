@@ -4,6 +4,8 @@
 //!
 //! ```text
 //! offset 0      page 0: attach word (u32 at 0), fixed word (u32 at 64),
+//!                       offer word (u32 at 128) and its stamp (u64 at
+//!                       192; `offer`, stock channels only),
 //!                       control blocks (RingCtl c2s at 512, s2c at 1024)
 //! offset 4096   ring data client→server   (ring_size bytes, a power of two)
 //! offset 4096+R ring data server→client   (ring_size bytes)
@@ -226,7 +228,7 @@ fn withdraw(word: &AtomicU32, bit: u32) {
     word.fetch_and(!bit, Ordering::Relaxed);
 }
 
-fn futex_wake(word: &AtomicU32) {
+pub(crate) fn futex_wake(word: &AtomicU32) {
     // SAFETY: FUTEX_WAKE on a valid, aligned u32 in a shared mapping (not
     // FUTEX_PRIVATE: the waiter may be in another process).
     unsafe {
@@ -244,9 +246,18 @@ fn futex_wake(word: &AtomicU32) {
 
 /// Sleeps on `word` while it still holds `expected`, at most `timeout_ms`.
 fn futex_wait(word: &AtomicU32, expected: u32, timeout_ms: u32) {
+    futex_wait_for(
+        word,
+        expected,
+        std::time::Duration::from_millis(timeout_ms.into()),
+    )
+}
+
+/// Sleeps on `word` while it still holds `expected`, at most `timeout`.
+pub(crate) fn futex_wait_for(word: &AtomicU32, expected: u32, timeout: std::time::Duration) {
     let ts = libc::timespec {
-        tv_sec: (timeout_ms / 1000) as libc::time_t,
-        tv_nsec: ((timeout_ms % 1000) as libc::c_long) * 1_000_000,
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
     };
     // SAFETY: FUTEX_WAIT on a valid aligned u32 with a relative timeout.
     unsafe {
@@ -263,7 +274,8 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout_ms: u32) {
 }
 
 const _: () = assert!(std::mem::size_of::<RingCtl>() == 384);
-const _: () = assert!(FIXED_OFFSET + 4 <= CTL_OFFSET[0]);
+const _: () = assert!(FIXED_OFFSET + 4 <= crate::offer::OFFER_OFFSET);
+const _: () = assert!(crate::offer::OFFER_END <= CTL_OFFSET[0]);
 const _: () = assert!(CTL_OFFSET[0] + std::mem::size_of::<RingCtl>() <= CTL_OFFSET[1]);
 const _: () = assert!(CTL_OFFSET[1] + std::mem::size_of::<RingCtl>() <= HEADER_LEN);
 

@@ -261,6 +261,16 @@ impl Broker {
                 socket_fd,
             } => self.connect_intent(caller, src, dst, region_len, Some(socket_fd)),
             Request::RelayableClaim { local, peer, .. } => self.claim_accepted(caller, local, peer),
+            // No stock granted yet: served as the relayable ops.
+            Request::StockIntent {
+                src,
+                dst,
+                region_len,
+                socket_fd,
+                ..
+            } => self.connect_intent(caller, src, dst, region_len, Some(socket_fd)),
+            Request::StockClaim { local, peer, .. } => self.claim_accepted(caller, local, peer),
+            Request::StockTaken { .. } => Response::Ok.into(),
             Request::ServiceIntent {
                 src,
                 dst,
