@@ -69,6 +69,9 @@ pub struct DaemonClient {
     /// wedged, not gone: a caller must not retry at once).
     timed_out: bool,
     path_hash: u64,
+    /// The daemon answered a stock op as unknown: it predates stock, and
+    /// this connection asks it the relayable way from then on.
+    no_stock: bool,
 }
 
 /// How long a daemon that timed out is skipped by [`DaemonClient::connect`].
@@ -155,6 +158,7 @@ impl DaemonClient {
             broken: false,
             timed_out: false,
             path_hash,
+            no_stock: false,
         };
         // Dropping `client` on error closes the fd.
         sys::set_timeouts(fd, timeout)?;
@@ -312,6 +316,12 @@ impl DaemonClient {
         socket_fd: i32,
         want: u32,
     ) -> io::Result<WithStock> {
+        if self.no_stock {
+            return Ok(WithStock {
+                channel: self.connect_intent_relayable(src, dst, region_len, socket_fd)?,
+                stock: Vec::new(),
+            });
+        }
         let req = Request::StockIntent {
             src,
             dst,
@@ -321,6 +331,7 @@ impl DaemonClient {
         };
         match self.call(&req)? {
             (Response::Error { code, message }, _) if is_unknown_op(code, &message) => {
+                self.no_stock = true;
                 Ok(WithStock {
                     channel: self.connect_intent_relayable(src, dst, region_len, socket_fd)?,
                     stock: Vec::new(),
@@ -339,6 +350,12 @@ impl DaemonClient {
         peer: SocketAddr,
         socket_fd: i32,
     ) -> io::Result<WithStock> {
+        if self.no_stock {
+            return Ok(WithStock {
+                channel: self.claim_accepted_relayable(local, peer, socket_fd)?,
+                stock: Vec::new(),
+            });
+        }
         let req = Request::StockClaim {
             local,
             peer,
@@ -346,6 +363,7 @@ impl DaemonClient {
         };
         match self.call(&req)? {
             (Response::Error { code, message }, _) if is_unknown_op(code, &message) => {
+                self.no_stock = true;
                 Ok(WithStock {
                     channel: self.claim_accepted_relayable(local, peer, socket_fd)?,
                     stock: Vec::new(),

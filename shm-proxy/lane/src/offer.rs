@@ -15,12 +15,12 @@
 //! - dead: the client gave the channel up (final).
 //!
 //! The client moves free → connecting (compare-and-swap) → offered (store,
-//! futex wake for a server waiting on the word); after a failed connect
-//! connecting/offered → free (compare-and-swap: the channel goes back to
-//! its stock); when it gives up on an offered channel, offered → dead. The
-//! server moves offered(port) → taken (compare-and-swap), so one
-//! connection gets the channel and a second server process holding the
-//! same stock cannot take it too.
+//! futex wake for a server waiting on the word); when its connect failed
+//! or the server never attached, connecting/offered → dead. The server
+//! moves offered(port) → taken (compare-and-swap), so one connection gets
+//! the channel and a second server process holding the same stock cannot
+//! take it too. The daemon revokes stock it no longer stands behind
+//! (its listener went away, it expired): free → dead.
 //!
 //! Hostile client: it can write any value. The server reads the word once
 //! per look and treats a value outside the set as a channel it must not
@@ -130,22 +130,8 @@ impl Region {
         futex_wake(self.offer_word());
     }
 
-    /// Client: the connect failed; the channel goes back to stock (false:
-    /// a server took it already, or the word is not this client's any
-    /// more, and the channel must not be used again).
-    pub fn offer_withdraw(&self) -> bool {
-        let w = self.offer_word().load(Ordering::Acquire);
-        let ours = w == CONNECTING || w & !0xffff == OFFERED;
-        let back = ours
-            && self
-                .offer_word()
-                .compare_exchange(w, FREE, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok();
-        futex_wake(self.offer_word());
-        back
-    }
-
-    /// Client: gives an offered channel up for good (no server attached).
+    /// Client: gives a channel it took up for good (the connect failed, no
+    /// port to offer, or no server attached).
     pub fn offer_abandon(&self) {
         let w = self.offer_word().load(Ordering::Acquire);
         if w & !0xffff == OFFERED || w == CONNECTING {
@@ -154,6 +140,16 @@ impl Region {
                     .compare_exchange(w, DEAD, Ordering::AcqRel, Ordering::Acquire);
         }
         futex_wake(self.offer_word());
+    }
+
+    /// Daemon: the stock channel is no longer valid (its listener went
+    /// away, it expired): free → dead, so that a client still holding it
+    /// asks the daemon instead of offering it to a server that will never
+    /// look. False if a client had taken it already.
+    pub fn offer_revoke(&self) -> bool {
+        self.offer_word()
+            .compare_exchange(FREE, DEAD, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
     }
 
     /// Server: takes the channel offered for the connection from `port`
@@ -204,26 +200,24 @@ mod tests {
         assert!(s.offer_take(40_001));
         assert!(!s.offer_take(40_001), "a second server cannot take it too");
         assert_eq!(c.offer(), Offer::Taken);
-        assert!(
-            !c.offer_withdraw(),
-            "a taken channel does not go back to stock"
-        );
+        c.offer_abandon();
+        assert_eq!(s.offer(), Offer::Taken, "a taken channel stays taken");
         assert!(!c.offer_begin());
     }
 
     #[test]
-    fn a_failed_connect_puts_the_channel_back_and_an_abandoned_one_is_dead() {
+    fn an_abandoned_or_revoked_channel_is_dead_for_both_ends() {
         let (c, s) = twins();
         assert!(c.offer_begin());
-        c.offer_port(5);
-        assert!(c.offer_withdraw());
-        assert_eq!(s.offer(), Offer::Free);
-        assert!(!s.offer_take(5), "a withdrawn offer is not taken");
-        assert!(c.offer_begin());
         c.offer_port(6);
+        assert!(!s.offer_revoke(), "a taken channel is the client's");
         c.offer_abandon();
         assert_eq!(s.offer(), Offer::Dead);
         assert!(!s.offer_take(6));
+        let (c, d) = twins();
+        assert!(d.offer_revoke());
+        assert!(!c.offer_begin(), "a revoked channel is never offered");
+        assert_eq!(c.offer(), Offer::Dead);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use libc::c_int;
 use std::io::IoSlice;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A blocked read/write sleeps on the region's futex in slices this long;
@@ -93,6 +94,9 @@ pub struct Conn {
     pub sleepers: crate::sleepers::Sleepers,
     /// A ring violation was reported (see `reset_for_violation`).
     violation_seen: AtomicBool,
+    /// Client of a stock channel: its region, whose offer word is given
+    /// up if the server never attaches (`setup::to_tcp`).
+    pub stock_offer: Option<Arc<Region>>,
 }
 
 /// How often the two ends handed off through the kernel: the cost the
@@ -150,12 +154,24 @@ impl Conn {
         // Checks the seals and the size before mapping (see `Region`).
         let region = Region::map_memfd(memfd.as_fd(), len)?;
         drop(memfd); // the mapping keeps the memory alive
+        Ok(Conn::from_region(id, region, side, nonblock, connecting))
+    }
+
+    /// The connection for `side` of a region already mapped (a stock
+    /// channel, `stock.rs`).
+    pub fn from_region(
+        id: u64,
+        region: Arc<Region>,
+        side: Side,
+        nonblock: bool,
+        connecting: bool,
+    ) -> Conn {
         let (mut tx, rx) = region.endpoints(side);
         // The sending ring starts small and grows with the traffic (no
         // effect on a relay's region, whose capacity is fixed).
         tx.start_small(crate::config::get().ring_initial);
         let probe = region.probe(side);
-        Ok(Conn {
+        Conn {
             id,
             tx: EndLock::new(tx),
             rx: EndLock::new(rx),
@@ -180,7 +196,8 @@ impl Conn {
             snd_timeout_us: AtomicU64::new(0),
             sleepers: crate::sleepers::Sleepers::new(),
             violation_seen: AtomicBool::new(false),
-        })
+            stock_offer: None,
+        }
     }
 
     /// The peer wrote a ring word out of protocol: the connection is reset

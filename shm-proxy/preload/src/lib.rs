@@ -21,6 +21,7 @@ mod setup;
 mod sleepers;
 mod spin;
 mod state;
+mod stock;
 mod wait;
 
 /// Runs when the library is loaded: reads the settings, registers the

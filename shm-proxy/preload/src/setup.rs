@@ -5,7 +5,7 @@
 
 use crate::conn::{errno, set_errno, Conn};
 use crate::log::log_at;
-use crate::{config, real, state};
+use crate::{config, real, state, stock};
 use flowlane_lane::client::{Channel, DaemonClient, FallbackReason};
 use flowlane_lane::peer_table::Verdict;
 use flowlane_lane::ring::{self, Side};
@@ -233,11 +233,21 @@ fn route_source(dst: &SocketAddr) -> Option<IpAddr> {
 }
 
 /// Pending client-side state between the intent and the real connect.
-pub struct Intent {
-    channel: Channel,
-    /// A connection to a Service IP: its backend is asked for after
-    /// connect (`client_finish`).
-    service: bool,
+pub enum Intent {
+    /// A channel the daemon answered for this connection.
+    Asked {
+        channel: Channel,
+        /// A connection to a Service IP: its backend is asked for after
+        /// connect (`client_finish`).
+        service: bool,
+    },
+    /// A stock channel (`stock.rs`): no daemon round trip; the source port
+    /// goes into its offer word once `connect` has picked it.
+    Stock {
+        taken: stock::Taken,
+        /// The socket was bound already: the offer names its port.
+        offered: bool,
+    },
 }
 
 /// Before a client's connect: unless the peer table rules `dst` out, bind
@@ -275,20 +285,35 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
         return None;
     }
     let region_len = ring::region_len_for(cfg.ring_size);
+    let mut src = name_of(fd, false)?;
+    // A channel made ahead for this destination: no round trip.
+    if !service {
+        if let Some(taken) = stock::take_for(dst) {
+            let offered = src.port() != 0;
+            if offered {
+                taken.region.offer_port(src.port());
+            }
+            return Some(Intent::Stock { taken, offered });
+        }
+    }
     // The socket's fd number lets the daemon read the connection's
     // addresses from the socket itself (a portless intent) and lets a
     // daemon with a cross-node lane take its own reference to it
-    // (doorbells, liveness); see docs/rdma.md.
+    // (doorbells, liveness); see docs/rdma.md. A lane intent also asks
+    // for stock, kept for the next connections to `dst`.
     let ask = |src: SocketAddr| {
         with_daemon(|d| {
             if service {
                 d.service_intent(src, dst, region_len)
             } else {
-                d.connect_intent_relayable(src, dst, region_len, fd)
+                d.stock_intent(src, dst, region_len, fd, stock::BATCH)
+                    .map(|answer| {
+                        stock::add_client(dst, answer.stock);
+                        answer.channel
+                    })
             }
         })
     };
-    let mut src = name_of(fd, false)?;
     if src.port() == 0 && !service {
         // Not bound: ask with port 0 and leave the port to `connect`, as
         // without the library. A `bind(ip, 0)` first would reserve the
@@ -350,16 +375,21 @@ fn intent_from(
             log_at!(4, "{src} -> {dst}: not a flowlane peer, TCP");
             None
         }
-        Some(Ok(Some(channel))) => Some(Intent { channel, service }),
+        Some(Ok(Some(channel))) => Some(Intent::Asked { channel, service }),
     }
 }
 
 /// After the real connect returned `rc` (errno `err`): install the ring on
 /// success or in-progress, cancel the intent otherwise.
 pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
-    let Intent { channel, service } = intent;
-    let id = channel.id;
     let in_progress = rc != 0 && (err == libc::EINPROGRESS || err == libc::EINTR);
+    let (channel, service) = match intent {
+        Intent::Asked { channel, service } => (channel, service),
+        Intent::Stock { taken, offered } => {
+            return stock_finish(fd, taken, offered, rc == 0 || in_progress, in_progress)
+        }
+    };
+    let id = channel.id;
     if rc != 0 && !in_progress {
         with_daemon(|d| d.cancel_intent(id));
         return;
@@ -386,16 +416,7 @@ pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
         nonblock,
         in_progress,
     ) {
-        Ok(conn) => {
-            log_at!(
-                3,
-                "fd {fd}: channel {id} (client, {ring_size} bytes per direction)"
-            );
-            conn.take_tcp_options(fd);
-            let conn = Arc::new(conn);
-            drop(state::install(fd, conn.clone()));
-            crate::wait::adopt_plain(fd, &conn);
-        }
+        Ok(conn) => install_client(fd, conn, ring_size),
         Err(e) => {
             // The daemon now has a claim nobody will use; the server side
             // claims it and would wait on an empty ring: a broken pair. The
@@ -408,6 +429,51 @@ pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
             report_fallback(FallbackReason::InternalError);
         }
     }
+}
+
+/// A client connection on the ring, installed on `fd`.
+fn install_client(fd: c_int, conn: Conn, ring_size: usize) {
+    log_at!(
+        3,
+        "fd {fd}: channel {} (client, {ring_size} bytes per direction)",
+        conn.id
+    );
+    conn.take_tcp_options(fd);
+    let conn = Arc::new(conn);
+    drop(state::install(fd, conn.clone()));
+    crate::wait::adopt_plain(fd, &conn);
+}
+
+/// After the connect of a stock channel: the offer names the connection's
+/// source port and the client waits for the attach as for any channel. A
+/// connect that failed gives the channel up (not back into stock: the
+/// listener may be gone, and the daemon may have revoked the channel
+/// while it was taken).
+fn stock_finish(fd: c_int, taken: stock::Taken, offered: bool, connected: bool, in_progress: bool) {
+    if !connected {
+        taken.region.offer_abandon();
+        return;
+    }
+    if !offered {
+        match name_of(fd, false) {
+            Some(src) if src.port() != 0 => taken.region.offer_port(src.port()),
+            _ => {
+                // No port to offer: no server can find the channel.
+                taken.region.offer_abandon();
+                return;
+            }
+        }
+    }
+    let mut conn = Conn::from_region(
+        taken.id,
+        taken.region.clone(),
+        Side::Client,
+        nonblocking(fd),
+        in_progress,
+    );
+    let ring_size = taken.region.ring_size();
+    conn.stock_offer = Some(taken.region);
+    install_client(fd, conn, ring_size);
 }
 
 /// Turns the TCP connection into a visible reset (SO_LINGER 0 + shutdown).
@@ -477,28 +543,25 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
     let (Some(local), Some(peer)) = (name_of(fd, false), name_of(fd, true)) else {
         return;
     };
-    match with_daemon(|d| d.claim_accepted_relayable(local, peer, fd)) {
+    let nonblock = flags & libc::SOCK_NONBLOCK != 0;
+    // A channel the client took from stock: no round trip.
+    if stock::holds_for(local) {
+        if let Some(taken) = stock::take_offer(local, peer) {
+            return attach_stock(fd, nonblock, taken, local, peer);
+        }
+    }
+    let answer = with_daemon(|d| {
+        d.stock_claim(local, peer, fd).map(|answer| {
+            stock::add_held(local, answer.stock);
+            answer.channel
+        })
+    });
+    match answer {
         Some(Ok(Some(ch))) => {
             let id = ch.id;
-            match Conn::new(
-                id,
-                ch.memfd,
-                ch.len,
-                Side::Server,
-                flags & libc::SOCK_NONBLOCK != 0,
-                false,
-            ) {
+            match Conn::new(id, ch.memfd, ch.len, Side::Server, nonblock, false) {
                 Ok(conn) => {
-                    if conn.probe.server_attach() {
-                        conn.take_tcp_options(fd);
-                        log_at!(3, "fd {fd}: channel {id} (server) for {peer}");
-                        drop(state::install(fd, Arc::new(conn)));
-                        // Wake a client waiting for the attach.
-                        state::conn(fd).inspect(|c| c.ring_bell(fd));
-                    } else {
-                        log_at!(2, "fd {fd}: client {peer} gave up on channel {id}; TCP");
-                        report_fallback(FallbackReason::InternalError);
-                    }
+                    attach_server(fd, conn, peer);
                 }
                 Err(e) => {
                     log_at!(
@@ -510,9 +573,47 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
                 }
             }
         }
-        Some(Ok(None)) => log_at!(4, "fd {fd}: {peer} is plain TCP"),
+        // The claim's answer may have brought the stock the client used.
+        Some(Ok(None)) => match stock::take_offer(local, peer) {
+            Some(taken) => attach_stock(fd, nonblock, taken, local, peer),
+            None => log_at!(4, "fd {fd}: {peer} is plain TCP"),
+        },
         Some(Err(e)) => log_at!(2, "fd {fd}: claim failed: {e}; TCP"),
         None => log_at!(4, "fd {fd}: no daemon; TCP"),
+    }
+}
+
+/// Server: attaches `conn` (true) or finds that the client gave up on it
+/// (false: the connection stays on TCP).
+fn attach_server(fd: c_int, conn: Conn, peer: SocketAddr) -> bool {
+    let id = conn.id;
+    if conn.probe.server_attach() {
+        conn.take_tcp_options(fd);
+        log_at!(3, "fd {fd}: channel {id} (server) for {peer}");
+        drop(state::install(fd, Arc::new(conn)));
+        // Wake a client waiting for the attach.
+        state::conn(fd).inspect(|c| c.ring_bell(fd));
+        true
+    } else {
+        log_at!(2, "fd {fd}: client {peer} gave up on channel {id}; TCP");
+        report_fallback(FallbackReason::InternalError);
+        false
+    }
+}
+
+/// Server: attaches a stock channel the client offered for this
+/// connection and tells the daemon, one way.
+fn attach_stock(
+    fd: c_int,
+    nonblock: bool,
+    taken: stock::Taken,
+    local: SocketAddr,
+    peer: SocketAddr,
+) {
+    let id = taken.id;
+    let conn = Conn::from_region(id, taken.region, Side::Server, nonblock, false);
+    if attach_server(fd, conn, peer) {
+        with_daemon(|d| d.stock_taken(id, local, peer));
     }
 }
 
@@ -520,6 +621,11 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
 /// its fds are forgotten, epoll registrations get the application's own
 /// events and data back, and the daemon drops the channel.
 pub fn to_tcp(conn: &Arc<Conn>) {
+    // A stock channel's offer must not match a later connection that
+    // reuses the port.
+    if let Some(region) = &conn.stock_offer {
+        region.offer_abandon();
+    }
     for fd in state::fds_of(conn) {
         let (_c, regs) = state::remove(fd);
         for (epfd, reg) in regs {

@@ -125,6 +125,8 @@ pub struct Tables {
     /// Duplicated epoll fds (`EPOLL_DUPS`) -> the number the set is kept
     /// under (a live fd of the same epoll instance).
     pub epoll_alias: HashMap<i32, i32>,
+    /// Stock channels, as a client and as a server (`stock.rs`).
+    pub stock: crate::stock::Stock,
 }
 
 struct Locked {
@@ -485,6 +487,7 @@ extern "C" fn after_fork_child() {
         for c in t.conns.values() {
             c.reset_locks_after_fork();
         }
+        t.stock.forget_after_fork();
         crate::daemon_conn::after_fork_child();
     }
     unlock();

@@ -1,0 +1,268 @@
+//! Stock channels (docs/shm-lane.md, "Pre-created channels"): regions the
+//! daemon made ahead, so that a connection between a client process and a
+//! listener it already reached needs no round trip to the daemon at all.
+//!
+//! - A **client** keeps the stock it was granted per destination. A
+//!   connect takes one region, marks its offer word "connecting", and after
+//!   `connect` writes its source port there (`flowlane_lane::offer`).
+//! - A **server** keeps the stock its claims were granted per listener
+//!   address and client address. After `accept` it looks for an offer
+//!   naming the peer's port among the stock made for the peer's address,
+//!   and takes it with a compare-and-swap.
+//!
+//! The tables live in `state::Tables` (its spin lock, its fork handling):
+//! nothing here maps, unmaps or makes a system call under that lock;
+//! regions leave the tables first and are dropped outside.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flowlane_lane::client::Granted;
+use flowlane_lane::offer::Offer;
+use flowlane_lane::region::Region;
+
+use crate::state;
+
+/// Stock a client asks for with each round trip to a destination.
+pub const BATCH: u32 = 8;
+
+/// Most stock a client keeps per destination (the daemon's bound too).
+const MAX_PER_DESTINATION: usize = 16;
+
+/// Most stock a server keeps in all; the oldest go first.
+const MAX_HELD: usize = 256;
+
+/// A client uses stock at most this long after it got it; the daemon keeps
+/// its copy longer, so every channel a client uses is still known there
+/// when a server process that does not hold it yet asks.
+const CLIENT_TTL: Duration = Duration::from_secs(30);
+
+/// A server forgets stock it holds after this long (the daemon's TTL: no
+/// client uses it later).
+const SERVER_TTL: Duration = Duration::from_secs(60);
+
+/// How long a server waits, per accepted connection, for a client that has
+/// taken a stock channel to write its source port.
+pub const OFFER_WAIT: Duration = Duration::from_millis(20);
+
+struct ClientEntry {
+    dst: SocketAddr,
+    id: u64,
+    region: Arc<Region>,
+    got: Instant,
+}
+
+struct HeldEntry {
+    local: SocketAddr,
+    client: IpAddr,
+    id: u64,
+    region: Arc<Region>,
+    got: Instant,
+}
+
+/// This process's stock (kept in `state::Tables`).
+#[derive(Default)]
+pub struct Stock {
+    client: Vec<ClientEntry>,
+    held: Vec<HeldEntry>,
+}
+
+/// A stock channel taken for one connection.
+pub struct Taken {
+    pub id: u64,
+    pub region: Arc<Region>,
+}
+
+/// Maps granted channels (outside the lock); those that fail the region's
+/// checks are dropped.
+fn map_all(grants: Vec<Granted>) -> Vec<(u64, IpAddr, Arc<Region>)> {
+    use std::os::fd::AsFd;
+    grants
+        .into_iter()
+        .filter_map(|g| {
+            let region = Region::map_memfd(g.channel.memfd.as_fd(), g.channel.len).ok()?;
+            Some((g.channel.id, g.client, region))
+        })
+        .collect()
+}
+
+/// Client: keeps `grants` as stock for `dst`.
+pub fn add_client(dst: SocketAddr, grants: Vec<Granted>) {
+    if grants.is_empty() {
+        return;
+    }
+    let mapped = map_all(grants);
+    let now = Instant::now();
+    let extra: Vec<Arc<Region>> = state::with(|t| {
+        let s = &mut t.stock;
+        let mut extra = Vec::new();
+        for (id, _, region) in mapped {
+            if s.client.iter().filter(|e| e.dst == dst).count() >= MAX_PER_DESTINATION {
+                extra.push(region);
+                continue;
+            }
+            s.client.push(ClientEntry {
+                dst,
+                id,
+                region,
+                got: now,
+            });
+        }
+        extra
+    });
+    drop(extra);
+}
+
+/// Client: a stock channel for `dst`, taken for a connect (its offer word
+/// says "connecting"). `None`: no stock left (ask the daemon).
+pub fn take_for(dst: SocketAddr) -> Option<Taken> {
+    let now = Instant::now();
+    loop {
+        let (found, expired) = state::with(|t| {
+            let s = &mut t.stock;
+            let mut expired = Vec::new();
+            let mut i = 0;
+            while i < s.client.len() {
+                if now.saturating_duration_since(s.client[i].got) >= CLIENT_TTL {
+                    expired.push(s.client.swap_remove(i).region);
+                } else {
+                    i += 1;
+                }
+            }
+            let found = s
+                .client
+                .iter()
+                .position(|e| e.dst == dst)
+                .map(|i| s.client.swap_remove(i));
+            (found, expired)
+        });
+        drop(expired);
+        let e = found?;
+        // Not free: the daemon revoked it (its listener went away), or a
+        // forked copy of this process took it. Either way not ours now.
+        if e.region.offer_begin() {
+            return Some(Taken {
+                id: e.id,
+                region: e.region,
+            });
+        }
+    }
+}
+
+/// Server: keeps `grants` (answered to a claim on `local`).
+pub fn add_held(local: SocketAddr, grants: Vec<Granted>) {
+    if grants.is_empty() {
+        return;
+    }
+    let mapped = map_all(grants);
+    let now = Instant::now();
+    let dropped: Vec<HeldEntry> = state::with(|t| {
+        let s = &mut t.stock;
+        for (id, client, region) in mapped {
+            s.held.push(HeldEntry {
+                local,
+                client,
+                id,
+                region,
+                got: now,
+            });
+        }
+        let over = s.held.len().saturating_sub(MAX_HELD);
+        s.held.drain(..over).collect()
+    });
+    drop(dropped);
+}
+
+/// Server: what one look through the held stock found.
+enum Look {
+    Found(Taken),
+    /// Nothing offered for this connection yet, but a client from the
+    /// peer's address is between taking a channel and writing its port.
+    Wait(Arc<Region>),
+    Nothing,
+}
+
+fn look(local: SocketAddr, peer: SocketAddr) -> Look {
+    let now = Instant::now();
+    let (look, spent) = state::with(|t| {
+        let held = &mut t.stock.held;
+        let mut spent = Vec::new();
+        let mut waiting = None;
+        let mut i = 0;
+        while i < held.len() {
+            let e = &held[i];
+            if now.saturating_duration_since(e.got) >= SERVER_TTL {
+                spent.push(held.swap_remove(i));
+                continue;
+            }
+            if e.local != local || e.client != peer.ip() {
+                i += 1;
+                continue;
+            }
+            match e.region.offer() {
+                Offer::Offered(port) if port == peer.port() && e.region.offer_take(port) => {
+                    let e = held.swap_remove(i);
+                    return (
+                        Look::Found(Taken {
+                            id: e.id,
+                            region: e.region,
+                        }),
+                        spent,
+                    );
+                }
+                // Used, given up, or written out of protocol: never again.
+                Offer::Taken | Offer::Dead | Offer::Invalid => {
+                    spent.push(held.swap_remove(i));
+                    continue;
+                }
+                Offer::Connecting { fresh: true } if waiting.is_none() => {
+                    waiting = Some(e.region.clone());
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        (waiting.map_or(Look::Nothing, Look::Wait), spent)
+    });
+    drop(spent);
+    look
+}
+
+/// Server: the stock channel a client offered for the connection accepted
+/// on `local` from `peer`, waiting (at most `OFFER_WAIT` in all) for
+/// clients from that address that have taken a channel but not written
+/// their port yet.
+pub fn take_offer(local: SocketAddr, peer: SocketAddr) -> Option<Taken> {
+    let deadline = Instant::now() + OFFER_WAIT;
+    loop {
+        match look(local, peer) {
+            Look::Found(t) => return Some(t),
+            Look::Nothing => return None,
+            Look::Wait(region) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return None;
+                }
+                region.offer_wait(left);
+            }
+        }
+    }
+}
+
+/// Server: whether this process holds any stock for `local` (a process
+/// without any skips the look).
+pub fn holds_for(local: SocketAddr) -> bool {
+    state::with(|t| t.stock.held.iter().any(|e| e.local == local))
+}
+
+impl Stock {
+    /// In a forked child (from the fork handler, which may neither unmap
+    /// nor free): the parent's stock is the parent's. The child forgets
+    /// its copies of the mappings (they stay mapped in the child, unused)
+    /// rather than share offers with the parent.
+    pub fn forget_after_fork(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.client));
+        std::mem::forget(std::mem::take(&mut self.held));
+    }
+}
