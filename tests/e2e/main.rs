@@ -102,6 +102,7 @@ mod shm {
     mod ring_growth;
     mod semantics;
     mod service_ips;
+    mod stock;
 }
 
 /// The training workloads and the demo report.

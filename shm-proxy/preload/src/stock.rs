@@ -266,3 +266,76 @@ impl Stock {
         std::mem::forget(std::mem::take(&mut self.held));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowlane_lane::client::Channel;
+    use flowlane_lane::region::sealed_memfd;
+    use flowlane_lane::ring::region_len_for;
+    use std::os::fd::AsFd;
+
+    /// A grant as a claim answers it, and the client's own mapping of it.
+    fn grant(id: u64, client: &str) -> (Granted, Arc<Region>) {
+        let len = region_len_for(4096);
+        let memfd = sealed_memfd(len).unwrap();
+        let client_view = Region::map_memfd(memfd.as_fd(), len).unwrap();
+        let g = Granted {
+            channel: Channel { id, memfd, len },
+            client: client.parse().unwrap(),
+        };
+        (g, client_view)
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    // One test: the tables are process-wide.
+    #[test]
+    fn a_server_takes_only_the_offer_for_the_connection_it_accepted() {
+        let local = addr("10.1.0.2:80");
+        let (g1, c1) = grant(1, "10.1.0.3");
+        let (g2, c2) = grant(2, "10.1.0.3");
+        let (g3, c3) = grant(3, "10.1.0.4");
+        add_held(local, vec![g1, g2, g3]);
+        assert!(holds_for(local));
+        assert!(!holds_for(addr("10.1.0.2:81")));
+        // Nothing offered: no channel, no wait.
+        assert!(take_offer(local, addr("10.1.0.3:5000")).is_none());
+        // Pod .4 offers port 5000: a connection from .3:5000 is not its.
+        assert!(c3.offer_begin());
+        c3.offer_port(5000);
+        assert!(take_offer(local, addr("10.1.0.3:5000")).is_none());
+        // Another listener's connection from .4:5000 is not its either.
+        assert!(take_offer(addr("10.1.0.2:81"), addr("10.1.0.4:5000")).is_none());
+        assert_eq!(
+            take_offer(local, addr("10.1.0.4:5000")).map(|t| t.id),
+            Some(3)
+        );
+        assert_eq!(c3.offer(), Offer::Taken);
+        // A word out of protocol drops the channel; a fresh "connecting"
+        // one is waited for until the port arrives.
+        assert!(c1.offer_begin());
+        c1.offer_abandon();
+        assert!(c2.offer_begin());
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            c2.offer_port(6000);
+            c2
+        });
+        let got = take_offer(local, addr("10.1.0.3:6000")).map(|t| t.id);
+        let c2 = writer.join().unwrap();
+        assert_eq!(got, Some(2));
+        assert_eq!(c2.offer(), Offer::Taken);
+        assert!(!holds_for(local), "every channel used or dropped");
+        // A client that took a channel and never wrote its port costs at
+        // most the wait, once.
+        let (g4, c4) = grant(4, "10.1.0.3");
+        add_held(local, vec![g4]);
+        assert!(c4.offer_begin());
+        let t0 = Instant::now();
+        assert!(take_offer(local, addr("10.1.0.3:7000")).is_none());
+        assert!(t0.elapsed() >= OFFER_WAIT);
+    }
+}

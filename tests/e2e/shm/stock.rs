@@ -1,0 +1,286 @@
+//! Pre-created channels (issue 12 item 2; docs/shm-lane.md, "Pre-created
+//! channels"): repeated connections between a client process and a
+//! listener take stock channels without a daemon round trip at either
+//! end, under concurrency, across pre-forked servers, and never outlive
+//! their listener. Real pods (the plugin), the real daemon, the real
+//! library, unmodified programs. Needs root.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use flowlane_e2e::shm::{self, run_ok, wait_listening, Bg, Node};
+use flowlane_e2e::shm_scripts::PYTHON;
+use flowlane_lane::proto::Stats;
+
+const T: Duration = Duration::from_secs(180);
+
+fn bench_bin() -> String {
+    shm::build_dir().join("shm-bench").display().to_string()
+}
+
+fn requests(s: &Stats, op: &str) -> u64 {
+    s.requests.get(op).copied().unwrap_or(0)
+}
+
+/// Round trips a client or server made to set connections up (every kind
+/// of intent and claim).
+fn intents(s: &Stats) -> u64 {
+    ["connect-intent", "relayable-intent", "stock-intent"]
+        .iter()
+        .map(|op| requests(s, op))
+        .sum()
+}
+
+fn claims(s: &Stats) -> u64 {
+    ["claim-accepted", "relayable-claim", "stock-claim"]
+        .iter()
+        .map(|op| requests(s, op))
+        .sum()
+}
+
+/// Threads x connections each, every connection an echo of random bytes
+/// of a random size, checked byte for byte. Prints `ok N` when every one
+/// came back intact.
+const THREADED_CLIENT: &str = r#"
+import os, random, socket, sys, threading
+host, port, threads, each = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+ok = []
+errors = []
+def run(seed):
+    rnd = random.Random(seed)
+    for _ in range(each):
+        try:
+            data = rnd.randbytes(rnd.randint(1, 65536))
+            s = socket.create_connection((host, port))
+            s.sendall(b"E" + data)
+            got = bytearray()
+            while len(got) < len(data):
+                chunk = s.recv(len(data) - len(got))
+                if not chunk:
+                    break
+                got += chunk
+            s.close()
+            if bytes(got) != data:
+                errors.append("corrupt echo of %d bytes (got %d)" % (len(data), len(got)))
+            else:
+                ok.append(1)
+        except Exception as e:
+            errors.append(repr(e))
+ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+for t in ts: t.start()
+for t in ts: t.join()
+print("ok", len(ok), "errors", len(errors), errors[:3])
+"#;
+
+/// One listening socket, `workers` forked processes accepting on it (the
+/// pre-fork model of gunicorn, nginx, PostgreSQL), each echoing until EOF
+/// (first byte `E`) in a thread per connection.
+const PREFORK_SERVER: &str = r#"
+import os, socket, sys, threading
+port, workers = int(sys.argv[1]), int(sys.argv[2])
+l = socket.socket()
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind(("0.0.0.0", port))
+l.listen(512)
+def echo(c):
+    c.recv(1)
+    while True:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        c.sendall(b)
+    c.close()
+kids = []
+for _ in range(workers):
+    pid = os.fork()
+    if pid == 0:
+        while True:
+            c, _ = l.accept()
+            threading.Thread(target=echo, args=(c,), daemon=True).start()
+    kids.append(pid)
+for k in kids:
+    os.waitpid(k, 0)
+"#;
+
+/// Reads lines from stdin: each `go` makes one connection (echo of 1 KiB,
+/// client writes first) and prints `ok` or the error.
+const LINE_CLIENT: &str = r#"
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+for line in sys.stdin:
+    try:
+        s = socket.create_connection((host, port), timeout=30)
+        data = bytes(range(256)) * 4
+        s.sendall(b"E" + data)
+        got = bytearray()
+        while len(got) < len(data):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        s.close()
+        print("ok" if bytes(got) == data else "corrupt", flush=True)
+    except Exception as e:
+        print("error", repr(e), flush=True)
+"#;
+
+/// One client process, one listener, connection after connection (what a
+/// connection rate measures, and what connection-per-request clients do):
+/// the first connections ask the daemon, every later one takes a channel
+/// the daemon made ahead, at both ends, with no round trip.
+#[test]
+fn st_repeated_connections_take_stock_without_round_trips() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("stre", 2);
+    let _srv = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7450"]));
+    wait_listening(&node.pods[1], 7450);
+    let before = node.stats();
+    let n: u64 = 400;
+    let addr = format!("{}:7450", node.pods[1].ip);
+    run_ok(
+        node.cmd(
+            &node.pods[0],
+            true,
+            &[&bench_bin(), "connrate", &addr, &n.to_string()],
+        ),
+        T,
+        "connrate",
+    );
+    let after = node.stats();
+    let opened = node.shm_opened() - before.lanes.get("shm").map_or(0, |l| l.connections_opened);
+    assert_eq!(opened, n, "every connection on the lane");
+    // A batch is 8: one intent (and one claim) per 9 connections, plus
+    // the first ones (before the server's first claim showed that it
+    // takes stock).
+    let (i, c) = (
+        intents(&after) - intents(&before),
+        claims(&after) - claims(&before),
+    );
+    eprintln!("{n} connections: {i} intents, {c} claims");
+    assert!(i <= n / 9 + 4, "{i} intents for {n} connections");
+    assert!(c <= n / 9 + 4, "{c} claims for {n} connections");
+    assert!(requests(&after, "stock-intent") > 0);
+}
+
+/// Threads of one process connect at once: each connection finds its own
+/// channel (offers name source ports), no byte goes astray, and every
+/// connection is on the lane.
+#[test]
+fn st_threads_connecting_at_once_each_find_their_own_channel() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("stth", 2);
+    let _srv = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7451"]));
+    wait_listening(&node.pods[1], 7451);
+    let before = node.shm_opened();
+    let ip = node.pods[1].ip.to_string();
+    let out = run_ok(
+        node.cmd(
+            &node.pods[0],
+            true,
+            &[PYTHON, "-c", THREADED_CLIENT, &ip, "7451", "8", "40"],
+        ),
+        T,
+        "threaded client",
+    );
+    assert!(out.contains("ok 320 errors 0"), "{out}");
+    assert_eq!(node.shm_opened() - before, 320);
+    let s = node.stats();
+    assert!(intents(&s) < 320 / 2, "{} intents", intents(&s));
+}
+
+/// Pre-forked workers accept on one listening socket: a worker that does
+/// not hold the stock a client used gets it from the daemon with its
+/// claim, so every connection is on the lane, whichever worker accepts.
+#[test]
+fn st_prefork_workers_share_the_stock() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("stpf", 2);
+    let _srv = Bg::spawn(node.cmd(
+        &node.pods[1],
+        true,
+        &[PYTHON, "-c", PREFORK_SERVER, "7452", "3"],
+    ));
+    wait_listening(&node.pods[1], 7452);
+    let before = node.shm_opened();
+    let ip = node.pods[1].ip.to_string();
+    let out = run_ok(
+        node.cmd(
+            &node.pods[0],
+            true,
+            &[PYTHON, "-c", THREADED_CLIENT, &ip, "7452", "4", "50"],
+        ),
+        T,
+        "threaded client",
+    );
+    assert!(out.contains("ok 200 errors 0"), "{out}");
+    assert_eq!(node.shm_opened() - before, 200);
+}
+
+/// A listener that went away takes its stock with it: a client process
+/// that still holds stock for the address asks the daemon again (and so
+/// learns there is no flowlane listener now) instead of offering a channel
+/// to a server that will never look, which would keep its first write
+/// waiting for an attach that never comes.
+#[test]
+fn st_stock_dies_with_its_listener() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("stdl", 2);
+    let server = &node.pods[1];
+    let srv = Bg::spawn(node.cmd(server, true, &[&bench_bin(), "serve", "7453"]));
+    wait_listening(server, 7453);
+    let ip = server.ip.to_string();
+    let mut client = node
+        .cmd(
+            &node.pods[0],
+            true,
+            &[PYTHON, "-c", LINE_CLIENT, &ip, "7453"],
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("client");
+    let mut input = client.stdin.take().unwrap();
+    let mut output = BufReader::new(client.stdout.take().unwrap());
+    let mut go = |what: &str| {
+        writeln!(input, "go").unwrap();
+        let mut line = String::new();
+        output.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ok", "{what}");
+    };
+    for i in 0..4 {
+        go(&format!("connection {i} to the flowlane server"));
+    }
+    assert_eq!(node.shm_opened(), 4);
+    // STOCKED-CHECK
+    // The server goes (killed: no unregister); the daemon notices at its
+    // sweep and revokes the stock.
+    drop(srv);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node.stats().listeners.iter().any(|l| l.addr.port() == 7453) {
+        assert!(Instant::now() < deadline, "the listener never went away");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _plain = Bg::spawn(node.cmd(server, false, &[&bench_bin(), "serve", "7453"]));
+    wait_listening(server, 7453);
+    let fallbacks = |s: &Stats, why: &str| s.fallbacks.get(why).copied().unwrap_or(0);
+    let before = node.stats();
+    go("connection to the plain server");
+    let after = node.stats();
+    assert_eq!(node.shm_opened(), 4, "no lane to a plain server");
+    assert_eq!(
+        fallbacks(&after, "no-listener") - fallbacks(&before, "no-listener"),
+        1,
+        "the client asked the daemon: {:?}",
+        after.fallbacks
+    );
+    assert_eq!(
+        fallbacks(&after, "no-peer-library"),
+        fallbacks(&before, "no-peer-library"),
+        "no client waited for an attach: {:?}",
+        after.fallbacks
+    );
+    drop(input);
+    let _ = client.wait();
+}
