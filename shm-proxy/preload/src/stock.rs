@@ -59,6 +59,9 @@ struct HeldEntry {
     id: u64,
     region: Arc<Region>,
     got: Instant,
+    /// An accept waited for this channel's port in vain (its client's
+    /// connect is stuck, or it died half way): not waited for again.
+    waited_out: bool,
 }
 
 /// This process's stock (kept in `state::Tables`).
@@ -166,6 +169,7 @@ pub fn add_held(local: SocketAddr, grants: Vec<Granted>) {
                 id,
                 region,
                 got: now,
+                waited_out: false,
             });
         }
         let over = s.held.len().saturating_sub(MAX_HELD);
@@ -179,7 +183,7 @@ enum Look {
     Found(Taken),
     /// Nothing offered for this connection yet, but a client from the
     /// peer's address is between taking a channel and writing its port.
-    Wait(Arc<Region>),
+    Wait(u64, Arc<Region>),
     Nothing,
 }
 
@@ -216,14 +220,18 @@ fn look(local: SocketAddr, peer: SocketAddr) -> Look {
                     spent.push(held.swap_remove(i));
                     continue;
                 }
-                Offer::Connecting { fresh: true } if waiting.is_none() => {
-                    waiting = Some(e.region.clone());
+                Offer::Connecting { fresh: true } if waiting.is_none() && !e.waited_out => {
+                    waiting = Some((e.id, e.region.clone()));
                 }
                 _ => {}
             }
             i += 1;
         }
-        (waiting.map_or(Look::Nothing, Look::Wait), spent)
+        let look = match waiting {
+            Some((id, region)) => Look::Wait(id, region),
+            None => Look::Nothing,
+        };
+        (look, spent)
     });
     drop(spent);
     look
@@ -239,15 +247,24 @@ pub fn take_offer(local: SocketAddr, peer: SocketAddr) -> Option<Taken> {
         match look(local, peer) {
             Look::Found(t) => return Some(t),
             Look::Nothing => return None,
-            Look::Wait(region) => {
+            Look::Wait(id, region) => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
+                    waited_out(id);
                     return None;
                 }
                 region.offer_wait(left);
             }
         }
     }
+}
+
+fn waited_out(id: u64) {
+    state::with(|t| {
+        if let Some(e) = t.stock.held.iter_mut().find(|e| e.id == id) {
+            e.waited_out = true;
+        }
+    })
 }
 
 /// Server: whether this process holds any stock for `local` (a process
@@ -337,5 +354,11 @@ mod tests {
         let t0 = Instant::now();
         assert!(take_offer(local, addr("10.1.0.3:7000")).is_none());
         assert!(t0.elapsed() >= OFFER_WAIT);
+        let t1 = Instant::now();
+        assert!(take_offer(local, addr("10.1.0.3:7001")).is_none());
+        assert!(
+            t1.elapsed() < OFFER_WAIT,
+            "waited for the same channel twice"
+        );
     }
 }
