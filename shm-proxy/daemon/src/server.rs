@@ -1,6 +1,7 @@
 //! The daemon's Unix socket: accepts clients, identifies each one by its
 //! network namespace, reads framed requests, and writes framed answers
-//! (with the channel memfd in SCM_RIGHTS data when there is one).
+//! (with the memfds they name in one SCM_RIGHTS message, when there are
+//! any).
 //!
 //! Bad input never takes the daemon down: an undecodable body gets an error
 //! answer and the connection continues; an unusable length prefix gets an
@@ -372,20 +373,23 @@ async fn send_answer(stream: &mut UnixStream, answer: Answer) -> io::Result<()> 
         }
     };
     let mut sent = 0;
-    if let Some(fd) = &answer.fd {
-        sent = send_with_fd(stream, &frame, fd).await?;
+    if !answer.fds.is_empty() {
+        sent = send_with_fds(stream, &frame, &answer.fds).await?;
     }
     stream.write_all(&frame[sent..]).await
-    // `answer.fd` (the daemon's copy for a claim, a dup for an intent) is
-    // closed here: the receiver holds its own reference now.
+    // `answer.fds` (the daemon's copy for a claim, dups for an intent and
+    // for granted stock) are closed here: the receiver holds its own
+    // references now.
 }
 
-/// Sends (a first part of) `frame` with `fd` attached; returns bytes sent.
-async fn send_with_fd(stream: &UnixStream, frame: &[u8], fd: &OwnedFd) -> io::Result<usize> {
+/// Sends (a first part of) `frame` with `fds` attached, all in one
+/// SCM_RIGHTS message (the receiver reads them with the frame's first
+/// bytes); returns bytes sent.
+async fn send_with_fds(stream: &UnixStream, frame: &[u8], fds: &[OwnedFd]) -> io::Result<usize> {
+    let fds: Vec<std::os::fd::RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
     loop {
         stream.writable().await?;
         let raw = stream.as_raw_fd();
-        let fds = [fd.as_raw_fd()];
         let result = stream.try_io(Interest::WRITABLE, || {
             sendmsg::<()>(
                 raw,

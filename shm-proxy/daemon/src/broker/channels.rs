@@ -183,13 +183,13 @@ impl Broker {
                 created: Instant::now(),
             },
         );
-        Answer {
-            response: Response::Channel {
+        Answer::with_fd(
+            Response::Channel {
                 id,
                 len: region_len,
             },
-            fd: Some(client_copy),
-        }
+            client_copy,
+        )
     }
 
     pub(super) fn no_channel(&mut self, why: NoChannelReason, counter: FallbackReason) -> Answer {
@@ -315,13 +315,13 @@ impl Broker {
                 seen: Default::default(),
             },
         );
-        Answer {
-            response: Response::Channel {
+        Answer::with_fd(
+            Response::Channel {
                 id: p.id,
                 len: p.len,
             },
-            fd: Some(p.memfd),
-        }
+            p.memfd,
+        )
     }
 
     /// The portless intent (module header) whose client socket is this

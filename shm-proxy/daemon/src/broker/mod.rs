@@ -102,13 +102,28 @@ fn channel_memfd_name(id: u64) -> String {
 #[derive(Debug)]
 pub struct Answer {
     pub response: Response,
-    /// The channel's memfd, passed with SCM_RIGHTS.
-    pub fd: Option<OwnedFd>,
+    /// The memfds the answer names, in its order (a channel's; a
+    /// `stocked` answer's channel, then its grants), passed with
+    /// SCM_RIGHTS in one message.
+    pub fds: Vec<OwnedFd>,
+}
+
+impl Answer {
+    /// An answer that passes one memfd (a channel's).
+    pub fn with_fd(response: Response, fd: OwnedFd) -> Self {
+        Answer {
+            response,
+            fds: vec![fd],
+        }
+    }
 }
 
 impl From<Response> for Answer {
     fn from(response: Response) -> Self {
-        Answer { response, fd: None }
+        Answer {
+            response,
+            fds: Vec::new(),
+        }
     }
 }
 

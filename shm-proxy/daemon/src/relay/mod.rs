@@ -636,13 +636,13 @@ impl Relay {
             return self.fallback(why, counter);
         }
         tracing::debug!(id, %src, %dst, %peer_daemon, "relay: channel announced");
-        Answer {
-            response: Response::Channel {
+        Answer::with_fd(
+            Response::Channel {
                 id,
                 len: region_len,
             },
-            fd: Some(memfd),
-        }
+            memfd,
+        )
     }
 
     /// Client daemon: opens the stream for `key` to `peer_daemon` and waits
@@ -889,13 +889,13 @@ impl Relay {
         if !spawned {
             run_once(self);
         }
-        Answer {
-            response: Response::Channel {
+        Answer::with_fd(
+            Response::Channel {
                 id,
                 len: len as u64,
             },
-            fd: Some(memfd),
-        }
+            memfd,
+        )
     }
 
     /// The stream a peer daemon opened for `key` (for a pod-IP connection
