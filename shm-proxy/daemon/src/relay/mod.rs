@@ -385,6 +385,8 @@ impl Relay {
                 connections_closed: self.closed.load(Ordering::Relaxed),
                 bytes: c2s_total + s2c_total,
                 channels_pending: pending as u64,
+                // The relay keeps no stock.
+                channels_stocked: 0,
                 bytes_client_to_server: c2s_total,
                 bytes_server_to_client: s2c_total,
             },
