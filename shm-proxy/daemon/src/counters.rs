@@ -53,6 +53,14 @@ impl Counters {
         *self.fallbacks.entry(reason).or_default() += 1;
     }
 
+    /// Takes back a fallback this very request counted (under the same
+    /// lock, so no snapshot saw it) when it turned out not to be one.
+    pub fn fallback_retracted(&mut self, reason: FallbackReason) {
+        if let Some(n) = self.fallbacks.get_mut(&reason) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
     pub fn request(&mut self, op: &'static str) {
         *self.requests.entry(op).or_default() += 1;
     }

@@ -142,6 +142,11 @@ fn families(stats: &Stats) -> Vec<Family> {
             "Channels announced and not yet claimed.",
             per_lane(&|l| l.channels_pending),
         ),
+        gauge(
+            "flowlane_channels_stocked",
+            "Channels made ahead for later connections and not taken yet.",
+            per_lane(&|l| l.channels_stocked),
+        ),
         counter(
             "flowlane_fallbacks",
             "Connections left on TCP, by reason.",
@@ -393,6 +398,7 @@ mod tests {
                     bytes: 42,
                     bytes_client_to_server: 40,
                     bytes_server_to_client: 2,
+                    channels_stocked: 5,
                     ..LaneStats::default()
                 },
             );
@@ -415,6 +421,10 @@ mod tests {
             t.contains("flowlane_bytes_total{lane=\"relay\",direction=\"server_to_client\"} 2\n")
         );
         assert!(t.contains("flowlane_fallbacks_total{reason=\"no-listener\"} 2\n"));
+        assert!(
+            t.contains("flowlane_channels_stocked{lane=\"shm\"} 5\n"),
+            "{t}"
+        );
         assert!(t.contains("flowlane_auth_failures_total 0\n"));
         assert!(
             t.contains("flowlane_build_info{version=\"9.8.7\",protocol=\"0\"} 1\n"),

@@ -1,6 +1,7 @@
 //! The daemon's Unix socket: accepts clients, identifies each one by its
 //! network namespace, reads framed requests, and writes framed answers
-//! (with the channel memfd in SCM_RIGHTS data when there is one).
+//! (with the memfds they name in one SCM_RIGHTS message, when there are
+//! any).
 //!
 //! Bad input never takes the daemon down: an undecodable body gets an error
 //! answer and the connection continues; an unusable length prefix gets an
@@ -19,7 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 
-use crate::broker::{Answer, Broker, Caller};
+use crate::broker::{Answer, Broker, Caller, Undelivered};
 use crate::identity::{netns_inode_of_pid, ProcessId};
 use crate::stats::Lanes;
 
@@ -286,6 +287,7 @@ async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared, la
                     Request::ConnectIntent { .. }
                         | Request::RelayableIntent { .. }
                         | Request::ServiceIntent { .. }
+                        | Request::StockIntent { .. }
                 );
                 match lanes.relay.as_ref().filter(|r| r.takes(&req)) {
                     // Cross-node set-ups block (lane open, handshake with
@@ -312,14 +314,11 @@ async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared, la
                 Response::error(ErrorCode::BadRequest, e.to_string()).into()
             }
         };
-        let announced = match answer.response {
-            Response::Channel { id, .. } if intent => Some(id),
-            _ => None,
-        };
+        let made = Undelivered::of(intent, &answer.response);
         if let Err(e) = send_answer(&mut stream, answer).await {
             tracing::debug!(error = %e, "cannot answer a client");
-            if let Some(id) = announced {
-                shared.lock().intent_undelivered(id);
+            if let Some(made) = made {
+                shared.lock().answer_undelivered(&caller, made);
             }
             return;
         }
@@ -372,20 +371,23 @@ async fn send_answer(stream: &mut UnixStream, answer: Answer) -> io::Result<()> 
         }
     };
     let mut sent = 0;
-    if let Some(fd) = &answer.fd {
-        sent = send_with_fd(stream, &frame, fd).await?;
+    if !answer.fds.is_empty() {
+        sent = send_with_fds(stream, &frame, &answer.fds).await?;
     }
     stream.write_all(&frame[sent..]).await
-    // `answer.fd` (the daemon's copy for a claim, a dup for an intent) is
-    // closed here: the receiver holds its own reference now.
+    // `answer.fds` (the daemon's copy for a claim, dups for an intent and
+    // for granted stock) are closed here: the receiver holds its own
+    // references now.
 }
 
-/// Sends (a first part of) `frame` with `fd` attached; returns bytes sent.
-async fn send_with_fd(stream: &UnixStream, frame: &[u8], fd: &OwnedFd) -> io::Result<usize> {
+/// Sends (a first part of) `frame` with `fds` attached, all in one
+/// SCM_RIGHTS message (the receiver reads them with the frame's first
+/// bytes); returns bytes sent.
+async fn send_with_fds(stream: &UnixStream, frame: &[u8], fds: &[OwnedFd]) -> io::Result<usize> {
+    let fds: Vec<std::os::fd::RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
     loop {
         stream.writable().await?;
         let raw = stream.as_raw_fd();
-        let fds = [fd.as_raw_fd()];
         let result = stream.try_io(Interest::WRITABLE, || {
             sendmsg::<()>(
                 raw,
@@ -588,6 +590,88 @@ mod tests {
         assert!(c.send_one_way(&Request::Stats).is_err());
         assert!(!c.is_broken());
         drop((c, s));
+        t.stop();
+    }
+
+    /// A `stocked` answer passes the channel's memfd and every grant's in
+    /// one SCM_RIGHTS message, which the library reads and checks; the
+    /// server's stock claim gets the same regions, and its `stock-taken`
+    /// goes one way and opens the connection.
+    #[test]
+    fn stocked_answers_carry_every_memfd_and_stock_taken_goes_one_way() {
+        use flowlane_lane::client::DaemonClient;
+        use std::net::SocketAddr;
+        use std::os::unix::fs::MetadataExt;
+
+        let t = TestDaemon::start("stock");
+        let server: SocketAddr = "10.202.9.2:80".parse().unwrap();
+        let client: SocketAddr = "10.202.9.1:5001".parse().unwrap();
+        let mut c = DaemonClient::connect(&t.socket, Duration::from_secs(10)).unwrap();
+        let mut s = DaemonClient::connect(&t.socket, Duration::from_secs(10)).unwrap();
+        s.register_listener(server).unwrap();
+        // The server shows that it looks at stock; nothing to grant yet.
+        let none = s
+            .stock_claim(server, "10.202.9.1:1".parse().unwrap(), 3)
+            .unwrap();
+        assert!(none.channel.is_none() && none.stock.is_empty());
+        let got = c.stock_intent(client, server, 8192, 3, 4).unwrap();
+        let channel = got.channel.expect("the connection's channel");
+        assert_eq!(got.stock.len(), 4);
+        let claimed = s.stock_claim(server, client, 3).unwrap();
+        assert_eq!(claimed.channel.map(|c| c.id), Some(channel.id));
+        let ino = |fd: &OwnedFd| {
+            std::fs::File::from(fd.try_clone().unwrap())
+                .metadata()
+                .unwrap()
+                .ino()
+        };
+        assert_eq!(claimed.stock.len(), 4);
+        for (a, b) in got.stock.iter().zip(&claimed.stock) {
+            assert_eq!(a.channel.id, b.channel.id);
+            assert_eq!(ino(&a.channel.memfd), ino(&b.channel.memfd));
+        }
+        let peer: SocketAddr = "10.202.9.1:5002".parse().unwrap();
+        s.stock_taken(got.stock[0].channel.id, server, peer)
+            .unwrap();
+        let st = t.until(|st| st.lanes["shm"].connections_opened == 2);
+        assert_eq!(st.lanes["shm"].channels_stocked, 3, "{st:?}");
+        assert!(!s.looks_closed(), "the daemon answered a one-way message");
+        drop((c, s));
+        t.stop();
+    }
+
+    /// A `stocked` intent answer that cannot be sent leaves neither its
+    /// channel nor its stock behind.
+    #[test]
+    fn a_stocked_answer_that_cannot_be_sent_drops_its_stock() {
+        use flowlane_lane::client::DaemonClient;
+        use std::io::Write;
+        use std::net::SocketAddr;
+
+        let t = TestDaemon::start("stock-late");
+        let server: SocketAddr = "10.202.9.2:80".parse().unwrap();
+        let client: SocketAddr = "10.202.9.1:5000".parse().unwrap();
+        let mut d = DaemonClient::connect(&t.socket, Duration::from_secs(10)).unwrap();
+        d.register_listener(server).unwrap();
+        d.stock_claim(server, "10.202.9.1:1".parse().unwrap(), 3)
+            .unwrap();
+        let late = std::os::unix::net::UnixStream::connect(&t.socket).unwrap();
+        late.shutdown(std::net::Shutdown::Read).unwrap();
+        let intent = Request::StockIntent {
+            src: client,
+            dst: server,
+            region_len: 8192,
+            socket_fd: 3,
+            want: 4,
+        };
+        (&late)
+            .write_all(&proto::encode_frame(&intent, proto::MAX_REQUEST_FRAME).unwrap())
+            .unwrap();
+        let st = t.until(|st| st.fallbacks.get("intent-undelivered") == Some(&1));
+        assert_eq!(st.lanes["shm"].channels_pending, 0, "{st:?}");
+        assert_eq!(st.lanes["shm"].channels_stocked, 0, "{st:?}");
+        drop(late);
+        drop(d);
         t.stop();
     }
 

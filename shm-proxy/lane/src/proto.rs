@@ -343,6 +343,10 @@ pub struct LaneStats {
     /// `bytes` of the server-to-client direction (absent in older daemons).
     #[serde(default)]
     pub bytes_server_to_client: u64,
+    /// Stock channels the daemon holds now: made ahead for later
+    /// connections, not taken yet (absent in older daemons).
+    #[serde(default)]
+    pub channels_stocked: u64,
 }
 
 /// One end of a connection in a stats answer.

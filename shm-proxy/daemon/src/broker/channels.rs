@@ -136,12 +136,8 @@ impl Broker {
             region_len,
             client_socket,
         } = a;
-        let pending_of_pod = self
-            .pending
-            .values()
-            .filter(|p| p.client_pod == client_pod)
-            .count();
-        if pending_of_pod >= self.limits.max_pending_per_pod {
+        // The pod's stock counts too (`stock.rs`).
+        if self.held_by_pod(client_pod) >= self.limits.max_pending_per_pod {
             self.counters.fallback(FallbackReason::TooManyPending);
             return Response::error(
                 ErrorCode::TooLarge,
@@ -183,13 +179,13 @@ impl Broker {
                 created: Instant::now(),
             },
         );
-        Answer {
-            response: Response::Channel {
+        Answer::with_fd(
+            Response::Channel {
                 id,
                 len: region_len,
             },
-            fd: Some(client_copy),
-        }
+            client_copy,
+        )
     }
 
     pub(super) fn no_channel(&mut self, why: NoChannelReason, counter: FallbackReason) -> Answer {
@@ -278,16 +274,7 @@ impl Broker {
         self.pending_ids.remove(&p.id);
         self.counters.shm.opened += 1;
         self.counters.channel_setup.observe(p.created.elapsed());
-        // The claimer accepts on the listener: it keeps the listener alive
-        // even when the process that called listen() exits (pre-fork
-        // servers whose parent leaves).
-        if let (Some(process), Some(key)) = (caller.process, self.listener_key(pod, local)) {
-            let procs = self.listeners.entry(key).or_default();
-            if !procs.contains(&process) {
-                procs.push(process);
-                self.save_listeners();
-            }
-        }
+        self.keep_listener_for(caller, pod, local);
         tracing::debug!(id = p.id, client = %p.key.src, server = %local, "channel claimed");
         let watch = match p.memfd.try_clone() {
             Ok(fd) => Some(RingWatch::new(fd)),
@@ -315,13 +302,13 @@ impl Broker {
                 seen: Default::default(),
             },
         );
-        Answer {
-            response: Response::Channel {
+        Answer::with_fd(
+            Response::Channel {
                 id: p.id,
                 len: p.len,
             },
-            fd: Some(p.memfd),
-        }
+            p.memfd,
+        )
     }
 
     /// The portless intent (module header) whose client socket is this

@@ -113,6 +113,8 @@ impl Broker {
         if self.recently_closed.0.contains(&channel_id) {
             return Response::Ok.into();
         }
+        // The client's report may overtake its server's `stock-taken`.
+        self.open_stock_reported(pod, channel_id);
         let Some(conn) = self.active.get(&channel_id) else {
             return self.report_inherited(caller, pod, channel_id, report);
         };
@@ -249,6 +251,7 @@ impl Broker {
 
     pub(super) fn close_active(&mut self, id: u64) {
         if let Some(conn) = self.active.remove(&id) {
+            self.stock_early.remove(&id);
             let (c2s, s2c) = conn.bytes();
             self.counters.shm.closed += 1;
             self.remember_closed(id);

@@ -59,10 +59,24 @@ impl Broker {
             procs.retain(|p| Some(*p) != caller.process);
             if procs.is_empty() {
                 self.listeners.remove(&(pod, addr));
+                self.forget_gone_stock_takers();
             }
             self.save_listeners();
         }
         Response::Ok.into()
+    }
+
+    /// The claimer accepts on the listener: it keeps the listener alive
+    /// even when the process that called listen() exits (pre-fork servers
+    /// whose parent leaves).
+    pub(super) fn keep_listener_for(&mut self, caller: &Caller, pod: PodId, local: SocketAddr) {
+        if let (Some(process), Some(key)) = (caller.process, self.listener_key(pod, local)) {
+            let procs = self.listeners.entry(key).or_default();
+            if !procs.contains(&process) {
+                procs.push(process);
+                self.save_listeners();
+            }
+        }
     }
 
     /// Addresses a listener accepting `dst` may be registered on.
@@ -103,6 +117,7 @@ impl Broker {
             }
         }
         if pruned {
+            self.forget_gone_stock_takers();
             self.save_listeners();
         }
         found

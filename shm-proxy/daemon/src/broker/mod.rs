@@ -17,8 +17,9 @@
 //! `callers` (who may ask what), `admission` (intents and claims, shared
 //! with the relay), `listeners`, `channels` (pending: intent, claim),
 //! `connections` (active: bytes, close reports, the hand-over),
-//! `service` (Service IPs), `upkeep` (`tick`), `snapshot` (stats),
-//! `kernel` (the seam).
+//! `stock` (pre-created channels: stock intents and claims, `stock-taken`,
+//! their bounds), `service` (Service IPs), `upkeep` (`tick`), `snapshot`
+//! (stats), `kernel` (the seam).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
@@ -42,11 +43,13 @@ mod listeners;
 mod registry;
 mod service;
 mod snapshot;
+mod stock;
 mod upkeep;
 
 pub use admission::Admitted;
 pub use kernel::{Kernel, RealKernel};
 pub use service::{RemoteService, Resolved};
+pub use stock::Undelivered;
 
 use channels::{IntentKey, Pending};
 use connections::Active;
@@ -63,8 +66,12 @@ pub struct Limits {
     pub min_region: u64,
     /// How long an announced channel waits for the server's claim.
     pub intent_ttl: Duration,
-    /// Pending channels one pod may have at a time.
+    /// Pending channels one pod may have at a time (its stock counts
+    /// too: `stock.rs`).
     pub max_pending_per_pod: usize,
+    /// How long the daemon keeps a stock channel nobody took: longer than
+    /// the library keeps its own, so the daemon's copy outlives every use.
+    pub stock_ttl: Duration,
 }
 
 impl Default for Limits {
@@ -76,6 +83,7 @@ impl Default for Limits {
             min_region: 4096,
             intent_ttl: Duration::from_secs(30),
             max_pending_per_pod: 4096,
+            stock_ttl: Duration::from_secs(60),
         }
     }
 }
@@ -102,13 +110,28 @@ fn channel_memfd_name(id: u64) -> String {
 #[derive(Debug)]
 pub struct Answer {
     pub response: Response,
-    /// The channel's memfd, passed with SCM_RIGHTS.
-    pub fd: Option<OwnedFd>,
+    /// The memfds the answer names, in its order (a channel's; a
+    /// `stocked` answer's channel, then its grants), passed with
+    /// SCM_RIGHTS in one message.
+    pub fds: Vec<OwnedFd>,
+}
+
+impl Answer {
+    /// An answer that passes one memfd (a channel's).
+    pub fn with_fd(response: Response, fd: OwnedFd) -> Self {
+        Answer {
+            response,
+            fds: vec![fd],
+        }
+    }
 }
 
 impl From<Response> for Answer {
     fn from(response: Response) -> Self {
-        Answer { response, fd: None }
+        Answer {
+            response,
+            fds: Vec::new(),
+        }
     }
 }
 
@@ -128,6 +151,14 @@ pub struct Broker {
     pending: HashMap<IntentKey, Pending>,
     pending_ids: HashMap<u64, IntentKey>,
     active: BTreeMap<u64, Active>,
+    /// Channels made ahead for later connections, by id (`stock.rs`).
+    stock: BTreeMap<u64, stock::Stock>,
+    /// Listeners whose server showed that it looks at stock (a stock
+    /// claim was served for them): only their clients get stock.
+    takes_stock: HashSet<(PodId, SocketAddr)>,
+    /// Stock made active by its client's close report before the server's
+    /// `stock-taken` arrived, and since when (`stock.rs`).
+    stock_early: HashMap<u64, Instant>,
     /// Ids of recently closed connections, so a late close report is not
     /// mistaken for one of a connection brokered by an earlier daemon.
     recently_closed: (HashSet<u64>, VecDeque<u64>),
@@ -176,6 +207,9 @@ impl Broker {
             pending: HashMap::new(),
             pending_ids: HashMap::new(),
             active: BTreeMap::new(),
+            stock: BTreeMap::new(),
+            takes_stock: HashSet::new(),
+            stock_early: HashMap::new(),
             recently_closed: (HashSet::new(), VecDeque::new()),
             last_sweep: None,
             first_id: (now_ms << 16).max(1),
@@ -261,16 +295,21 @@ impl Broker {
                 socket_fd,
             } => self.connect_intent(caller, src, dst, region_len, Some(socket_fd)),
             Request::RelayableClaim { local, peer, .. } => self.claim_accepted(caller, local, peer),
-            // No stock granted yet: served as the relayable ops.
+            // The relayable ops, and stock with them (`stock.rs`).
             Request::StockIntent {
                 src,
                 dst,
                 region_len,
                 socket_fd,
-                ..
-            } => self.connect_intent(caller, src, dst, region_len, Some(socket_fd)),
-            Request::StockClaim { local, peer, .. } => self.claim_accepted(caller, local, peer),
-            Request::StockTaken { .. } => Response::Ok.into(),
+                want,
+            } => self.stock_intent(caller, src, dst, region_len, socket_fd, want),
+            Request::StockClaim { local, peer, .. } => self.stock_claim(caller, local, peer),
+            // One way: whatever it yields is dropped unsent.
+            Request::StockTaken {
+                channel_id,
+                local,
+                peer,
+            } => self.stock_taken(caller, channel_id, local, peer),
             Request::ServiceIntent {
                 src,
                 dst,
@@ -425,6 +464,37 @@ fn canonical_request(req: Request) -> Request {
             dst: canonical(dst),
             region_len,
         },
+        Request::StockIntent {
+            src,
+            dst,
+            region_len,
+            socket_fd,
+            want,
+        } => Request::StockIntent {
+            src: canonical(src),
+            dst: canonical(dst),
+            region_len,
+            socket_fd,
+            want,
+        },
+        Request::StockClaim {
+            local,
+            peer,
+            socket_fd,
+        } => Request::StockClaim {
+            local: canonical(local),
+            peer: canonical(peer),
+            socket_fd,
+        },
+        Request::StockTaken {
+            channel_id,
+            local,
+            peer,
+        } => Request::StockTaken {
+            channel_id,
+            local: canonical(local),
+            peer: canonical(peer),
+        },
         other => other,
     }
 }
@@ -433,5 +503,7 @@ fn canonical_request(req: Request) -> Request {
 mod fake_kernel;
 #[cfg(test)]
 mod service_tests;
+#[cfg(test)]
+mod stock_tests;
 #[cfg(test)]
 mod tests;

@@ -34,8 +34,8 @@ impl Broker {
         })
     }
 
-    /// Rereads the pod registry and forgets listeners and pending channels
-    /// of pods that left.
+    /// Rereads the pod registry and forgets listeners, pending channels and
+    /// stock of pods that left.
     pub fn reload_registry(&mut self) {
         let attachments = match self.kernel.registry() {
             Ok(a) => a,
@@ -66,6 +66,9 @@ impl Broker {
         let pods = &self.pods;
         let before = self.listeners.len();
         self.listeners.retain(|(pod, _), _| pods.contains(*pod));
+        self.forget_gone_stock_takers();
+        self.forget_stock_of_gone_pods();
+        let pods = &self.pods;
         self.inherited
             .retain(|_, r| pods.contains(r.client_pod) && pods.contains(r.server_pod));
         let gone: Vec<IntentKey> = self

@@ -142,7 +142,7 @@ fn a_service_connection_pairs_with_the_backend_conntrack_names() {
     assert!(forbidden(&claim(b, 2, "10.202.9.2:8081", CLIENT).response));
     let s = claim(b, 2, "10.202.9.2:8080", CLIENT);
     assert_eq!(channel(&s), id);
-    assert!(same_file(a.fd.as_ref().unwrap(), s.fd.as_ref().unwrap()));
+    assert!(same_file(a.fds.first().unwrap(), s.fds.first().unwrap()));
     let st = b.stats();
     assert_eq!(st.lanes["shm"].connections_opened, 1);
     assert_eq!(st.connections[0].server.addr, sa("10.202.9.2:8080"));
@@ -347,7 +347,7 @@ fn a_backend_on_a_node_the_relay_reaches_goes_to_the_relay() {
     );
     assert_eq!(r.len, 8192);
     assert_eq!(r.memfd_name, format!("flowlane-ch-{id}"));
-    assert!(same_file(a.fd.as_ref().unwrap(), &r.memfd));
+    assert!(same_file(a.fds.first().unwrap(), &r.memfd));
     // Out of the broker, no fallback counted (the relay counts its own).
     let st = b.stats();
     assert_eq!(st.lanes["shm"].channels_pending, 0);

@@ -35,6 +35,7 @@ impl Broker {
                 channels_pending: self.pending.len() as u64,
                 bytes_client_to_server: c2s,
                 bytes_server_to_client: s2c,
+                channels_stocked: self.stock.len() as u64,
             },
         );
         let connections: Vec<ConnectionInfo> = self

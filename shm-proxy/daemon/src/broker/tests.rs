@@ -116,7 +116,7 @@ fn intent_then_claim_hands_the_same_memfd_to_both() {
     let Response::Channel { id, len: 8192 } = a.response else {
         panic!("{:?}", a.response)
     };
-    let client_fd = a.fd.unwrap();
+    let client_fd = a.fds.into_iter().next().unwrap();
     // A third pod cannot claim it, even naming the right peer.
     let third = b.handle(
         &pod(3),
@@ -146,7 +146,7 @@ fn intent_then_claim_hands_the_same_memfd_to_both() {
             ..
         }
     ));
-    assert!(third.fd.is_none());
+    assert!(third.fds.is_empty());
     let s = b.handle(
         &pod(2),
         Request::ClaimAccepted {
@@ -155,7 +155,7 @@ fn intent_then_claim_hands_the_same_memfd_to_both() {
         },
     );
     assert_eq!(s.response, Response::Channel { id, len: 8192 });
-    let server_fd = s.fd.unwrap();
+    let server_fd = s.fds.into_iter().next().unwrap();
     // Same memfd: same inode.
     use std::os::unix::fs::MetadataExt;
     let ino = |fd: OwnedFd| std::fs::File::from(fd).metadata().unwrap().ino();
@@ -574,7 +574,7 @@ fn live_bytes_come_from_the_rings_and_closed_rings_close_the_connection() {
             peer: sa("10.202.9.1:6000"),
         },
     );
-    let fd = s.fd.unwrap();
+    let fd = s.fds.into_iter().next().unwrap();
     let region = flowlane_lane::region::Region::map_memfd(fd.as_fd(), len).unwrap();
     let (mut ctx, _) = region.endpoints(Side::Client);
     let (mut stx, _) = region.endpoints(Side::Server);
@@ -1018,7 +1018,7 @@ fn stale_registry_entries_lend_no_identity() {
             region_len: 8192,
         },
     );
-    assert!(unknown(&intent.response) && intent.fd.is_none());
+    assert!(unknown(&intent.response) && intent.fds.is_empty());
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! Periodic upkeep (`tick`): expiry of unclaimed channels, and a sweep of
-//! connections and listeners whose processes or sockets are gone.
+//! Periodic upkeep (`tick`): expiry of unclaimed channels and of stock, and
+//! a sweep of connections, stock and listeners whose processes or sockets
+//! are gone.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -12,8 +13,9 @@ use super::{Broker, Kernel};
 use crate::identity::ProcessId;
 
 impl Broker {
-    /// Periodic upkeep: expires unclaimed channels, closes connections whose
-    /// processes are all gone, forgets listeners of dead processes.
+    /// Periodic upkeep: expires unclaimed channels and stock, closes
+    /// connections whose processes are all gone, drops stock of dead
+    /// clients, forgets listeners of dead processes.
     pub fn tick(&mut self, now: Instant) {
         let ttl = self.limits.intent_ttl;
         let expired: Vec<IntentKey> = self
@@ -25,6 +27,7 @@ impl Broker {
         for key in expired {
             self.drop_pending(key, FallbackReason::IntentExpired);
         }
+        self.expire_stock(now);
         // The sweep below reads /proc and the rings of every connection:
         // at most every SWEEP_EVERY, and each process's liveness once.
         const SWEEP_EVERY: Duration = Duration::from_secs(2);
@@ -36,6 +39,7 @@ impl Broker {
         }
         self.last_sweep = Some(now);
         let mut alive: HashMap<ProcessId, bool> = HashMap::new();
+        self.sweep_stock(&mut alive);
         let mut is_alive = |kernel: &dyn Kernel, p: &ProcessId| {
             *alive.entry(*p).or_insert_with(|| kernel.is_alive(p))
         };
@@ -81,6 +85,7 @@ impl Broker {
         let listeners = &self.listeners;
         self.listener_since
             .retain(|key, _| listeners.contains_key(key));
+        self.forget_gone_stock_takers();
         let after: usize = self.listeners.values().map(Vec::len).sum();
         if before != after {
             self.save_listeners();

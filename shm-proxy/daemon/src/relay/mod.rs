@@ -385,6 +385,8 @@ impl Relay {
                 connections_closed: self.closed.load(Ordering::Relaxed),
                 bytes: c2s_total + s2c_total,
                 channels_pending: pending as u64,
+                // The relay keeps no stock.
+                channels_stocked: 0,
                 bytes_client_to_server: c2s_total,
                 bytes_server_to_client: s2c_total,
             },
@@ -413,15 +415,19 @@ impl Relay {
     }
 
     /// True when the relay serves `req` (instead of the broker): a
-    /// relayable intent or claim whose peer is a pod of another node with a
-    /// lane, or the cancel of one of our set-ups.
+    /// relayable (or stock) intent or claim whose peer is a pod of another
+    /// node with a lane, or the cancel of one of our set-ups.
     pub fn takes(&self, req: &Request) -> bool {
         let remote = |ip: std::net::IpAddr| {
             !self.shared.lock().is_local_pod_ip(ip) && self.router.lane_peer(ip).is_some()
         };
         match req {
-            Request::RelayableIntent { dst, .. } => remote(dst.ip()),
-            Request::RelayableClaim { peer, .. } => remote(peer.ip()),
+            Request::RelayableIntent { dst, .. } | Request::StockIntent { dst, .. } => {
+                remote(dst.ip())
+            }
+            Request::RelayableClaim { peer, .. } | Request::StockClaim { peer, .. } => {
+                remote(peer.ip())
+            }
             // Its backend may be a pod of another node (`service.rs`).
             Request::ResolveService { channel_id, .. } => {
                 self.shared.lock().is_pending_service(*channel_id)
@@ -435,11 +441,20 @@ impl Relay {
     pub fn handle(self: &Arc<Self>, caller: &Caller, req: Request) -> Answer {
         self.shared.lock().count_request(req.op_name());
         match req {
+            // The relay grants no stock: a stock intent or claim is served
+            // as the relayable one (its answer is one the library expects).
             Request::RelayableIntent {
                 src,
                 dst,
                 region_len,
                 socket_fd,
+            }
+            | Request::StockIntent {
+                src,
+                dst,
+                region_len,
+                socket_fd,
+                ..
             } => self.intent(
                 caller,
                 canonical(src),
@@ -448,6 +463,11 @@ impl Relay {
                 socket_fd,
             ),
             Request::RelayableClaim {
+                local,
+                peer,
+                socket_fd,
+            }
+            | Request::StockClaim {
                 local,
                 peer,
                 socket_fd,
@@ -636,13 +656,13 @@ impl Relay {
             return self.fallback(why, counter);
         }
         tracing::debug!(id, %src, %dst, %peer_daemon, "relay: channel announced");
-        Answer {
-            response: Response::Channel {
+        Answer::with_fd(
+            Response::Channel {
                 id,
                 len: region_len,
             },
-            fd: Some(memfd),
-        }
+            memfd,
+        )
     }
 
     /// Client daemon: opens the stream for `key` to `peer_daemon` and waits
@@ -889,13 +909,13 @@ impl Relay {
         if !spawned {
             run_once(self);
         }
-        Answer {
-            response: Response::Channel {
+        Answer::with_fd(
+            Response::Channel {
                 id,
                 len: len as u64,
             },
-            fd: Some(memfd),
-        }
+            memfd,
+        )
     }
 
     /// The stream a peer daemon opened for `key` (for a pod-IP connection

@@ -1,0 +1,546 @@
+//! Stock: channels the daemon makes ahead for one (client process,
+//! destination listener address) pair, so that later connections of that
+//! process to that listener need no round trip to the daemon
+//! (docs/daemon.md, "Pre-created channels").
+//!
+//! - `stock-intent`: served as a relayable intent; when that yields a
+//!   channel to a listener that takes stock, up to `want` more sealed
+//!   regions are made and granted to the client with it.
+//! - `stock-claim`: served as a relayable claim; it also marks the listener
+//!   as one that takes stock (its server looks at stock), and grants the
+//!   calling process the listener's stock it does not hold yet.
+//! - `stock-taken` (one way): a server attached a stock channel to the
+//!   connection it accepted: the stock becomes an active connection, as a
+//!   claim makes one.
+//! - A close report from the client's pod may name stock not taken yet
+//!   (the server's `stock-taken` comes on another daemon connection): the
+//!   stock becomes active at once, and the later `stock-taken` fills in
+//!   the server's side.
+//!
+//! Bounds: a pod's stock counts against its pending channels
+//! (`max_pending_per_pod`), a (client process, destination) pair holds at
+//! most `MAX_STOCK_PER_PAIR`, an answer grants at most `MAX_STOCK_GRANTS`.
+//! Stock expires (`stock_ttl`, and with its client process); dropping it
+//! closes the daemon's copy only.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+use flowlane_lane::proto::{
+    ChannelGrant, ErrorCode, FallbackReason, Response, StockGrant, MAX_STOCK_GRANTS,
+};
+
+use super::connections::Active;
+use super::{Answer, Broker, Caller};
+use crate::identity::ProcessId;
+use crate::pods::PodId;
+use crate::ring_watch::RingWatch;
+
+/// Most stock one (client process, destination) pair holds: the library
+/// asks for more only when it has none left, so one batch is all a pair
+/// ever needs at once.
+const MAX_STOCK_PER_PAIR: usize = MAX_STOCK_GRANTS;
+
+/// A channel made ahead, not taken yet.
+#[derive(Debug)]
+pub(super) struct Stock {
+    /// The daemon's copy: every grant is a dup of it.
+    memfd: OwnedFd,
+    pub(super) len: u64,
+    pub(super) client_pod: PodId,
+    pub(super) client_process: ProcessId,
+    /// The client pod's address as its server sees the peer (the grant's
+    /// `client`).
+    pub(super) client_ip: IpAddr,
+    pub(super) server_pod: PodId,
+    /// The destination the client named (canonical): the listener address
+    /// a server's `local` must equal.
+    pub(super) dst: SocketAddr,
+    pub(super) created: Instant,
+    /// The server processes it was granted to.
+    pub(super) holders: Vec<ProcessId>,
+}
+
+/// The stock an intent's answer is to carry: how many, and for whom.
+struct StockOrder {
+    count: usize,
+    len: u64,
+    client_pod: PodId,
+    client_process: ProcessId,
+    client_ip: IpAddr,
+    server_pod: PodId,
+    dst: SocketAddr,
+}
+
+/// What an answer that could not be sent had made or granted, to undo.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Undelivered {
+    /// An intent's channel and the stock made with it: the client never
+    /// got them.
+    Intent {
+        channel: Option<u64>,
+        stock: Vec<u64>,
+    },
+    /// A stock claim's grants: they stay stock, the caller holds none.
+    Grants(Vec<u64>),
+}
+
+impl Undelivered {
+    /// What the answer `response` to a request (`intent`: an intent of any
+    /// kind) made or granted.
+    pub fn of(intent: bool, response: &Response) -> Option<Self> {
+        match response {
+            Response::Channel { id, .. } if intent => Some(Undelivered::Intent {
+                channel: Some(*id),
+                stock: Vec::new(),
+            }),
+            Response::Stocked { channel, stock } => {
+                let ids = stock.iter().map(|g| g.id).collect();
+                Some(if intent {
+                    Undelivered::Intent {
+                        channel: channel.map(|c| c.id),
+                        stock: ids,
+                    }
+                } else {
+                    Undelivered::Grants(ids)
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Broker {
+    /// `stock-intent`: the relayable intent, and stock with its channel
+    /// when the listener takes it.
+    pub(super) fn stock_intent(
+        &mut self,
+        caller: &Caller,
+        src: SocketAddr,
+        dst: SocketAddr,
+        region_len: u64,
+        socket_fd: i32,
+        want: u32,
+    ) -> Answer {
+        let answer = self.connect_intent(caller, src, dst, region_len, Some(socket_fd));
+        let Response::Channel { id, len } = answer.response else {
+            return answer;
+        };
+        let Some(order) = self.stock_order(caller, id, want) else {
+            return answer;
+        };
+        let made = self.make_stock(order);
+        if made.is_empty() {
+            return answer;
+        }
+        Self::stocked(Some(ChannelGrant { id, len }), answer.fds, made)
+    }
+
+    /// How much stock the intent that just announced `channel_id` gets:
+    /// `want` within the bounds (module header); `None` for none.
+    fn stock_order(&self, caller: &Caller, channel_id: u64, want: u32) -> Option<StockOrder> {
+        // Stock is bounded and expired per client process: an
+        // unidentified one gets none.
+        let client_process = caller.process?;
+        let p = self.pending.get(self.pending_ids.get(&channel_id)?)?;
+        let server_pod = p.server_pod?;
+        // An older library on the server would never look at stock, and
+        // the client would wait for an attach that never comes.
+        let listener = self.listener_key(server_pod, p.dst)?;
+        if !self.takes_stock.contains(&listener) {
+            return None;
+        }
+        let of_pair = self
+            .stock
+            .values()
+            .filter(|s| s.client_process == client_process && s.dst == p.dst)
+            .count();
+        let budget = self
+            .limits
+            .max_pending_per_pod
+            .saturating_sub(self.held_by_pod(p.client_pod));
+        let count = (want as usize)
+            .min(MAX_STOCK_GRANTS)
+            .min(MAX_STOCK_PER_PAIR.saturating_sub(of_pair))
+            .min(budget);
+        (count > 0).then_some(StockOrder {
+            count,
+            len: p.len,
+            client_pod: p.client_pod,
+            client_process,
+            // The admitted source: a portless intent's is the pod's
+            // address facing `dst` (`admit_intent`).
+            client_ip: p.key.src.ip(),
+            server_pod,
+            dst: p.dst,
+        })
+    }
+
+    /// Channels a pod holds against `max_pending_per_pod`: pending, stock,
+    /// and stock a close report made active before its server took it.
+    pub(super) fn held_by_pod(&self, pod: PodId) -> usize {
+        let pending = self
+            .pending
+            .values()
+            .filter(|p| p.client_pod == pod)
+            .count();
+        let stock = self.stock.values().filter(|s| s.client_pod == pod).count();
+        let early = self
+            .stock_early
+            .keys()
+            .filter(|id| self.active.get(id).is_some_and(|c| c.client_pod == pod))
+            .count();
+        pending + stock + early
+    }
+
+    /// Makes and records the stock of `order`; returns each grant with the
+    /// client's copy of its memfd (fewer than ordered if the kernel
+    /// refuses a memfd).
+    fn make_stock(&mut self, order: StockOrder) -> Vec<(StockGrant, OwnedFd)> {
+        let mut made = Vec::with_capacity(order.count);
+        for _ in 0..order.count {
+            let id = self.next_channel_id();
+            let created = self
+                .kernel
+                .channel_memfd(&super::channel_memfd_name(id), order.len)
+                .and_then(|fd| Ok((fd.try_clone()?, fd)));
+            let (client_copy, kept) = match created {
+                Ok(fds) => fds,
+                Err(e) => {
+                    tracing::warn!(error = %e, len = order.len, "cannot create a stock memfd");
+                    break;
+                }
+            };
+            self.stock.insert(
+                id,
+                Stock {
+                    memfd: kept,
+                    len: order.len,
+                    client_pod: order.client_pod,
+                    client_process: order.client_process,
+                    client_ip: order.client_ip,
+                    server_pod: order.server_pod,
+                    dst: order.dst,
+                    created: Instant::now(),
+                    holders: Vec::new(),
+                },
+            );
+            let grant = StockGrant {
+                id,
+                len: order.len,
+                client: order.client_ip,
+            };
+            made.push((grant, client_copy));
+        }
+        tracing::debug!(made = made.len(), client = %order.client_ip, dst = %order.dst, "stock made");
+        made
+    }
+
+    /// A `stocked` answer: the channel's fds (if any) first, then one per
+    /// grant, in the grants' order.
+    fn stocked(
+        channel: Option<ChannelGrant>,
+        channel_fds: Vec<OwnedFd>,
+        grants: Vec<(StockGrant, OwnedFd)>,
+    ) -> Answer {
+        let (stock, grant_fds): (Vec<StockGrant>, Vec<OwnedFd>) = grants.into_iter().unzip();
+        let mut fds = channel_fds;
+        fds.extend(grant_fds);
+        Answer {
+            response: Response::Stocked { channel, stock },
+            fds,
+        }
+    }
+
+    /// `stock-claim`: the relayable claim, and the listener's stock the
+    /// caller does not hold yet.
+    pub(super) fn stock_claim(
+        &mut self,
+        caller: &Caller,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Answer {
+        let answer = self.claim_accepted(caller, local, peer);
+        let channel = match answer.response {
+            Response::Channel { id, len } => Some(ChannelGrant { id, len }),
+            Response::NoChannel { .. } => None,
+            // Refused: nothing is granted to a caller whose claim is.
+            _ => return answer,
+        };
+        // A channel or none is answered only to the pod that owns `local`.
+        let Some(pod) = caller.netns else {
+            return answer;
+        };
+        if let Some(listener) = self.listener_key(pod, local) {
+            self.takes_stock.insert(listener);
+        }
+        let grants = self.grant_stock(caller, pod, local, peer);
+        if grants.is_empty() {
+            return answer;
+        }
+        if channel.is_none() {
+            // Not a connection left on TCP: the server looks for the
+            // connection's offer in the stock it was just granted (the
+            // client used stock the server did not hold yet).
+            self.counters
+                .fallback_retracted(FallbackReason::ClaimWithoutIntent);
+        }
+        Self::stocked(channel, answer.fds, grants)
+    }
+
+    /// Grants the caller the stock of listener `local` of `pod` it does not
+    /// hold yet, the stock made for `peer`'s pod first, and records it as
+    /// a holder.
+    fn grant_stock(
+        &mut self,
+        caller: &Caller,
+        pod: PodId,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Vec<(StockGrant, OwnedFd)> {
+        // A holder is a process: an unidentified one would get the same
+        // stock again at every claim.
+        let Some(process) = caller.process else {
+            return Vec::new();
+        };
+        let mut ids: Vec<(bool, u64)> = self
+            .stock
+            .iter()
+            .filter(|(_, s)| s.server_pod == pod && s.dst == local && !s.holders.contains(&process))
+            .map(|(id, s)| (!self.pod_owns(s.client_pod, peer.ip()), *id))
+            .collect();
+        // The peer's pod's stock holds this connection's offer, if any.
+        ids.sort_unstable();
+        let mut grants = Vec::new();
+        for (_, id) in ids.into_iter().take(MAX_STOCK_GRANTS) {
+            let Some(s) = self.stock.get_mut(&id) else {
+                continue;
+            };
+            match s.memfd.try_clone() {
+                Ok(fd) => {
+                    s.holders.push(process);
+                    let grant = StockGrant {
+                        id,
+                        len: s.len,
+                        client: s.client_ip,
+                    };
+                    grants.push((grant, fd));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot duplicate a stock memfd");
+                    break;
+                }
+            }
+        }
+        grants
+    }
+
+    /// `stock-taken` (one way): stock `channel_id` of the caller's pod's
+    /// listener `local` carries the connection from `peer`. Anything else
+    /// is refused (counted, logged; the answer is never sent).
+    pub(super) fn stock_taken(
+        &mut self,
+        caller: &Caller,
+        channel_id: u64,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(refused) => return refused,
+        };
+        if self.stock_early.contains_key(&channel_id) {
+            return self.take_early(caller, pod, channel_id, local, peer);
+        }
+        let fits = self.stock.get(&channel_id).is_some_and(|s| {
+            s.server_pod == pod && s.dst == local && self.pod_owns(s.client_pod, peer.ip())
+        });
+        if !fits {
+            return self.deny(
+                ErrorCode::Forbidden,
+                "not stock of this listener for that peer",
+            );
+        }
+        let Some(s) = self.stock.remove(&channel_id) else {
+            return Response::Ok.into();
+        };
+        self.open_stock(channel_id, s, caller.process, (peer, local));
+        self.keep_listener_for(caller, pod, local);
+        tracing::debug!(id = channel_id, client = %peer, server = %local, "stock taken");
+        Response::Ok.into()
+    }
+
+    /// Stock `id` becomes an active connection, as a claim makes one:
+    /// counted opened, its rings watched through the daemon's copy.
+    fn open_stock(
+        &mut self,
+        id: u64,
+        s: Stock,
+        server_process: Option<ProcessId>,
+        (client_addr, server_addr): (SocketAddr, SocketAddr),
+    ) {
+        self.counters.shm.opened += 1;
+        self.active.insert(
+            id,
+            Active {
+                id,
+                client_pod: s.client_pod,
+                server_pod: s.server_pod,
+                client_addr,
+                server_addr,
+                len: s.len,
+                opened: Instant::now(),
+                client_process: Some(s.client_process),
+                server_process,
+                client_report: None,
+                server_report: None,
+                watch: Some(RingWatch::new(s.memfd)),
+                seen: Default::default(),
+            },
+        );
+    }
+
+    /// A close report from `pod` names stock `id`: when `pod` is the
+    /// stock's client, the stock becomes active first (its server's
+    /// `stock-taken` may still be on its way), so that the report counts.
+    pub(super) fn open_stock_reported(&mut self, pod: PodId, id: u64) {
+        if self.stock.get(&id).is_none_or(|s| s.client_pod != pod) {
+            return;
+        }
+        let Some(s) = self.stock.remove(&id) else {
+            return;
+        };
+        // What is known before the server's word: the client's address
+        // (not its port), the listener address it named.
+        let addrs = (SocketAddr::new(s.client_ip, 0), s.dst);
+        let created = s.created;
+        self.open_stock(id, s, None, addrs);
+        if let Some(c) = self.active.get_mut(&id) {
+            // The connection is younger than its stock: the byte counts'
+            // bound must not refuse what it carried before this report.
+            c.opened = created;
+        }
+        self.stock_early.insert(id, Instant::now());
+        tracing::debug!(id, "stock reported closed before it was taken");
+    }
+
+    /// `stock-taken` for stock a close report made active: fills in the
+    /// server's side, checked as the stock would have been.
+    fn take_early(
+        &mut self,
+        caller: &Caller,
+        pod: PodId,
+        id: u64,
+        local: SocketAddr,
+        peer: SocketAddr,
+    ) -> Answer {
+        let fits = self.active.get(&id).is_some_and(|c| {
+            c.server_pod == pod && c.server_addr == local && self.pod_owns(c.client_pod, peer.ip())
+        });
+        if !fits {
+            return self.deny(
+                ErrorCode::Forbidden,
+                "not stock of this listener for that peer",
+            );
+        }
+        self.stock_early.remove(&id);
+        if let Some(c) = self.active.get_mut(&id) {
+            c.server_process = caller.process;
+            c.client_addr = peer;
+        }
+        self.keep_listener_for(caller, pod, local);
+        tracing::debug!(id, client = %peer, server = %local, "stock taken after its client's close report");
+        Response::Ok.into()
+    }
+
+    /// An answer that could not be sent: the intent's channel and stock
+    /// are dropped (the client never got them), a claim's grants stay
+    /// stock that the caller does not hold.
+    pub fn answer_undelivered(&mut self, caller: &Caller, made: Undelivered) {
+        match made {
+            Undelivered::Intent { channel, stock } => {
+                if let Some(id) = channel {
+                    self.intent_undelivered(id);
+                }
+                for id in stock {
+                    self.drop_stock(id);
+                }
+            }
+            Undelivered::Grants(ids) => {
+                for id in ids {
+                    if let Some(s) = self.stock.get_mut(&id) {
+                        s.holders.retain(|p| Some(*p) != caller.process);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drops stock `id`, closing the daemon's copy (the ends that hold it
+    /// are not told: their own expiry covers it).
+    fn drop_stock(&mut self, id: u64) {
+        if self.stock.remove(&id).is_some() {
+            tracing::debug!(id, "stock dropped");
+        }
+    }
+
+    /// Drops the stock older than `stock_ttl`, and closes the connections
+    /// a close report opened whose server never said it took them within
+    /// `intent_ttl` (the time a claim has).
+    pub(super) fn expire_stock(&mut self, now: Instant) {
+        let ttl = self.limits.stock_ttl;
+        let old: Vec<u64> = self
+            .stock
+            .iter()
+            .filter(|(_, s)| now.saturating_duration_since(s.created) >= ttl)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in old {
+            self.drop_stock(id);
+        }
+        let ttl = self.limits.intent_ttl;
+        let untaken: Vec<u64> = self
+            .stock_early
+            .iter()
+            .filter(|(_, since)| now.saturating_duration_since(**since) >= ttl)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in untaken {
+            self.close_active(id);
+        }
+    }
+
+    /// Drops the stock of client processes that are gone, and forgets
+    /// holders that are (`alive`: the sweep's answers so far).
+    pub(super) fn sweep_stock(&mut self, alive: &mut HashMap<ProcessId, bool>) {
+        let kernel = &*self.kernel;
+        let mut is_alive = |p: &ProcessId| *alive.entry(*p).or_insert_with(|| kernel.is_alive(p));
+        let before = self.stock.len();
+        self.stock.retain(|_, s| is_alive(&s.client_process));
+        for s in self.stock.values_mut() {
+            s.holders.retain(|p| is_alive(p));
+        }
+        if self.stock.len() != before {
+            tracing::debug!(
+                dropped = before - self.stock.len(),
+                "stock of gone processes dropped"
+            );
+        }
+    }
+
+    /// Forgets stock of pods that left the registry.
+    pub(super) fn forget_stock_of_gone_pods(&mut self) {
+        let pods = &self.pods;
+        self.stock
+            .retain(|_, s| pods.contains(s.client_pod) && pods.contains(s.server_pod));
+    }
+
+    /// Forgets that a listener takes stock once it is gone: a server that
+    /// listens there next may run a library that never looks at stock.
+    pub(super) fn forget_gone_stock_takers(&mut self) {
+        let listeners = &self.listeners;
+        self.takes_stock.retain(|key| listeners.contains_key(key));
+    }
+}

@@ -1,0 +1,628 @@
+//! Stock (`stock.rs`) on the fake kernel: who gets stock and how much, the
+//! grants of a claim, `stock-taken`, close reports that overtake it,
+//! expiry, the pod's budget, and answers that could not be sent.
+
+use std::os::unix::fs::MetadataExt;
+
+use flowlane_lane::proto::{ChannelGrant, StockGrant, MAX_STOCK_GRANTS};
+
+use super::tests::{node, pod, sa, Node};
+use super::*;
+
+/// Pods 1 to 3 (`tests::node`); a server process of pod 2 listening on
+/// `0.0.0.0:80` and `0.0.0.0:81`, and a client process of pod 1.
+struct Stocked {
+    n: Node,
+    client: Caller,
+    server: Caller,
+}
+
+fn stocked_node(name: &str, limits: Limits) -> Stocked {
+    let n = node(name, limits);
+    let client = Caller {
+        process: Some(n.kernel.start_process()),
+        ..pod(1)
+    };
+    let server = Caller {
+        process: Some(n.kernel.start_process()),
+        ..pod(2)
+    };
+    let mut s = Stocked { n, client, server };
+    for port in [80, 81] {
+        s.n.kernel.listen(port);
+        let addr = sa(&format!("0.0.0.0:{port}"));
+        let r =
+            s.n.broker
+                .handle(&server, Request::RegisterListener { addr });
+        assert_eq!(r.response, Response::Ok);
+    }
+    s
+}
+
+/// Another process of pod `i`.
+fn process_of(n: &Node, i: u64) -> Caller {
+    Caller {
+        process: Some(n.kernel.start_process()),
+        ..pod(i)
+    }
+}
+
+fn stock_intent(b: &mut Broker, who: &Caller, src: &str, dst: &str, want: u32) -> Answer {
+    b.handle(
+        who,
+        Request::StockIntent {
+            src: sa(src),
+            dst: sa(dst),
+            region_len: 8192,
+            socket_fd: 3,
+            want,
+        },
+    )
+}
+
+fn stock_claim(b: &mut Broker, who: &Caller, local: &str, peer: &str) -> Answer {
+    b.handle(
+        who,
+        Request::StockClaim {
+            local: sa(local),
+            peer: sa(peer),
+            socket_fd: 4,
+        },
+    )
+}
+
+fn taken(b: &mut Broker, who: &Caller, id: u64, local: &str, peer: &str) {
+    let req = Request::StockTaken {
+        channel_id: id,
+        local: sa(local),
+        peer: sa(peer),
+    };
+    // One way: the answer is never sent.
+    drop(b.handle(who, req));
+}
+
+fn report(b: &mut Broker, who: &Caller, id: u64, sent: u64, received: u64) -> Response {
+    let req = Request::ReportClosedOneWay {
+        channel_id: id,
+        sent,
+        received,
+    };
+    b.handle(who, req).response
+}
+
+/// The server shows that it looks at stock: a stock claim for `local`
+/// (finding no channel).
+fn takes_stock(b: &mut Broker, server: &Caller, local: &str) {
+    let a = stock_claim(b, server, local, "10.202.9.1:1");
+    assert!(
+        matches!(a.response, Response::NoChannel { .. }),
+        "{:?}",
+        a.response
+    );
+}
+
+/// The stock an answer grants (checked against its fds).
+fn grants(a: &Answer) -> Vec<StockGrant> {
+    match &a.response {
+        Response::Stocked { channel, stock } => {
+            assert_eq!(a.fds.len(), usize::from(channel.is_some()) + stock.len());
+            stock.clone()
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn ids(g: &[StockGrant]) -> Vec<u64> {
+    g.iter().map(|g| g.id).collect()
+}
+
+fn ino(fd: &OwnedFd) -> u64 {
+    std::fs::File::from(fd.try_clone().unwrap())
+        .metadata()
+        .unwrap()
+        .ino()
+}
+
+fn stats(b: &Broker) -> LaneStats {
+    b.stats().lanes[SHM_LANE].clone()
+}
+
+use flowlane_lane::proto::LaneStats;
+
+#[test]
+fn only_a_listener_whose_server_claimed_with_stock_gets_stock() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-takes", Limits::default());
+    let b = &mut n.broker;
+    // Nobody showed that it looks at stock: the relayable intent's answer.
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 4);
+    assert!(
+        matches!(a.response, Response::Channel { .. }),
+        "{:?}",
+        a.response
+    );
+    assert_eq!(a.fds.len(), 1);
+    takes_stock(b, &server, "10.202.9.2:80");
+    let a = stock_intent(b, &client, "10.202.9.1:40001", "10.202.9.2:80", 4);
+    let Response::Stocked {
+        channel: Some(ChannelGrant { id, len: 8192 }),
+        ref stock,
+    } = a.response
+    else {
+        panic!("{:?}", a.response)
+    };
+    assert_eq!(stock.len(), 4);
+    assert_eq!(a.fds.len(), 5);
+    for g in stock {
+        assert_eq!((g.len, g.client), (8192, sa("10.202.9.1:0").ip()));
+        assert!(g.id != id);
+    }
+    // The channel's fd first: the pending channel's region.
+    let channel_ino = ino(&a.fds[0]);
+    assert!(a.fds[1..].iter().all(|fd| ino(fd) != channel_ino));
+    assert_eq!(stats(b).channels_stocked, 4);
+    assert_eq!(stats(b).channels_pending, 2);
+    // Another listener of the same server has not shown it.
+    let a = stock_intent(b, &client, "10.202.9.1:40002", "10.202.9.2:81", 4);
+    assert!(
+        matches!(a.response, Response::Channel { .. }),
+        "{:?}",
+        a.response
+    );
+    // A listener that goes and comes back (another server now) must show
+    // it again.
+    for req in [
+        Request::UnregisterListener {
+            addr: sa("0.0.0.0:80"),
+        },
+        Request::RegisterListener {
+            addr: sa("0.0.0.0:80"),
+        },
+    ] {
+        assert_eq!(b.handle(&server, req).response, Response::Ok);
+    }
+    let a = stock_intent(b, &client, "10.202.9.1:40003", "10.202.9.2:80", 4);
+    assert!(
+        matches!(a.response, Response::Channel { .. }),
+        "{:?}",
+        a.response
+    );
+    // No channel (no listener at all): no stock either.
+    let a = stock_intent(b, &client, "10.202.9.1:40004", "10.202.9.2:82", 4);
+    assert!(
+        matches!(a.response, Response::NoChannel { .. }),
+        "{:?}",
+        a.response
+    );
+    assert_eq!(stats(b).channels_stocked, 4);
+}
+
+#[test]
+fn a_portless_stock_intent_grants_for_the_pods_address_facing_the_destination() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-portless", Limits::default());
+    let b = &mut n.broker;
+    takes_stock(b, &server, "10.202.9.2:80");
+    let a = stock_intent(b, &client, "0.0.0.0:0", "10.202.9.2:80", 2);
+    let g = grants(&a);
+    assert_eq!(g.len(), 2, "{:?}", a.response);
+    assert!(g.iter().all(|g| g.client == sa("10.202.9.1:0").ip()));
+}
+
+#[test]
+fn want_is_clamped_and_a_client_process_holds_a_bounded_stock_per_destination() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-bounds", Limits::default());
+    takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+    takes_stock(&mut n.broker, &server, "10.202.9.2:81");
+    let other = process_of(&n, 1);
+    let b = &mut n.broker;
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 10);
+    assert_eq!(grants(&a).len(), 10);
+    // Fewer, to fit the pair's bound; then none (the relayable answer).
+    let a = stock_intent(b, &client, "10.202.9.1:40001", "10.202.9.2:80", 10);
+    assert_eq!(grants(&a).len(), MAX_STOCK_GRANTS - 10);
+    let a = stock_intent(b, &client, "10.202.9.1:40002", "10.202.9.2:80", 10);
+    assert!(
+        matches!(a.response, Response::Channel { .. }),
+        "{:?}",
+        a.response
+    );
+    // The bound is per client process and destination.
+    let a = stock_intent(b, &client, "10.202.9.1:40003", "10.202.9.2:81", 3);
+    assert_eq!(grants(&a).len(), 3);
+    let a = stock_intent(b, &other, "10.202.9.1:40004", "10.202.9.2:80", u32::MAX);
+    assert_eq!(grants(&a).len(), MAX_STOCK_GRANTS);
+    assert_eq!(
+        stats(b).channels_stocked,
+        (MAX_STOCK_GRANTS + 3 + MAX_STOCK_GRANTS) as u64
+    );
+    // want 0: none.
+    let third = process_of(&n, 1);
+    let a = stock_intent(
+        &mut n.broker,
+        &third,
+        "10.202.9.1:40005",
+        "10.202.9.2:80",
+        0,
+    );
+    assert!(
+        matches!(a.response, Response::Channel { .. }),
+        "{:?}",
+        a.response
+    );
+}
+
+#[test]
+fn a_claim_grants_each_stock_channel_once_per_process_the_peers_pod_first() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-claim", Limits::default());
+    takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+    let from_pod3 = process_of(&n, 3);
+    let worker = process_of(&n, 2);
+    let b = &mut n.broker;
+    let fallbacks = |b: &Broker| {
+        b.stats()
+            .fallbacks
+            .get("claim-without-intent")
+            .copied()
+            .unwrap_or(0)
+    };
+    let without_intent = fallbacks(b);
+    // Pod 3's stock is older (lower ids) than pod 1's.
+    let a3 = stock_intent(b, &from_pod3, "10.202.9.3:40000", "10.202.9.2:80", 2);
+    let a1 = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 2);
+    let (g3, g1) = (grants(&a3), grants(&a1));
+    assert_eq!((g3.len(), g1.len()), (2, 2));
+    // The stock made for port 81 is not this listener's.
+    takes_stock(b, &server, "10.202.9.2:81");
+    let a81 = stock_intent(b, &client, "10.202.9.1:40001", "10.202.9.2:81", 2);
+    assert_eq!(grants(&a81).len(), 2);
+    let without_intent = without_intent + 1;
+    // A connection from pod 1 that nobody announced (it used stock the
+    // server does not hold yet): no channel, the stock granted, pod 1's
+    // first; not a connection left on TCP.
+    let c = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:50000");
+    let Response::Stocked {
+        channel: None,
+        ref stock,
+    } = c.response
+    else {
+        panic!("{:?}", c.response)
+    };
+    assert_eq!(ids(stock), [ids(&g1), ids(&g3)].concat());
+    assert_eq!(c.fds.len(), 4);
+    assert_eq!(fallbacks(b), without_intent);
+    // The server's grant is the client's region.
+    assert_eq!(ino(&c.fds[0]), ino(&a1.fds[1]));
+    assert_eq!(ino(&c.fds[2]), ino(&a3.fds[1]));
+    // Granted once per process: the same process gets nothing more (and
+    // that claim is one without intent), another process of the pod all.
+    let again = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:50001");
+    assert!(matches!(again.response, Response::NoChannel { .. }));
+    assert_eq!(fallbacks(b), without_intent + 1);
+    let w = stock_claim(b, &worker, "10.202.9.2:80", "10.202.9.3:50000");
+    assert_eq!(ids(&grants(&w)), [ids(&g3), ids(&g1)].concat());
+    // A claim that finds its channel carries it first, then the new stock.
+    let a = stock_intent(b, &client, "10.202.9.1:40002", "10.202.9.2:80", 1);
+    let Response::Stocked {
+        channel: Some(ChannelGrant { id, .. }),
+        ..
+    } = a.response
+    else {
+        panic!("{:?}", a.response)
+    };
+    let fresh = grants(&a);
+    let c = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:40002");
+    assert_eq!(
+        c.response,
+        Response::Stocked {
+            channel: Some(ChannelGrant { id, len: 8192 }),
+            stock: fresh,
+        }
+    );
+    assert_eq!(ino(&c.fds[0]), ino(&a.fds[0]));
+    assert_eq!(ino(&c.fds[1]), ino(&a.fds[1]));
+    assert_eq!(stats(b).connections_opened, 1);
+}
+
+#[test]
+fn a_claim_grants_at_most_a_batch() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-batch", Limits::default());
+    takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+    let other = process_of(&n, 1);
+    let b = &mut n.broker;
+    for (who, port) in [(&client, 40000), (&other, 40001)] {
+        let src = format!("10.202.9.1:{port}");
+        let a = stock_intent(b, who, &src, "10.202.9.2:80", u32::MAX);
+        assert_eq!(grants(&a).len(), MAX_STOCK_GRANTS);
+    }
+    let first = grants(&stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:1"));
+    let second = grants(&stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:1"));
+    assert_eq!(
+        (first.len(), second.len()),
+        (MAX_STOCK_GRANTS, MAX_STOCK_GRANTS)
+    );
+    assert!(first.iter().all(|g| !second.contains(g)));
+}
+
+#[test]
+fn stock_taken_opens_the_connection_once_and_only_for_its_listener_and_client() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-taken", Limits::default());
+    takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+    let worker = process_of(&n, 2);
+    let third = process_of(&n, 3);
+    let b = &mut n.broker;
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 2);
+    let id = grants(&a)[0].id;
+    let auth = |b: &Broker| b.stats().auth_failures;
+    let before = auth(b);
+    // Another pod; another listener of the server's pod; a peer address
+    // the client's pod does not own; an id that is no stock.
+    taken(b, &third, id, "10.202.9.2:80", "10.202.9.1:5000");
+    taken(b, &worker, id, "10.202.9.2:81", "10.202.9.1:5000");
+    taken(b, &worker, id, "10.202.9.2:80", "10.202.9.3:5000");
+    taken(b, &worker, id + 100, "10.202.9.2:80", "10.202.9.1:5000");
+    assert_eq!(auth(b), before + 4);
+    let st = stats(b);
+    assert_eq!((st.connections_opened, st.channels_stocked), (0, 2));
+    // Its server (a worker that did not register the listener), in any
+    // address form.
+    taken(b, &worker, id, "[::ffff:10.202.9.2]:80", "10.202.9.1:5000");
+    let st = stats(b);
+    assert_eq!(
+        (
+            st.connections_opened,
+            st.connections_active,
+            st.channels_stocked
+        ),
+        (1, 1, 1)
+    );
+    assert_eq!(auth(b), before + 4);
+    let conn = &b.stats().connections[0];
+    assert_eq!(
+        (conn.id, conn.client.addr, conn.server.addr),
+        (id, sa("10.202.9.1:5000"), sa("10.202.9.2:80"))
+    );
+    // The worker accepts on the listener: it keeps it alive.
+    let listener = b.stats().listeners;
+    let l = listener
+        .iter()
+        .find(|l| l.addr == sa("0.0.0.0:80"))
+        .unwrap();
+    assert_eq!(l.processes, 2);
+    // Once: a second `stock-taken` is refused and opens nothing.
+    taken(b, &worker, id, "10.202.9.2:80", "10.202.9.1:5000");
+    assert_eq!(auth(b), before + 5);
+    assert_eq!(stats(b).connections_opened, 1);
+    // Both ends report: closed as a claimed connection is.
+    assert_eq!(report(b, &client, id, 30, 4), Response::Ok);
+    assert_eq!(report(b, &worker, id, 4, 30), Response::Ok);
+    let st = stats(b);
+    assert_eq!(
+        (st.connections_active, st.connections_closed, st.bytes),
+        (0, 1, 34)
+    );
+}
+
+#[test]
+fn a_close_report_before_or_after_stock_taken_ends_with_one_connection() {
+    for client_first in [false, true] {
+        let Stocked {
+            mut n,
+            client,
+            server,
+        } = stocked_node("stock-race", Limits::default());
+        takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+        let third = process_of(&n, 3);
+        let b = &mut n.broker;
+        let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 1);
+        let id = grants(&a)[0].id;
+        // A report from a pod that is not the stock's client opens nothing.
+        report(b, &third, id, 1, 1);
+        report(b, &server, id, 1, 1);
+        assert_eq!(stats(b).channels_stocked, 1);
+        if client_first {
+            assert_eq!(report(b, &client, id, 100, 7), Response::Ok);
+            let st = stats(b);
+            assert_eq!((st.connections_opened, st.channels_stocked), (1, 0));
+        }
+        taken(b, &server, id, "10.202.9.2:80", "10.202.9.1:5000");
+        let st = b.stats();
+        assert_eq!(
+            st.connections[0].client.addr,
+            sa("10.202.9.1:5000"),
+            "{client_first}"
+        );
+        if !client_first {
+            assert_eq!(report(b, &client, id, 100, 7), Response::Ok);
+        }
+        assert_eq!(report(b, &server, id, 7, 100), Response::Ok);
+        let st = stats(b);
+        assert_eq!(
+            (
+                st.connections_opened,
+                st.connections_active,
+                st.connections_closed,
+                st.bytes
+            ),
+            (1, 0, 1, 107),
+            "client first: {client_first}"
+        );
+        assert_eq!(b.stats().auth_failures, 0, "client first: {client_first}");
+    }
+}
+
+#[test]
+fn stock_expires_and_goes_with_its_client_process() {
+    let limits = Limits {
+        stock_ttl: Duration::from_secs(60),
+        intent_ttl: Duration::from_secs(30),
+        ..Limits::default()
+    };
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-expiry", limits);
+    takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+    let other = process_of(&n, 1);
+    let t0 = Instant::now();
+    let b = &mut n.broker;
+    stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 2);
+    let kept = grants(&stock_intent(
+        b,
+        &other,
+        "10.202.9.1:40001",
+        "10.202.9.2:80",
+        3,
+    ));
+    b.tick(t0);
+    assert_eq!(stats(b).channels_stocked, 5);
+    // A close report opens one of `other`'s; its server never says it
+    // took it.
+    report(b, &other, kept[0].id, 1, 0);
+    assert_eq!(stats(b).connections_active, 1);
+    // A client process that exits takes its stock with it (at the sweep).
+    n.kernel.exit(client.process.unwrap());
+    let b = &mut n.broker;
+    b.tick(t0 + Duration::from_secs(3));
+    let st = stats(b);
+    assert_eq!((st.channels_stocked, st.connections_active), (2, 1));
+    let c = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:1");
+    assert_eq!(ids(&grants(&c)), ids(&kept[1..]));
+    // The early connection is closed once a claim's time has passed.
+    b.tick(t0 + Duration::from_secs(31));
+    let st = stats(b);
+    assert_eq!(
+        (
+            st.connections_active,
+            st.connections_closed,
+            st.channels_stocked
+        ),
+        (0, 1, 2)
+    );
+    // The stock lives its TTL, not a moment more.
+    b.tick(t0 + Duration::from_secs(59));
+    assert_eq!(stats(b).channels_stocked, 2);
+    b.tick(Instant::now() + Duration::from_secs(60));
+    assert_eq!(stats(b).channels_stocked, 0);
+}
+
+#[test]
+fn a_pods_stock_and_pending_channels_share_its_budget() {
+    let limits = Limits {
+        max_pending_per_pod: 6,
+        ..Limits::default()
+    };
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-budget", limits);
+    takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+    let b = &mut n.broker;
+    // The channel and stock to fill the budget.
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 16);
+    assert_eq!(grants(&a).len(), 5);
+    let a = stock_intent(b, &client, "10.202.9.1:40001", "10.202.9.2:81", 1);
+    assert!(
+        matches!(
+            a.response,
+            Response::Error {
+                code: ErrorCode::TooLarge,
+                ..
+            }
+        ),
+        "{:?}",
+        a.response
+    );
+    // The claim frees the channel's place: a channel fits, no stock.
+    let c = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:40000");
+    assert!(matches!(
+        c.response,
+        Response::Stocked {
+            channel: Some(_),
+            ..
+        }
+    ));
+    let a = stock_intent(b, &client, "10.202.9.1:40002", "10.202.9.2:80", 16);
+    assert!(
+        matches!(a.response, Response::Channel { .. }),
+        "{:?}",
+        a.response
+    );
+    // Another pod's budget is its own.
+    let a = stock_intent(b, &pod(3), "10.202.9.3:40000", "10.202.9.2:80", 2);
+    assert_eq!(grants(&a).len(), 2);
+    assert_eq!(b.stats().fallbacks["too-many-pending"], 1);
+}
+
+#[test]
+fn an_undelivered_answer_drops_what_it_made_and_keeps_what_it_granted() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-undelivered", Limits::default());
+    takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+    let b = &mut n.broker;
+    // An intent's answer: its channel and its stock go.
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 3);
+    let made = Undelivered::of(true, &a.response).unwrap();
+    assert!(
+        matches!(made, Undelivered::Intent { channel: Some(_), ref stock } if stock.len() == 3)
+    );
+    b.answer_undelivered(&client, made);
+    let st = stats(b);
+    assert_eq!((st.channels_pending, st.channels_stocked), (0, 0));
+    assert_eq!(b.stats().fallbacks["intent-undelivered"], 1);
+    // A claim's grants stay stock; the caller holds none, so its next
+    // claim gets them again.
+    let made = grants(&stock_intent(
+        b,
+        &client,
+        "10.202.9.1:40001",
+        "10.202.9.2:80",
+        2,
+    ));
+    let c = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:1");
+    assert_eq!(grants(&c), made);
+    let undo = Undelivered::of(false, &c.response).unwrap();
+    assert_eq!(undo, Undelivered::Grants(ids(&made)));
+    b.answer_undelivered(&server, undo);
+    assert_eq!(stats(b).channels_stocked, 2);
+    let c = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:1");
+    assert_eq!(grants(&c), made);
+    // Other answers: a plain intent's channel as before; a claim's
+    // channel, nothing.
+    let plain = Response::Channel { id: 7, len: 8192 };
+    assert_eq!(
+        Undelivered::of(true, &plain),
+        Some(Undelivered::Intent {
+            channel: Some(7),
+            stock: Vec::new()
+        })
+    );
+    assert_eq!(Undelivered::of(false, &plain), None);
+}
