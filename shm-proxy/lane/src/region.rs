@@ -37,6 +37,16 @@ pub struct Region {
     fixed: bool,
 }
 
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("len", &self.map.len)
+            .field("ring_size", &self.ring_size)
+            .field("broken", &self.is_broken())
+            .finish()
+    }
+}
+
 fn invalid(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what.to_string())
 }

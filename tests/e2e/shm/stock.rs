@@ -253,7 +253,10 @@ fn st_stock_dies_with_its_listener() {
         go(&format!("connection {i} to the flowlane server"));
     }
     assert_eq!(node.shm_opened(), 4);
-    // STOCKED-CHECK
+    assert!(
+        node.stats().lanes["shm"].channels_stocked > 0,
+        "the client process holds stock now"
+    );
     // The server goes (killed: no unregister); the daemon notices at its
     // sweep and revokes the stock.
     drop(srv);

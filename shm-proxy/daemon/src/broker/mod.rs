@@ -364,10 +364,13 @@ impl Broker {
                 Err(a) => a,
             },
             Request::Stats => match self.node_caller(caller) {
-                Ok(()) => Response::Stats {
-                    stats: Box::new(self.stats()),
+                Ok(()) => {
+                    self.open_taken_stock();
+                    Response::Stats {
+                        stats: Box::new(self.stats()),
+                    }
+                    .into()
                 }
-                .into(),
                 Err(a) => a,
             },
         }

@@ -25,8 +25,12 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::time::Instant;
+
+use flowlane_lane::offer::Offer;
+use flowlane_lane::region::Region;
 
 use flowlane_lane::proto::{
     ChannelGrant, ErrorCode, FallbackReason, Response, StockGrant, MAX_STOCK_GRANTS,
@@ -61,6 +65,12 @@ pub(super) struct Stock {
     pub(super) created: Instant,
     /// The server processes it was granted to.
     pub(super) holders: Vec<ProcessId>,
+    /// The daemon's mapping of the region, for its offer word only: a
+    /// channel a server took is counted opened when the daemon sees the
+    /// word say so (before the server's one-way `stock-taken` arrives), and
+    /// stock the daemon drops is revoked there. `None` if it could not be
+    /// mapped (then neither happens for it).
+    view: Option<Arc<Region>>,
 }
 
 /// The stock an intent's answer is to carry: how many, and for whom.
@@ -213,9 +223,13 @@ impl Broker {
                     break;
                 }
             };
+            let view = Region::map_memfd(kept.as_fd(), order.len as usize)
+                .inspect_err(|e| tracing::warn!(error = %e, id, "cannot map a stock region"))
+                .ok();
             self.stock.insert(
                 id,
                 Stock {
+                    view,
                     memfd: kept,
                     len: order.len,
                     client_pod: order.client_pod,
@@ -409,6 +423,29 @@ impl Broker {
         if self.stock.get(&id).is_none_or(|s| s.client_pod != pod) {
             return;
         }
+        self.open_untaken(id);
+        tracing::debug!(id, "stock reported closed before it was taken");
+    }
+
+    /// Stock whose offer word says a server took it: counted opened now
+    /// (a test or an operator reading the counters after its connection
+    /// must find it, and the server's `stock-taken` travels on another
+    /// daemon connection); `stock-taken` fills in the server's side.
+    pub(super) fn open_taken_stock(&mut self) {
+        let taken: Vec<u64> = self
+            .stock
+            .iter()
+            .filter(|(_, s)| s.view.as_ref().is_some_and(|v| v.offer() == Offer::Taken))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in taken {
+            self.open_untaken(id);
+            tracing::debug!(id, "stock seen taken before its server said so");
+        }
+    }
+
+    /// Stock `id` becomes active before its server's `stock-taken`.
+    fn open_untaken(&mut self, id: u64) {
         let Some(s) = self.stock.remove(&id) else {
             return;
         };
@@ -423,7 +460,6 @@ impl Broker {
             c.opened = created;
         }
         self.stock_early.insert(id, Instant::now());
-        tracing::debug!(id, "stock reported closed before it was taken");
     }
 
     /// `stock-taken` for stock a close report made active: fills in the
@@ -478,12 +514,23 @@ impl Broker {
         }
     }
 
-    /// Drops stock `id`, closing the daemon's copy (the ends that hold it
-    /// are not told: their own expiry covers it).
+    /// Drops stock `id`, closing the daemon's copy, and revokes it in its
+    /// offer word (free → dead), so that a client still holding it asks
+    /// the daemon again instead of offering it to a server that no longer
+    /// looks. Stock a server already took is opened instead.
     fn drop_stock(&mut self, id: u64) {
-        if self.stock.remove(&id).is_some() {
-            tracing::debug!(id, "stock dropped");
+        let Some(view) = self.stock.get(&id).map(|s| s.view.clone()) else {
+            return;
+        };
+        if view.as_ref().is_some_and(|v| v.offer() == Offer::Taken) {
+            self.open_untaken(id);
+            return;
         }
+        if let Some(v) = view {
+            v.offer_revoke();
+        }
+        self.stock.remove(&id);
+        tracing::debug!(id, "stock dropped");
     }
 
     /// Drops the stock older than `stock_ttl`, and closes the connections
@@ -517,30 +564,51 @@ impl Broker {
     pub(super) fn sweep_stock(&mut self, alive: &mut HashMap<ProcessId, bool>) {
         let kernel = &*self.kernel;
         let mut is_alive = |p: &ProcessId| *alive.entry(*p).or_insert_with(|| kernel.is_alive(p));
-        let before = self.stock.len();
-        self.stock.retain(|_, s| is_alive(&s.client_process));
+        let gone: Vec<u64> = self
+            .stock
+            .iter()
+            .filter(|(_, s)| !is_alive(&s.client_process))
+            .map(|(id, _)| *id)
+            .collect();
         for s in self.stock.values_mut() {
             s.holders.retain(|p| is_alive(p));
         }
-        if self.stock.len() != before {
-            tracing::debug!(
-                dropped = before - self.stock.len(),
-                "stock of gone processes dropped"
-            );
+        if !gone.is_empty() {
+            tracing::debug!(dropped = gone.len(), "stock of gone processes dropped");
+        }
+        for id in gone {
+            self.drop_stock(id);
         }
     }
 
     /// Forgets stock of pods that left the registry.
     pub(super) fn forget_stock_of_gone_pods(&mut self) {
         let pods = &self.pods;
-        self.stock
-            .retain(|_, s| pods.contains(s.client_pod) && pods.contains(s.server_pod));
+        let gone: Vec<u64> = self
+            .stock
+            .iter()
+            .filter(|(_, s)| !pods.contains(s.client_pod) || !pods.contains(s.server_pod))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.drop_stock(id);
+        }
     }
 
-    /// Forgets that a listener takes stock once it is gone: a server that
-    /// listens there next may run a library that never looks at stock.
+    /// Forgets that a listener takes stock once it is gone, and drops (and
+    /// revokes) its stock: a server that listens there next may run a
+    /// library that never looks at stock, or none at all.
     pub(super) fn forget_gone_stock_takers(&mut self) {
         let listeners = &self.listeners;
         self.takes_stock.retain(|key| listeners.contains_key(key));
+        let orphaned: Vec<u64> = self
+            .stock
+            .iter()
+            .filter(|(_, s)| self.listener_key(s.server_pod, s.dst).is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in orphaned {
+            self.drop_stock(id);
+        }
     }
 }

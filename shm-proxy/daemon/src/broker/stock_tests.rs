@@ -2,6 +2,7 @@
 //! grants of a claim, `stock-taken`, close reports that overtake it,
 //! expiry, the pod's budget, and answers that could not be sent.
 
+use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 
 use flowlane_lane::proto::{ChannelGrant, StockGrant, MAX_STOCK_GRANTS};
@@ -53,7 +54,7 @@ fn stock_intent(b: &mut Broker, who: &Caller, src: &str, dst: &str, want: u32) -
         Request::StockIntent {
             src: sa(src),
             dst: sa(dst),
-            region_len: 8192,
+            region_len: 12288,
             socket_fd: 3,
             want,
         },
@@ -148,7 +149,7 @@ fn only_a_listener_whose_server_claimed_with_stock_gets_stock() {
     takes_stock(b, &server, "10.202.9.2:80");
     let a = stock_intent(b, &client, "10.202.9.1:40001", "10.202.9.2:80", 4);
     let Response::Stocked {
-        channel: Some(ChannelGrant { id, len: 8192 }),
+        channel: Some(ChannelGrant { id, len: 12288 }),
         ref stock,
     } = a.response
     else {
@@ -157,7 +158,7 @@ fn only_a_listener_whose_server_claimed_with_stock_gets_stock() {
     assert_eq!(stock.len(), 4);
     assert_eq!(a.fds.len(), 5);
     for g in stock {
-        assert_eq!((g.len, g.client), (8192, sa("10.202.9.1:0").ip()));
+        assert_eq!((g.len, g.client), (12288, sa("10.202.9.1:0").ip()));
         assert!(g.id != id);
     }
     // The channel's fd first: the pending channel's region.
@@ -165,6 +166,9 @@ fn only_a_listener_whose_server_claimed_with_stock_gets_stock() {
     assert!(a.fds[1..].iter().all(|fd| ino(fd) != channel_ino));
     assert_eq!(stats(b).channels_stocked, 4);
     assert_eq!(stats(b).channels_pending, 2);
+    // The client's view of one of its stock channels.
+    let client_view = flowlane_lane::region::Region::map_memfd(a.fds[1].as_fd(), 12288).unwrap();
+    assert_eq!(client_view.offer(), flowlane_lane::offer::Offer::Free);
     // Another listener of the same server has not shown it.
     let a = stock_intent(b, &client, "10.202.9.1:40002", "10.202.9.2:81", 4);
     assert!(
@@ -197,7 +201,11 @@ fn only_a_listener_whose_server_claimed_with_stock_gets_stock() {
         "{:?}",
         a.response
     );
-    assert_eq!(stats(b).channels_stocked, 4);
+    // The listener that went took its stock with it, revoked in the
+    // offer word: the client asks again instead of offering it.
+    assert_eq!(stats(b).channels_stocked, 0);
+    assert_eq!(client_view.offer(), flowlane_lane::offer::Offer::Dead);
+    assert!(!client_view.offer_begin());
 }
 
 #[test]
@@ -329,7 +337,7 @@ fn a_claim_grants_each_stock_channel_once_per_process_the_peers_pod_first() {
     assert_eq!(
         c.response,
         Response::Stocked {
-            channel: Some(ChannelGrant { id, len: 8192 }),
+            channel: Some(ChannelGrant { id, len: 12288 }),
             stock: fresh,
         }
     );
@@ -616,7 +624,7 @@ fn an_undelivered_answer_drops_what_it_made_and_keeps_what_it_granted() {
     assert_eq!(grants(&c), made);
     // Other answers: a plain intent's channel as before; a claim's
     // channel, nothing.
-    let plain = Response::Channel { id: 7, len: 8192 };
+    let plain = Response::Channel { id: 7, len: 12288 };
     assert_eq!(
         Undelivered::of(true, &plain),
         Some(Undelivered::Intent {
@@ -625,4 +633,50 @@ fn an_undelivered_answer_drops_what_it_made_and_keeps_what_it_granted() {
         })
     );
     assert_eq!(Undelivered::of(false, &plain), None);
+}
+
+/// A stats request counts a stock channel opened as soon as its offer word
+/// says a server took it (the server's one-way `stock-taken` comes on
+/// another daemon connection, maybe later); the `stock-taken` that follows
+/// fills in the server's side and counts nothing twice.
+#[test]
+fn a_channel_seen_taken_is_counted_opened_before_its_stock_taken() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = stocked_node("stock-seen", Limits::default());
+    takes_stock(&mut n.broker, &server, "10.202.9.2:80");
+    let b = &mut n.broker;
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 2);
+    let g = grants(&a)[0];
+    let view = flowlane_lane::region::Region::map_memfd(a.fds[1].as_fd(), 12288).unwrap();
+    let opened = |b: &mut Broker| {
+        let Response::Stats { stats } = b.handle(&super::tests::on_node(0, 0), Request::Stats).response else {
+            panic!("no stats")
+        };
+        let shm = &stats.lanes["shm"];
+        (shm.connections_opened, shm.channels_stocked)
+    };
+    assert_eq!(opened(b), (0, 2));
+    // The client offers port 5000; a server takes it.
+    assert!(view.offer_begin());
+    view.offer_port(5000);
+    assert_eq!(opened(b), (0, 2), "offered is not taken");
+    assert!(view.offer_take(5000));
+    assert_eq!(opened(b), (1, 1));
+    taken(b, &server, g.id, "10.202.9.2:80", "10.202.9.1:5000");
+    assert_eq!(opened(b), (1, 1));
+    let conn = &b.stats().connections[0];
+    assert_eq!(
+        (conn.id, conn.client.addr, conn.server.addr),
+        (g.id, sa("10.202.9.1:5000"), sa("10.202.9.2:80"))
+    );
+    // A channel a server took is not revoked when its stock expires: the
+    // second one is, in its word.
+    let other = a.fds[2].as_fd();
+    let other = flowlane_lane::region::Region::map_memfd(other, 12288).unwrap();
+    b.tick(Instant::now() + Limits::default().stock_ttl + Duration::from_secs(1));
+    assert_eq!(other.offer(), flowlane_lane::offer::Offer::Dead);
+    assert_eq!(view.offer(), flowlane_lane::offer::Offer::Taken);
 }

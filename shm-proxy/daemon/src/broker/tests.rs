@@ -81,7 +81,7 @@ pub(super) fn pod(i: u64) -> Caller {
 }
 
 /// A process of uid/gid in the daemon's own network namespace.
-fn on_node(uid: u32, gid: u32) -> Caller {
+pub(super) fn on_node(uid: u32, gid: u32) -> Caller {
     Caller {
         netns: Some(NODE_NETNS),
         process: Some(ME),
