@@ -333,7 +333,10 @@ impl Node {
         let log = self.dir.join("daemon.log");
         let _ = std::fs::remove_file(&log);
         let mut cmd = crate::daemon::command(None, &self.state_dir(), &self.socket());
-        cmd.args(["--log-level", "debug"]);
+        // Debug by default (test failures show what the daemon did);
+        // benchmarks run it at the production level (`FLS_DAEMON_LOG`).
+        let level = std::env::var("FLS_DAEMON_LOG").unwrap_or_else(|_| "debug".into());
+        cmd.args(["--log-level", &level]);
         let d = crate::daemon::start(cmd, &self.socket(), &log, Duration::from_secs(20));
         self.daemon = Some(d);
     }

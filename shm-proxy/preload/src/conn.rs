@@ -190,7 +190,7 @@ impl Conn {
             fork_gen: crate::state::FORK_GEN.load(Ordering::Relaxed),
             app_nodelay: std::sync::atomic::AtomicI32::new(0),
             app_cork: std::sync::atomic::AtomicI32::new(0),
-            spinner: crate::spin::Spinner::new(),
+            spinner: crate::spin::Spinner::for_connection(),
             counts: Counts::default(),
             rcv_timeout_us: AtomicU64::new(0),
             snd_timeout_us: AtomicU64::new(0),

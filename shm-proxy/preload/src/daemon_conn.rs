@@ -23,7 +23,7 @@
 
 use crate::state;
 use flowlane_lane::client::DaemonClient;
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -113,13 +113,32 @@ impl Drop for Unlock {
     }
 }
 
+thread_local! {
+    /// The thread's network namespace as last read (`None`: read it).
+    /// A path lookup in /proc per daemon request was the largest cost of
+    /// a lane connection's messages; a thread changes namespace only with
+    /// `setns` or `unshare`, which the library interposes to clear this.
+    static NETNS: Cell<Option<Option<u64>>> = const { Cell::new(None) };
+}
+
 /// The calling thread's network namespace (inode), if /proc tells.
 fn thread_netns() -> Option<u64> {
+    if let Some(known) = NETNS.with(Cell::get) {
+        return known;
+    }
     // SAFETY: libc::stat is plain old data; all-zero is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: stat of a NUL-terminated path into a local struct.
     let r = unsafe { libc::stat(c"/proc/thread-self/ns/net".as_ptr(), &mut st) };
-    (r == 0).then_some(st.st_ino)
+    let netns = (r == 0).then_some(st.st_ino);
+    NETNS.with(|c| c.set(Some(netns)));
+    netns
+}
+
+/// The calling thread may be in another network namespace now (after
+/// `setns`, `unshare`): its next request reads it again.
+pub fn netns_may_have_changed() {
+    NETNS.with(|c| c.set(None));
 }
 
 /// One request on a connection of its own (closed afterwards).

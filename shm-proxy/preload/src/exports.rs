@@ -676,6 +676,25 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
     unsafe { real::close_range(first, last, flags) }
 }
 
+/// A thread that enters another network namespace must not use the
+/// process's daemon connection (made in the old one): the kept
+/// connection's check reads the thread's namespace again after these.
+#[no_mangle]
+pub unsafe extern "C" fn setns(fd: c_int, nstype: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    let r = unsafe { real::setns(fd, nstype) };
+    crate::daemon_conn::netns_may_have_changed();
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn unshare(flags: c_int) -> c_int {
+    // SAFETY: forwards the caller's arguments unchanged (same C contract).
+    let r = unsafe { real::unshare(flags) };
+    crate::daemon_conn::netns_may_have_changed();
+    r
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int {
     // SAFETY: forwards the caller's arguments unchanged (same C contract).

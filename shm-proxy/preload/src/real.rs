@@ -52,6 +52,8 @@ real_fns! {
     fn close(fd: c_int) -> c_int;
     fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int;
     fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int;
+    fn setns(fd: c_int, nstype: c_int) -> c_int;
+    fn unshare(flags: c_int) -> c_int;
     fn shutdown(fd: c_int, how: c_int) -> c_int;
     fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t;
     fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t;

@@ -15,15 +15,35 @@ use std::time::{Duration, Instant};
 pub struct Spinner {
     score: AtomicU32,
     waits: AtomicU32,
+    /// A connection's spinner: its outcomes also set the score the next
+    /// connection of the process starts with.
+    seeds: bool,
 }
 
 const MAX_SCORE: u32 = 8;
+
+/// The last score of any connection's spinner in this process: a new
+/// connection starts from what the process's connections found lately,
+/// not from scratch. A process opening connection after connection (a
+/// connection per request) would otherwise spin its full budget on the
+/// first waits of every one, on a machine where that spin fails.
+static CONNECTION_SCORE: AtomicU32 = AtomicU32::new(MAX_SCORE / 2);
 
 impl Spinner {
     pub const fn new() -> Spinner {
         Spinner {
             score: AtomicU32::new(MAX_SCORE / 2),
             waits: AtomicU32::new(0),
+            seeds: false,
+        }
+    }
+
+    /// A new connection's spinner.
+    pub fn for_connection() -> Spinner {
+        Spinner {
+            score: AtomicU32::new(CONNECTION_SCORE.load(Ordering::Relaxed)),
+            waits: AtomicU32::new(0),
+            seeds: true,
         }
     }
 
@@ -52,6 +72,9 @@ impl Spinner {
             s / 2
         };
         self.score.store(n, Ordering::Relaxed);
+        if self.seeds {
+            CONNECTION_SCORE.store(n, Ordering::Relaxed);
+        }
     }
 
     /// The spin deadline for a wait starting now, if it should spin.
@@ -85,3 +108,32 @@ impl Spinner {
 
 /// The spinner of poll/select/epoll waits in this process.
 pub static WAITS: Spinner = Spinner::new();
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_connection_starts_from_what_the_last_ones_found() {
+        let first = Spinner::for_connection();
+        // Its spins keep failing: it stops spinning (but for probes).
+        for _ in 0..8 {
+            first.record(false);
+        }
+        let next = Spinner::for_connection();
+        assert_eq!(next.score.load(Ordering::Relaxed), 0);
+        let budgets: Vec<u64> = (0..16).map(|_| next.budget_us()).collect();
+        assert_eq!(budgets.iter().filter(|b| **b > 0).count(), 1, "{budgets:?}");
+        // Spins that succeed bring the next connections back to spinning.
+        for _ in 0..4 {
+            next.record(true);
+        }
+        assert!(Spinner::for_connection().budget_us() > 0);
+        // The poll/epoll spinner neither sets nor takes the score.
+        let waits = Spinner::new();
+        for _ in 0..8 {
+            waits.record(false);
+        }
+        assert_eq!(CONNECTION_SCORE.load(Ordering::Relaxed), 4);
+    }
+}

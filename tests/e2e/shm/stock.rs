@@ -136,9 +136,13 @@ fn st_repeated_connections_take_stock_without_round_trips() {
     let _srv = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7450"]));
     wait_listening(&node.pods[1], 7450);
     let before = node.stats();
-    let n: u64 = 400;
+    // FLS_STOCK_CONNS: more connections, for a profile of the set-up.
+    let n: u64 = std::env::var("FLS_STOCK_CONNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
     let addr = format!("{}:7450", node.pods[1].ip);
-    run_ok(
+    let rate = run_ok(
         node.cmd(
             &node.pods[0],
             true,
@@ -147,6 +151,7 @@ fn st_repeated_connections_take_stock_without_round_trips() {
         T,
         "connrate",
     );
+    eprintln!("{}", rate.trim());
     let after = node.stats();
     let opened = node.shm_opened() - before.lanes.get("shm").map_or(0, |l| l.connections_opened);
     assert_eq!(opened, n, "every connection on the lane");
@@ -286,4 +291,43 @@ fn st_stock_dies_with_its_listener() {
     );
     drop(input);
     let _ = client.wait();
+}
+
+/// Not a check: `connrate` under strace at both ends, for reading where a
+/// lane connection's time goes (`FLS_TRACE_DIR`, default /tmp).
+#[test]
+#[ignore]
+fn st_trace_a_connection_rate() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("sttr", 2);
+    let dir = std::env::var("FLS_TRACE_DIR").unwrap_or_else(|_| "/tmp".into());
+    let srv_log = format!("{dir}/stock-trace-server.log");
+    let cli_log = format!("{dir}/stock-trace-client.log");
+    let bin = bench_bin();
+    let _srv = Bg::spawn(node.cmd(
+        &node.pods[1],
+        true,
+        &[
+            "strace", "-f", "-tt", "-T", "-o", &srv_log, &bin, "serve", "7459",
+        ],
+    ));
+    wait_listening(&node.pods[1], 7459);
+    let addr = format!("{}:7459", node.pods[1].ip);
+    run_ok(
+        node.cmd(&node.pods[0], true, &[&bin, "connrate", &addr, "300"]),
+        T,
+        "warm-up",
+    );
+    let out = run_ok(
+        node.cmd(
+            &node.pods[0],
+            true,
+            &[
+                "strace", "-f", "-tt", "-T", "-o", &cli_log, &bin, "connrate", &addr, "50",
+            ],
+        ),
+        T,
+        "traced connrate",
+    );
+    eprintln!("{out}");
 }

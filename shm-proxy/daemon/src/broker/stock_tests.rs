@@ -652,7 +652,10 @@ fn a_channel_seen_taken_is_counted_opened_before_its_stock_taken() {
     let g = grants(&a)[0];
     let view = flowlane_lane::region::Region::map_memfd(a.fds[1].as_fd(), 12288).unwrap();
     let opened = |b: &mut Broker| {
-        let Response::Stats { stats } = b.handle(&super::tests::on_node(0, 0), Request::Stats).response else {
+        let Response::Stats { stats } = b
+            .handle(&super::tests::on_node(0, 0), Request::Stats)
+            .response
+        else {
             panic!("no stats")
         };
         let shm = &stats.lanes["shm"];
