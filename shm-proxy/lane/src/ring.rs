@@ -5,7 +5,8 @@
 //! ```text
 //! offset 0      page 0: attach word (u32 at 0), fixed word (u32 at 64),
 //!                       offer word (u32 at 128) and its stamp (u64 at
-//!                       192; `offer`, stock channels only),
+//!                       192; `offer`, stock channels only), attach-waiter
+//!                       word (u32 at 256),
 //!                       control blocks (RingCtl c2s at 512, s2c at 1024)
 //! offset 4096   ring data client→server   (ring_size bytes, a power of two)
 //! offset 4096+R ring data server→client   (ring_size bytes)
@@ -80,7 +81,8 @@
 //!   masked by `capacity - 1`: inside the data area whatever the peer
 //!   writes. The cost is a few comparisons per call, never per byte.
 //! - Flag words may hold only their defined bits (`WAIT_BELL | WAIT_FUTEX`,
-//!   closed flags 0 or 1, attach word 0, 1 or 2, fixed word 0 or 1);
+//!   closed flags 0 or 1, attach word 0, 1 or 2, fixed word 0 or 1; the
+//!   attach-waiter word only decides whether the server rings a bell);
 //!   `writer_need` is clamped
 //!   to the ring size; futex words may hold anything (a futex compares,
 //!   nothing is indexed by them).
@@ -133,6 +135,16 @@ const ATTACH_OFFSET: usize = 0;
 /// capacity, 1 = they must not (set by the daemon's relay before it hands
 /// the region out). Any other value is a violation.
 const FIXED_OFFSET: usize = 64;
+
+/// Offset of the attach-waiter word, written by the client: 0 = a client
+/// that never says (an older library: the server rings the attach bell
+/// always), 1 = a client that says when it waits, not waiting, 2 = waiting
+/// for the attach (the server rings). The server reads it after its
+/// compare-and-swap of the attach word, the client writes 2 before its
+/// last look at the attach word ahead of a sleep, each behind a SeqCst
+/// fence (the Dekker pattern of the rings' waiting flags): either the
+/// client sees the attach, or the server sees it waiting and rings.
+const ATTACH_WAITER_OFFSET: usize = 256;
 
 /// Values of the attach word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -275,7 +287,8 @@ pub(crate) fn futex_wait_for(word: &AtomicU32, expected: u32, timeout: std::time
 
 const _: () = assert!(std::mem::size_of::<RingCtl>() == 384);
 const _: () = assert!(FIXED_OFFSET + 4 <= crate::offer::OFFER_OFFSET);
-const _: () = assert!(crate::offer::OFFER_END <= CTL_OFFSET[0]);
+const _: () = assert!(crate::offer::OFFER_END <= ATTACH_WAITER_OFFSET);
+const _: () = assert!(ATTACH_WAITER_OFFSET + 4 <= CTL_OFFSET[0]);
 const _: () = assert!(CTL_OFFSET[0] + std::mem::size_of::<RingCtl>() <= CTL_OFFSET[1]);
 const _: () = assert!(CTL_OFFSET[1] + std::mem::size_of::<RingCtl>() <= HEADER_LEN);
 
@@ -575,6 +588,13 @@ impl Region {
         unsafe { &*(self.base().add(ATTACH_OFFSET) as *const AtomicU32) }
     }
 
+    fn attach_waiter_word(&self) -> &AtomicU32 {
+        // SAFETY: ATTACH_WAITER_OFFSET (aligned for a u32) lies in the
+        // header page of the mapping, which lives as long as `self`; an
+        // atomic is valid for any bits.
+        unsafe { &*(self.base().add(ATTACH_WAITER_OFFSET) as *const AtomicU32) }
+    }
+
     pub(crate) fn fixed_word(&self) -> &AtomicU32 {
         // SAFETY: FIXED_OFFSET (aligned for a u32) lies in the header page
         // of the mapping, which lives as long as `self`; an atomic is valid
@@ -635,6 +655,28 @@ impl Probe {
             Ok(_) => true,
             Err(v) => v == 1,
         }
+    }
+
+    /// Client, once its end is set up: it says when it waits for the
+    /// attach, so the server need not ring the attach bell otherwise.
+    pub fn client_says_when_it_waits(&self) {
+        self.region.attach_waiter_word().store(1, Ordering::Relaxed);
+    }
+
+    /// Client, before its last look at the attach word ahead of a sleep
+    /// until the attach (the attach bell wakes it).
+    pub fn client_waits_for_attach(&self) {
+        self.region.attach_waiter_word().store(2, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Server, after `server_attach`: whether the client may be asleep
+    /// waiting for the attach and must be rung (any value but "not
+    /// waiting": a client that never says, or one that wrote nonsense,
+    /// is rung).
+    pub fn server_must_ring_attach(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.region.attach_waiter_word().load(Ordering::Relaxed) != 1
     }
 
     /// Client: give up on the lane. False if the server attached first (then

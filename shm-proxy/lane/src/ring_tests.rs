@@ -877,3 +877,23 @@ fn readiness_probes_racing_reader_and_writer_threads_see_no_violation() {
         }
     });
 }
+
+#[test]
+fn the_attach_bell_is_rung_only_for_a_client_that_may_wait() {
+    let (c, s) = Region::twin_mappings(region_len_for(4096), false).unwrap();
+    let (client, server) = (c.probe(Side::Client), s.probe(Side::Server));
+    // A client that never says (an older library): always rung.
+    assert!(server.server_attach());
+    assert!(server.server_must_ring_attach());
+    let (c, s) = Region::twin_mappings(region_len_for(4096), false).unwrap();
+    let (client2, server2) = (c.probe(Side::Client), s.probe(Side::Server));
+    client2.client_says_when_it_waits();
+    assert!(server2.server_attach());
+    assert!(!server2.server_must_ring_attach(), "nobody waits: no bell");
+    client2.client_waits_for_attach();
+    assert!(server2.server_must_ring_attach());
+    // Nonsense from the client: rung (it can only cost it a byte).
+    c.attach_waiter_word().store(77, Ordering::Relaxed);
+    assert!(server2.server_must_ring_attach());
+    drop(client);
+}

@@ -171,6 +171,9 @@ impl Conn {
         // effect on a relay's region, whose capacity is fixed).
         tx.start_small(crate::config::get().ring_initial);
         let probe = region.probe(side);
+        if side == Side::Client {
+            probe.client_says_when_it_waits();
+        }
         Conn {
             id,
             tx: EndLock::new(tx),
@@ -448,6 +451,12 @@ impl Conn {
             }
             if self.created.elapsed() >= ATTACH_TIMEOUT {
                 return self.give_up();
+            }
+            // About to sleep (here, or in the caller's poll/epoll): the
+            // server rings the attach bell only for a client that says so.
+            self.probe.client_waits_for_attach();
+            if self.probe.attach_state() != Attach::Undecided {
+                continue;
             }
             if !block {
                 return Settle::Pending;

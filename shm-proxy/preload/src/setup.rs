@@ -301,12 +301,13 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
     // daemon with a cross-node lane take its own reference to it
     // (doorbells, liveness); see docs/rdma.md. A lane intent also asks
     // for stock, kept for the next connections to `dst`.
+    let want = if service { 0 } else { stock::want_for(dst) };
     let ask = |src: SocketAddr| {
         with_daemon(|d| {
             if service {
                 d.service_intent(src, dst, region_len)
             } else {
-                d.stock_intent(src, dst, region_len, fd, stock::BATCH)
+                d.stock_intent(src, dst, region_len, fd, want)
                     .map(|answer| {
                         stock::add_client(dst, answer.stock);
                         answer.channel
@@ -590,9 +591,14 @@ fn attach_server(fd: c_int, conn: Conn, peer: SocketAddr) -> bool {
     if conn.probe.server_attach() {
         conn.take_tcp_options(fd);
         log_at!(3, "fd {fd}: channel {id} (server) for {peer}");
+        let ring = conn.probe.server_must_ring_attach();
         drop(state::install(fd, Arc::new(conn)));
-        // Wake a client waiting for the attach.
-        state::conn(fd).inspect(|c| c.ring_bell(fd));
+        // Wake a client waiting for the attach (only one that says it
+        // waits: a bell nobody waits for is a TCP segment each way and a
+        // read for the client).
+        if ring {
+            state::conn(fd).inspect(|c| c.ring_bell(fd));
+        }
         true
     } else {
         log_at!(2, "fd {fd}: client {peer} gave up on channel {id}; TCP");

@@ -24,8 +24,11 @@ use flowlane_lane::region::Region;
 
 use crate::state;
 
-/// Stock a client asks for with each round trip to a destination.
-pub const BATCH: u32 = 8;
+/// Most stock a client asks for with one round trip to a destination.
+const BATCH: u32 = 8;
+
+/// Destinations whose next batch size a client remembers.
+const MAX_ASKED: usize = 64;
 
 /// Most stock a client keeps per destination (the daemon's bound too).
 const MAX_PER_DESTINATION: usize = 16;
@@ -69,6 +72,8 @@ struct HeldEntry {
 pub struct Stock {
     client: Vec<ClientEntry>,
     held: Vec<HeldEntry>,
+    /// Per destination asked before: the batch to ask for next.
+    asked: Vec<(SocketAddr, u32)>,
 }
 
 /// A stock channel taken for one connection.
@@ -88,6 +93,30 @@ fn map_all(grants: Vec<Granted>) -> Vec<(u64, IpAddr, Arc<Region>)> {
             Some((g.channel.id, g.client, region))
         })
         .collect()
+}
+
+/// Client: how much stock to ask for with this intent to `dst`: none the
+/// first time (a process that connects once, a command-line tool, costs
+/// no stock at either end), then 1, 2, 4, up to a batch: a process gets
+/// about as much as it has used.
+pub fn want_for(dst: SocketAddr) -> u32 {
+    state::with(|t| {
+        let asked = &mut t.stock.asked;
+        match asked.iter_mut().find(|(d, _)| *d == dst) {
+            Some((_, next)) => {
+                let want = *next;
+                *next = (want * 2).min(BATCH);
+                want
+            }
+            None => {
+                if asked.len() >= MAX_ASKED {
+                    asked.remove(0);
+                }
+                asked.push((dst, 1));
+                0
+            }
+        }
+    })
 }
 
 /// Client: keeps `grants` as stock for `dst`.
@@ -281,6 +310,7 @@ impl Stock {
     pub fn forget_after_fork(&mut self) {
         std::mem::forget(std::mem::take(&mut self.client));
         std::mem::forget(std::mem::take(&mut self.held));
+        std::mem::forget(std::mem::take(&mut self.asked));
     }
 }
 
@@ -306,6 +336,14 @@ mod tests {
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn a_client_asks_for_no_stock_the_first_time_then_for_more_and_more() {
+        let dst = addr("10.9.0.1:443");
+        let wants: Vec<u32> = (0..6).map(|_| want_for(dst)).collect();
+        assert_eq!(wants, [0, 1, 2, 4, 8, 8]);
+        assert_eq!(want_for(addr("10.9.0.1:444")), 0, "per destination");
     }
 
     // One test: the tables are process-wide.
