@@ -67,12 +67,24 @@ def victim_ended(fd, secs):
             return True
     return False
 
-def attack(c, before, name, off, w, mode, towards_me):
-    new = [a for a in maps() if a not in before]
-    if not new:
+def this_connection(towards_me):
+    # The region of the connection that just echoed HELLO: attached (word
+    # 1), and this end wrote 5 bytes into its ring (the peer may have
+    # written more into the other). Not "the newest mapping": stock
+    # channels (made ahead, docs/shm-lane.md) are mapped before their
+    # connection exists and sit unused (attach word 0) beside it.
+    mine = 512 if towards_me else 1024
+    for base, length in maps().items():
+        if word(base, 4).value == 1 and word(base + mine, 8).value == 5:
+            return base, length
+    return None
+
+def attack(c, name, off, w, mode, towards_me):
+    found = this_connection(towards_me)
+    if not found:
         print("tcp", name, mode, flush=True)
         return
-    base, length = new[0], maps()[new[0]]
+    base, length = found
     ring = (length - 4096) // 2
     wv = word(base + off, w)
     wv.value = hostile(wv.value, w, mode)
@@ -108,11 +120,10 @@ if role == "client":
     ip, port = sys.argv[2], int(sys.argv[3])
     for name, off, w in WORDS:
         for mode in MODES:
-            before = maps()
             c = socket.create_connection((ip, port))
             c.sendall(b"HELLO")
             assert c.recv(5) == b"HELLO"
-            attack(c, before, name, off, w, mode, 1)
+            attack(c, name, off, w, mode, 1)
             c.close()
             h = socket.create_connection((ip, port))
             print("honest", "ok" if echo_ok(h, payload) else "BROKEN", flush=True)
@@ -125,11 +136,10 @@ else:
     s.bind(("0.0.0.0", port)); s.listen(16)
     for name, off, w in WORDS:
         for mode in MODES:
-            before = maps()
             c, _ = s.accept()
             d = c.recv(5)
             c.sendall(d)
-            attack(c, before, name, off, w, mode, 0)
+            attack(c, name, off, w, mode, 0)
             c.close()
             h, _ = s.accept()
             while True:

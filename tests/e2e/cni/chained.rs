@@ -124,11 +124,19 @@ fn wiring(net: &TestNet, pod: &Pod) -> Vec<String> {
             .into_iter()
             .map(|l| l.ifname),
     );
+    // This test's subnets only: the suite's other tests wire their own
+    // 10.232.x networks at the same time (two test threads), and a route
+    // of theirs coming or going between two snapshots is not this test's.
+    let prefixes: Vec<String> = net
+        .subnets
+        .iter()
+        .map(|s| s.trim_end_matches(".0/24").to_string() + ".")
+        .collect();
     out.extend(
         sh(&["ip", "route", "show", "table", "all"])
             .stdout
             .lines()
-            .filter(|l| l.contains("10.232.") || l.contains(&net.name))
+            .filter(|l| l.contains(&net.name) || prefixes.iter().any(|p| l.contains(p.as_str())))
             .map(str::to_string),
     );
     let rules = format!(
