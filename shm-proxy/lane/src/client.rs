@@ -100,13 +100,7 @@ mod backoff {
     }
 
     fn now_ms() -> u64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: clock_gettime writes into a valid timespec.
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-        (ts.tv_sec as u64).saturating_mul(1000) + ts.tv_nsec as u64 / 1_000_000
+        super::monotonic_ms()
     }
 
     pub fn active(path: u64) -> bool {
@@ -120,6 +114,18 @@ mod backoff {
         );
         PATH.store(path, Ordering::Relaxed);
     }
+}
+
+/// Milliseconds of CLOCK_MONOTONIC (the same clock in every process of
+/// the node).
+pub(crate) fn monotonic_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into a valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64).saturating_mul(1000) + ts.tv_nsec as u64 / 1_000_000
 }
 
 /// Most fds one response may carry (a channel and a full batch of stock);

@@ -69,16 +69,10 @@ pub enum Offer {
     Invalid,
 }
 
-/// Milliseconds of CLOCK_MONOTONIC (one clock for every process of the
-/// node).
+/// Milliseconds of CLOCK_MONOTONIC: one clock for every process of the
+/// node (the client's stamp, the server's age check).
 fn now_ms() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into a valid local timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64).saturating_mul(1000) + ts.tv_nsec as u64 / 1_000_000
+    crate::client::monotonic_ms()
 }
 
 impl Region {

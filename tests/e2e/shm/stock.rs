@@ -125,6 +125,34 @@ for line in sys.stdin:
         print("error", repr(e), flush=True)
 "#;
 
+/// `THREADED_CLIENT` in pod 0 against pod 1's `port`: every echo intact,
+/// every connection on the lane.
+fn threaded_echoes_all_on_the_lane(node: &Node, port: u16, threads: usize, each: usize) {
+    let before = node.shm_opened();
+    let ip = node.pods[1].ip.to_string();
+    let argv = [&port.to_string(), &threads.to_string(), &each.to_string()];
+    let out = run_ok(
+        node.cmd(
+            &node.pods[0],
+            true,
+            &[
+                PYTHON,
+                "-c",
+                THREADED_CLIENT,
+                &ip,
+                argv[0],
+                argv[1],
+                argv[2],
+            ],
+        ),
+        T,
+        "threaded client",
+    );
+    let n = threads * each;
+    assert!(out.contains(&format!("ok {n} errors 0")), "{out}");
+    assert_eq!(node.shm_opened() - before, n as u64);
+}
+
 /// One client process, one listener, connection after connection (what a
 /// connection rate measures, and what connection-per-request clients do):
 /// the first connections ask the daemon, every later one takes a channel
@@ -176,19 +204,7 @@ fn st_threads_connecting_at_once_each_find_their_own_channel() {
     let node = Node::new("stth", 2);
     let _srv = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7451"]));
     wait_listening(&node.pods[1], 7451);
-    let before = node.shm_opened();
-    let ip = node.pods[1].ip.to_string();
-    let out = run_ok(
-        node.cmd(
-            &node.pods[0],
-            true,
-            &[PYTHON, "-c", THREADED_CLIENT, &ip, "7451", "8", "40"],
-        ),
-        T,
-        "threaded client",
-    );
-    assert!(out.contains("ok 320 errors 0"), "{out}");
-    assert_eq!(node.shm_opened() - before, 320);
+    threaded_echoes_all_on_the_lane(&node, 7451, 8, 40);
     let s = node.stats();
     assert!(intents(&s) < 320 / 2, "{} intents", intents(&s));
 }
@@ -206,19 +222,7 @@ fn st_prefork_workers_share_the_stock() {
         &[PYTHON, "-c", PREFORK_SERVER, "7452", "3"],
     ));
     wait_listening(&node.pods[1], 7452);
-    let before = node.shm_opened();
-    let ip = node.pods[1].ip.to_string();
-    let out = run_ok(
-        node.cmd(
-            &node.pods[0],
-            true,
-            &[PYTHON, "-c", THREADED_CLIENT, &ip, "7452", "4", "50"],
-        ),
-        T,
-        "threaded client",
-    );
-    assert!(out.contains("ok 200 errors 0"), "{out}");
-    assert_eq!(node.shm_opened() - before, 200);
+    threaded_echoes_all_on_the_lane(&node, 7452, 4, 50);
 }
 
 /// A listener that went away takes its stock with it: a client process
