@@ -332,7 +332,11 @@ fn answer(
         _ => (
             "200 OK",
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            prometheus_text(&lanes.snapshot(&shared.lock())),
+            prometheus_text(&{
+                let mut broker = shared.lock();
+                broker.refresh_connections();
+                lanes.snapshot(&broker)
+            }),
         ),
     }
 }

@@ -4,12 +4,17 @@
 //! (layout: `flowlane_lane::ring`). The daemon keeps one fd of each live
 //! channel for this and reads with `pread` — no mapping, nothing to unmap —
 //! so `flowlane status` shows live byte counts, and a connection whose ends
-//! both closed is counted closed even if a process never reported.
+//! both closed is counted closed even if a process never reported. A
+//! stock channel's connection is read through the mapping the daemon keeps
+//! of it anyway (its offer word): its ends send no close report at all.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use flowlane_lane::region::Region;
 
 /// Offsets of the two control blocks (client→server, server→client).
 const CTL_OFFSET: [u64; 2] = [512, 1024];
@@ -28,24 +33,50 @@ pub struct Progress {
 }
 
 #[derive(Debug)]
-pub struct RingWatch {
-    file: File,
+pub enum RingWatch {
+    /// The channel's memfd, read with `pread`.
+    File(File),
+    /// A mapping the daemon keeps anyway (a stock channel's, for its offer
+    /// word): read from memory, no system call, so finished stock
+    /// connections can be looked for at every tick.
+    Mapped(Arc<Region>),
 }
 
 impl RingWatch {
     pub fn new(memfd: OwnedFd) -> Self {
-        RingWatch {
-            file: File::from(memfd),
+        RingWatch::File(File::from(memfd))
+    }
+
+    pub fn mapped(view: Arc<Region>) -> Self {
+        RingWatch::Mapped(view)
+    }
+
+    /// Whether reading it costs no system call.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self, RingWatch::Mapped(_))
+    }
+
+    pub fn progress(&self) -> io::Result<Progress> {
+        match self {
+            RingWatch::File(file) => Self::read(file),
+            RingWatch::Mapped(view) => {
+                let (client_to_server, server_to_client, both_closed) = view.observe();
+                Ok(Progress {
+                    client_to_server,
+                    server_to_client,
+                    both_closed,
+                })
+            }
         }
     }
 
     /// One `pread` of both control blocks (a sweep reads every live
     /// connection, so one system call each matters).
-    pub fn progress(&self) -> io::Result<Progress> {
+    fn read(file: &File) -> io::Result<Progress> {
         const START: u64 = CTL_OFFSET[0];
         const LEN: usize = (CTL_OFFSET[1] - START) as usize + PRODUCER_CLOSED as usize + 4;
         let mut buf = [0u8; LEN];
-        self.file.read_exact_at(&mut buf, START)?;
+        file.read_exact_at(&mut buf, START)?;
         let at = |off: u64| (off - START) as usize;
         let u64_at = |off: u64| {
             let mut b = [0u8; 8];
@@ -96,6 +127,9 @@ mod tests {
             assert!(!watch.progress().unwrap().both_closed);
             stx.close();
             assert!(watch.progress().unwrap().both_closed);
+            // A mapping sees the same words.
+            let mapped = RingWatch::mapped(region.clone());
+            assert_eq!(mapped.progress().unwrap(), watch.progress().unwrap());
         }
     }
 }

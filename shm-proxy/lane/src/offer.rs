@@ -14,8 +14,9 @@
 //! - taken: a server attached it to the connection it accepted (final).
 //! - dead: the client gave the channel up (final).
 //!
-//! The client moves free → connecting (compare-and-swap) → offered (store,
-//! futex wake for a server waiting on the word); when its connect failed
+//! The client moves free → connecting (compare-and-swap) → offered (swap,
+//! and a futex wake if a server marked the word "connecting, waited for"
+//! before it slept on it); when its connect failed
 //! or the server never attached, connecting/offered → dead. The server
 //! moves offered(port) → taken (compare-and-swap), so one connection gets
 //! the channel and a second server process holding the same stock cannot
@@ -46,6 +47,9 @@ pub const OFFER_END: usize = STAMP_OFFSET + 8;
 const STATE_SHIFT: u32 = 16;
 const FREE: u32 = 0;
 const CONNECTING: u32 = 1 << STATE_SHIFT;
+/// Connecting, and a server sleeps on the word: the client's next store
+/// wakes it (without a sleeper, no wake-up system call).
+const CONNECTING_WAITED: u32 = CONNECTING | 1;
 const OFFERED: u32 = 2 << STATE_SHIFT;
 const TAKEN: u32 = 3 << STATE_SHIFT;
 const DEAD: u32 = 4 << STATE_SHIFT;
@@ -93,7 +97,7 @@ impl Region {
         let w = self.offer_word().load(Ordering::Acquire);
         match (w & !0xffff, w & 0xffff) {
             (FREE, 0) => Offer::Free,
-            (CONNECTING, 0) => {
+            (CONNECTING, 0 | 1) => {
                 let since = self.offer_stamp().load(Ordering::Relaxed);
                 let age = now_ms().checked_sub(since);
                 Offer::Connecting {
@@ -119,21 +123,26 @@ impl Region {
     /// Client: the connect has its source port: offered(port), and a
     /// server waiting on the word wakes.
     pub fn offer_port(&self, port: u16) {
-        self.offer_word()
-            .store(OFFERED | u32::from(port), Ordering::Release);
-        futex_wake(self.offer_word());
+        let was = self
+            .offer_word()
+            .swap(OFFERED | u32::from(port), Ordering::AcqRel);
+        if was == CONNECTING_WAITED {
+            futex_wake(self.offer_word());
+        }
     }
 
     /// Client: gives a channel it took up for good (the connect failed, no
     /// port to offer, or no server attached).
     pub fn offer_abandon(&self) {
         let w = self.offer_word().load(Ordering::Acquire);
-        if w & !0xffff == OFFERED || w == CONNECTING {
+        if w & !0xffff == OFFERED || w == CONNECTING || w == CONNECTING_WAITED {
             let _ =
                 self.offer_word()
                     .compare_exchange(w, DEAD, Ordering::AcqRel, Ordering::Acquire);
         }
-        futex_wake(self.offer_word());
+        if w == CONNECTING_WAITED {
+            futex_wake(self.offer_word());
+        }
     }
 
     /// Daemon: the stock channel is no longer valid (its listener went
@@ -161,9 +170,17 @@ impl Region {
     }
 
     /// Server: sleeps while the word still says connecting, at most
-    /// `timeout` (the client's `offer_port` wakes it).
+    /// `timeout` (the client's `offer_port` wakes it: the word says first
+    /// that someone sleeps on it).
     pub fn offer_wait(&self, timeout: Duration) {
-        futex_wait_for(self.offer_word(), CONNECTING, timeout);
+        let word = self.offer_word();
+        let _ = word.compare_exchange(
+            CONNECTING,
+            CONNECTING_WAITED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        futex_wait_for(word, CONNECTING_WAITED, timeout);
     }
 }
 
@@ -219,6 +236,7 @@ mod tests {
         let (c, s) = twins();
         for bad in [
             CONNECTING | 7,
+            CONNECTING | 2,
             TAKEN | 1,
             DEAD | 2,
             5 << STATE_SHIFT,
@@ -253,5 +271,28 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         c.offer_port(9);
         assert_eq!(t.join().unwrap(), Offer::Offered(9));
+    }
+
+    #[test]
+    fn a_waiting_server_wakes_when_the_client_gives_up() {
+        let (c, s) = twins();
+        assert!(c.offer_begin());
+        let t = std::thread::spawn(move || {
+            let t0 = std::time::Instant::now();
+            s.offer_wait(Duration::from_secs(10));
+            (s.offer(), t0.elapsed())
+        });
+        // The server marks the word before it sleeps.
+        let t0 = std::time::Instant::now();
+        while c.offer_word().load(Ordering::Acquire) != CONNECTING_WAITED
+            && t0.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::yield_now();
+        }
+        assert_eq!(c.offer(), Offer::Connecting { fresh: true });
+        c.offer_abandon();
+        let (seen, waited) = t.join().unwrap();
+        assert_eq!(seen, Offer::Dead);
+        assert!(waited < Duration::from_secs(10), "the server was not woken");
     }
 }

@@ -574,6 +574,21 @@ impl Region {
         }
     }
 
+    /// What a third party that maps the region (the daemon) sees of the
+    /// connection: bytes written per direction (the free-running tails:
+    /// client→server, server→client) and whether both producers closed.
+    /// Raw words of the two ends, unchecked: the caller bounds them.
+    pub fn observe(&self) -> (u64, u64, bool) {
+        let c2s = RingRef::of(self, 0);
+        let s2c = RingRef::of(self, 1);
+        let closed = |r: &RingRef| r.ctl().flags.0.producer_closed.load(Ordering::Acquire) != 0;
+        (
+            c2s.ctl().tail.0.pos.load(Ordering::Acquire),
+            s2c.ctl().tail.0.pos.load(Ordering::Acquire),
+            closed(&c2s) && closed(&s2c),
+        )
+    }
+
     /// (sending ring, receiving ring) of `side`.
     fn rings(&self, side: Side) -> (RingRef, RingRef) {
         match side {

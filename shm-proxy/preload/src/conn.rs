@@ -97,6 +97,9 @@ pub struct Conn {
     /// Client of a stock channel: its region, whose offer word is given
     /// up if the server never attaches (`setup::to_tcp`).
     pub stock_offer: Option<Arc<Region>>,
+    /// Either end of a stock channel: the daemon maps the region and reads
+    /// its opening and closing there, so no close report is sent.
+    pub stock: bool,
 }
 
 /// How often the two ends handed off through the kernel: the cost the
@@ -200,6 +203,7 @@ impl Conn {
             sleepers: crate::sleepers::Sleepers::new(),
             violation_seen: AtomicBool::new(false),
             stock_offer: None,
+            stock: false,
         }
     }
 

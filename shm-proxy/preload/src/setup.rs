@@ -270,7 +270,9 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
         return None;
     }
     let service = verdict == Verdict::Service;
-    if !is_tcp(fd) {
+    // A socket the library saw made as TCP (`socket()`, not connected
+    // since) needs no check.
+    if !state::UNCONNECTED.get(fd) && !is_tcp(fd) {
         return None;
     }
     // Registrations made before connect (asio's reactor adds every socket
@@ -474,6 +476,7 @@ fn stock_finish(fd: c_int, taken: stock::Taken, offered: bool, connected: bool, 
     );
     let ring_size = taken.region.ring_size();
     conn.stock_offer = Some(taken.region);
+    conn.stock = true;
     install_client(fd, conn, ring_size);
 }
 
@@ -548,7 +551,7 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
     // A channel the client took from stock: no round trip.
     if stock::holds_for(local) {
         if let Some(taken) = stock::take_offer(local, peer) {
-            return attach_stock(fd, nonblock, taken, local, peer);
+            return attach_stock(fd, nonblock, taken, peer);
         }
     }
     let answer = with_daemon(|d| {
@@ -576,7 +579,7 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
         }
         // The claim's answer may have brought the stock the client used.
         Some(Ok(None)) => match stock::take_offer(local, peer) {
-            Some(taken) => attach_stock(fd, nonblock, taken, local, peer),
+            Some(taken) => attach_stock(fd, nonblock, taken, peer),
             None => log_at!(4, "fd {fd}: {peer} is plain TCP"),
         },
         Some(Err(e)) => log_at!(2, "fd {fd}: claim failed: {e}; TCP"),
@@ -608,19 +611,12 @@ fn attach_server(fd: c_int, conn: Conn, peer: SocketAddr) -> bool {
 }
 
 /// Server: attaches a stock channel the client offered for this
-/// connection and tells the daemon, one way.
-fn attach_stock(
-    fd: c_int,
-    nonblock: bool,
-    taken: stock::Taken,
-    local: SocketAddr,
-    peer: SocketAddr,
-) {
-    let id = taken.id;
-    let conn = Conn::from_region(id, taken.region, Side::Server, nonblock, false);
-    if attach_server(fd, conn, peer) {
-        with_daemon(|d| d.stock_taken(id, local, peer));
-    }
+/// connection. No message to the daemon: it reads "taken" in the offer
+/// word (docs/shm-lane.md, "Pre-created channels").
+fn attach_stock(fd: c_int, nonblock: bool, taken: stock::Taken, peer: SocketAddr) {
+    let mut conn = Conn::from_region(taken.id, taken.region, Side::Server, nonblock, false);
+    conn.stock = true;
+    attach_server(fd, conn, peer);
 }
 
 /// A client connection whose server never attached becomes plain TCP: all
@@ -656,8 +652,12 @@ pub fn to_tcp(conn: &Arc<Conn>) {
 
 /// The connection's last fd in this process closed: tell the daemon, one
 /// way (the close does not wait for an answer; the daemon counts the side
-/// once, docs/shm-lane.md "Closing").
+/// once, docs/shm-lane.md "Closing"). A stock channel's close is read from
+/// its rings by the daemon: nothing is sent.
 pub fn closed(conn: &Conn) {
+    if conn.stock {
+        return;
+    }
     let (sent, received) = (
         conn.sent.load(std::sync::atomic::Ordering::Relaxed),
         conn.received.load(std::sync::atomic::Ordering::Relaxed),

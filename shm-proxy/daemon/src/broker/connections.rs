@@ -249,6 +249,21 @@ impl Broker {
         }
     }
 
+    /// Closes the connections read through a mapping (stock: their ends
+    /// send no close report) whose producers both closed. Memory reads
+    /// only: called at every tick and before stats are read.
+    pub(super) fn close_finished_mapped(&mut self) {
+        let done: Vec<u64> = self
+            .active
+            .values()
+            .filter(|c| c.watch.as_ref().is_some_and(|w| w.is_mapped()) && c.progress().both_closed)
+            .map(|c| c.id)
+            .collect();
+        for id in done {
+            self.close_active(id);
+        }
+    }
+
     pub(super) fn close_active(&mut self, id: u64) {
         if let Some(conn) = self.active.remove(&id) {
             self.stock_early.remove(&id);

@@ -365,7 +365,7 @@ impl Broker {
             },
             Request::Stats => match self.node_caller(caller) {
                 Ok(()) => {
-                    self.open_taken_stock();
+                    self.refresh_connections();
                     Response::Stats {
                         stats: Box::new(self.stats()),
                     }
@@ -374,6 +374,15 @@ impl Broker {
                 Err(a) => a,
             },
         }
+    }
+
+    /// Brings the connections read from mappings up to date (stock: its
+    /// ends send no message per connection): those whose offer word says
+    /// taken are opened, those whose producers both closed are closed.
+    /// Memory reads only; before every stats answer and at every tick.
+    pub fn refresh_connections(&mut self) {
+        self.open_taken_stock();
+        self.close_finished_mapped();
     }
 
     /// Counts a fallback decided outside the broker (the relay).

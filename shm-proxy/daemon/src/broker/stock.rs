@@ -9,13 +9,16 @@
 //! - `stock-claim`: served as a relayable claim; it also marks the listener
 //!   as one that takes stock (its server looks at stock), and grants the
 //!   calling process the listener's stock it does not hold yet.
-//! - `stock-taken` (one way): a server attached a stock channel to the
-//!   connection it accepted: the stock becomes an active connection, as a
-//!   claim makes one.
-//! - A close report from the client's pod may name stock not taken yet
-//!   (the server's `stock-taken` comes on another daemon connection): the
-//!   stock becomes active at once, and the later `stock-taken` fills in
-//!   the server's side.
+//! - No message per connection: the daemon keeps a mapping of each stock
+//!   region, and a channel whose offer word says a server took it becomes
+//!   an active connection (`open_taken_stock`, at every tick and before
+//!   stats are read); it is counted closed when both its producers closed
+//!   (`close_finished_mapped`), with the bytes its rings' positions show.
+//!   The library sends neither `stock-taken` nor close reports for stock.
+//! - From an older library: `stock-taken` (one way) fills in the server's
+//!   side of a connection seen taken, or makes stock active; a close report
+//!   from the client's pod may name stock not taken yet: it becomes active
+//!   at once, and a later `stock-taken` fills in the server's side.
 //!
 //! Bounds: a pod's stock counts against its pending channels
 //! (`max_pending_per_pod`), a (client process, destination) pair holds at
@@ -134,6 +137,9 @@ impl Broker {
         socket_fd: i32,
         want: u32,
     ) -> Answer {
+        // Stock taken since the last tick is no stock any more: it must not
+        // count against the pod's budget nor the pair's bound.
+        self.open_taken_stock();
         let answer = self.connect_intent(caller, src, dst, region_len, Some(socket_fd));
         let Response::Channel { id, len } = answer.response else {
             return answer;
@@ -276,6 +282,8 @@ impl Broker {
         local: SocketAddr,
         peer: SocketAddr,
     ) -> Answer {
+        // Stock taken since the last tick is not granted again.
+        self.open_taken_stock();
         let answer = self.claim_accepted(caller, local, peer);
         let channel = match answer.response {
             Response::Channel { id, len } => Some(ChannelGrant { id, len }),
@@ -365,7 +373,8 @@ impl Broker {
             Ok(p) => p,
             Err(refused) => return refused,
         };
-        if self.stock_early.contains_key(&channel_id) {
+        // Seen taken in its offer word already (or reported closed).
+        if self.stock_early.contains_key(&channel_id) || self.active.contains_key(&channel_id) {
             return self.take_early(caller, pod, channel_id, local, peer);
         }
         let fits = self.stock.get(&channel_id).is_some_and(|s| {
@@ -410,27 +419,35 @@ impl Broker {
                 server_process,
                 client_report: None,
                 server_report: None,
-                watch: Some(RingWatch::new(s.memfd)),
+                // The daemon's mapping when it has one: the ends of a
+                // stock connection send no close report, and a mapping is
+                // read at every tick without a system call.
+                watch: Some(match s.view {
+                    Some(view) => RingWatch::mapped(view),
+                    None => RingWatch::new(s.memfd),
+                }),
                 seen: Default::default(),
             },
         );
     }
 
-    /// A close report from `pod` names stock `id`: when `pod` is the
-    /// stock's client, the stock becomes active first (its server's
-    /// `stock-taken` may still be on its way), so that the report counts.
+    /// A close report from `pod` names stock `id` (an older library's
+    /// client): when `pod` is the stock's client, the stock becomes active
+    /// first (its server's `stock-taken` may still be on its way), so that
+    /// the report counts.
     pub(super) fn open_stock_reported(&mut self, pod: PodId, id: u64) {
         if self.stock.get(&id).is_none_or(|s| s.client_pod != pod) {
             return;
         }
-        self.open_untaken(id);
+        self.open_untaken(id, true);
         tracing::debug!(id, "stock reported closed before it was taken");
     }
 
-    /// Stock whose offer word says a server took it: counted opened now
-    /// (a test or an operator reading the counters after its connection
-    /// must find it, and the server's `stock-taken` travels on another
-    /// daemon connection); `stock-taken` fills in the server's side.
+    /// Stock whose offer word says a server took it becomes an active
+    /// connection: this is how the daemon learns of every stock
+    /// connection (at each tick and before stats are read, so counters
+    /// read after a connection find it). An older library's server also
+    /// sends `stock-taken`, which then fills in its side.
     pub(super) fn open_taken_stock(&mut self) {
         let taken: Vec<u64> = self
             .stock
@@ -439,31 +456,41 @@ impl Broker {
             .map(|(id, _)| *id)
             .collect();
         for id in taken {
-            self.open_untaken(id);
-            tracing::debug!(id, "stock seen taken before its server said so");
+            self.open_untaken(id, false);
+            tracing::debug!(id, "stock seen taken");
         }
     }
 
-    /// Stock `id` becomes active before its server's `stock-taken`.
-    fn open_untaken(&mut self, id: u64) {
+    /// Stock `id` becomes active without its server's word. `early`: on a
+    /// close report, before any sign that a server took it (it is closed
+    /// if no `stock-taken` follows within `intent_ttl`).
+    fn open_untaken(&mut self, id: u64, early: bool) {
         let Some(s) = self.stock.remove(&id) else {
             return;
         };
-        // What is known before the server's word: the client's address
-        // (not its port), the listener address it named.
+        // What is known without the server's word: the client's address
+        // (not its port), the listener address it named, and the server
+        // process when only one holds the stock.
         let addrs = (SocketAddr::new(s.client_ip, 0), s.dst);
+        let server = match s.holders.as_slice() {
+            [only] => Some(*only),
+            _ => None,
+        };
         let created = s.created;
-        self.open_stock(id, s, None, addrs);
+        self.open_stock(id, s, server, addrs);
         if let Some(c) = self.active.get_mut(&id) {
             // The connection is younger than its stock: the byte counts'
             // bound must not refuse what it carried before this report.
             c.opened = created;
         }
-        self.stock_early.insert(id, Instant::now());
+        if early {
+            self.stock_early.insert(id, Instant::now());
+        }
     }
 
-    /// `stock-taken` for stock a close report made active: fills in the
-    /// server's side, checked as the stock would have been.
+    /// `stock-taken` for stock already active (seen taken in its offer
+    /// word, or made active by a close report): fills in the server's
+    /// side, checked as the stock would have been.
     fn take_early(
         &mut self,
         caller: &Caller,
@@ -472,8 +499,14 @@ impl Broker {
         local: SocketAddr,
         peer: SocketAddr,
     ) -> Answer {
+        // A connection seen taken names its server when one process held
+        // the stock: another process cannot say it took it.
+        let early = self.stock_early.contains_key(&id);
         let fits = self.active.get(&id).is_some_and(|c| {
-            c.server_pod == pod && c.server_addr == local && self.pod_owns(c.client_pod, peer.ip())
+            c.server_pod == pod
+                && c.server_addr == local
+                && self.pod_owns(c.client_pod, peer.ip())
+                && (early || c.server_process.is_none() || c.server_process == caller.process)
         });
         if !fits {
             return self.deny(
@@ -523,7 +556,7 @@ impl Broker {
             return;
         };
         if view.as_ref().is_some_and(|v| v.offer() == Offer::Taken) {
-            self.open_untaken(id);
+            self.open_untaken(id, false);
             return;
         }
         if let Some(v) = view {

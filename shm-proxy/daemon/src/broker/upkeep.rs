@@ -27,7 +27,7 @@ impl Broker {
         for key in expired {
             self.drop_pending(key, FallbackReason::IntentExpired);
         }
-        self.open_taken_stock();
+        self.refresh_connections();
         self.expire_stock(now);
         // The sweep below reads /proc and the rings of every connection:
         // at most every SWEEP_EVERY, and each process's liveness once.
