@@ -520,23 +520,30 @@ pub fn fd_and_memfd_count(pid: u32) -> (usize, usize) {
 }
 
 /// The channel memfds a daemon holds (it keeps one fd of each live
-/// same-node channel): (its `/proc/PID/fd/N` path, bytes allocated in it,
-/// from `st_blocks`). The sum is the lane's shared memory on the node.
+/// same-node channel, or a mapping: stock and the connections made of it):
+/// (a `/proc/PID/fd/N` or `/proc/PID/map_files/RANGE` path to it, bytes
+/// allocated in it, from `st_blocks`), each memfd once. The sum is the
+/// lane's shared memory on the node.
 pub fn channel_memfds(daemon: u32) -> Vec<(PathBuf, u64)> {
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{daemon}/fd")) else {
-        return out;
-    };
-    for e in dir.flatten() {
-        let Ok(link) = std::fs::read_link(e.path()) else {
+    let mut seen = std::collections::HashSet::new();
+    for kind in ["fd", "map_files"] {
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{daemon}/{kind}")) else {
             continue;
         };
-        if !link.to_string_lossy().starts_with("/memfd:flowlane-ch-") {
-            continue;
-        }
-        if let Ok(m) = std::fs::metadata(e.path()) {
-            out.push((e.path(), m.blocks() * 512));
+        for e in dir.flatten() {
+            let Ok(link) = std::fs::read_link(e.path()) else {
+                continue;
+            };
+            if !link.to_string_lossy().starts_with("/memfd:flowlane-ch-") {
+                continue;
+            }
+            if let Ok(m) = std::fs::metadata(e.path()) {
+                if seen.insert((m.dev(), m.ino())) {
+                    out.push((e.path(), m.blocks() * 512));
+                }
+            }
         }
     }
     out

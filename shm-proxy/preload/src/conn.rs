@@ -100,6 +100,24 @@ pub struct Conn {
     /// Either end of a stock channel: the daemon maps the region and reads
     /// its opening and closing there, so no close report is sent.
     pub stock: bool,
+    /// The real socket's TCP_NODELAY is on (`nodelay_for_bells`).
+    nodelay_on: AtomicBool,
+}
+
+/// Sets an int TCP option on the real socket (errno unchanged).
+fn set_tcp_int(fd: c_int, opt: c_int, v: c_int) {
+    let saved = errno();
+    // SAFETY: setsockopt with a local int.
+    unsafe {
+        real::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            opt,
+            (&v as *const c_int).cast(),
+            std::mem::size_of::<c_int>() as libc::socklen_t,
+        )
+    };
+    set_errno(saved);
 }
 
 /// How often the two ends handed off through the kernel: the cost the
@@ -204,6 +222,7 @@ impl Conn {
             violation_seen: AtomicBool::new(false),
             stock_offer: None,
             stock: false,
+            nodelay_on: AtomicBool::new(false),
         }
     }
 
@@ -226,8 +245,14 @@ impl Conn {
     }
 
     /// Takes over the socket's Nagle settings (see `app_nodelay`), keeping
-    /// what the application had set for getsockopt.
-    pub fn take_tcp_options(&self, fd: c_int) {
+    /// what the application had set for getsockopt. `defaults`: the socket
+    /// is known to hold the kernel's defaults (`state::DEFAULT_OPTIONS`):
+    /// nothing to read, nothing to undo. TCP_NODELAY goes on at the first
+    /// doorbell (`ring_bell`), the only bytes the socket carries.
+    pub fn take_tcp_options(&self, fd: c_int, defaults: bool) {
+        if defaults {
+            return;
+        }
         // Timeouts set before the connection existed (or inherited from the
         // listener, as Linux does for accepted sockets).
         for (opt, keep) in [
@@ -273,24 +298,16 @@ impl Conn {
                 keep.store(v, Ordering::Relaxed);
             }
         }
-        let (on, off): (c_int, c_int) = (1, 0);
-        let sz = std::mem::size_of::<c_int>() as libc::socklen_t;
-        // SAFETY: setsockopt with local ints.
-        unsafe {
-            real::setsockopt(
-                fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_CORK,
-                (&off as *const c_int).cast(),
-                sz,
-            );
-            real::setsockopt(
-                fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_NODELAY,
-                (&on as *const c_int).cast(),
-                sz,
-            );
+        if self.app_cork.load(Ordering::Relaxed) != 0 {
+            set_tcp_int(fd, libc::TCP_CORK, 0);
+        }
+    }
+
+    /// The real socket's TCP_NODELAY, before its first doorbell: Nagle
+    /// would hold a doorbell back for a delayed ACK (40 ms per wake-up).
+    fn nodelay_for_bells(&self, fd: c_int) {
+        if !self.nodelay_on.swap(true, Ordering::Relaxed) {
+            set_tcp_int(fd, libc::TCP_NODELAY, 1);
         }
     }
 
@@ -306,6 +323,7 @@ impl Conn {
         bump(&self.counts.bells);
         let b = 0u8;
         let saved = errno();
+        self.nodelay_for_bells(fd);
         // SAFETY: one byte from a local.
         let r = unsafe {
             real::send(

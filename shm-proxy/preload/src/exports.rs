@@ -952,6 +952,9 @@ pub unsafe extern "C" fn setsockopt(
         _ => {
             // SAFETY: forwards the caller's arguments unchanged (same C contract).
             let r = unsafe { real::setsockopt(fd, level, name, val, len) };
+            if r == 0 && is_taken_over_option(level, name) {
+                state::DEFAULT_OPTIONS.set(fd, false);
+            }
             if r == 0 {
                 // SAFETY: the kernel accepted `val` as this option's value.
                 unsafe { note_timeout(fd, level, name, val, len) };
@@ -959,6 +962,20 @@ pub unsafe extern "C" fn setsockopt(
             r
         }
     })
+}
+
+/// The options a ring connection takes over from its socket (see
+/// `Conn::take_tcp_options`).
+fn is_taken_over_option(level: c_int, name: c_int) -> bool {
+    use crate::conn::{SO_RCVTIMEO_NEW, SO_SNDTIMEO_NEW};
+    match level {
+        libc::SOL_SOCKET => matches!(
+            name,
+            libc::SO_RCVTIMEO | libc::SO_SNDTIMEO | SO_RCVTIMEO_NEW | SO_SNDTIMEO_NEW
+        ),
+        libc::IPPROTO_TCP => matches!(name, libc::TCP_NODELAY | libc::TCP_CORK),
+        _ => false,
+    }
 }
 
 /// SO_RCVTIMEO/SO_SNDTIMEO the kernel accepted for a ring connection: the

@@ -441,7 +441,10 @@ fn install_client(fd: c_int, conn: Conn, ring_size: usize) {
         "fd {fd}: channel {} (client, {ring_size} bytes per direction)",
         conn.id
     );
-    conn.take_tcp_options(fd);
+    conn.take_tcp_options(
+        fd,
+        state::UNCONNECTED.get(fd) && state::DEFAULT_OPTIONS.get(fd),
+    );
     let conn = Arc::new(conn);
     drop(state::install(fd, conn.clone()));
     crate::wait::adopt_plain(fd, &conn);
@@ -548,10 +551,12 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
         return;
     };
     let nonblock = flags & libc::SOCK_NONBLOCK != 0;
+    // Linux copies the listener's options to the accepted socket.
+    let defaults = state::UNCONNECTED.get(listen_fd) && state::DEFAULT_OPTIONS.get(listen_fd);
     // A channel the client took from stock: no round trip.
     if stock::holds_for(local) {
         if let Some(taken) = stock::take_offer(local, peer) {
-            return attach_stock(fd, nonblock, taken, peer);
+            return attach_stock(fd, nonblock, taken, peer, defaults);
         }
     }
     let answer = with_daemon(|d| {
@@ -565,7 +570,7 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
             let id = ch.id;
             match Conn::new(id, ch.memfd, ch.len, Side::Server, nonblock, false) {
                 Ok(conn) => {
-                    attach_server(fd, conn, peer);
+                    attach_server(fd, conn, peer, defaults);
                 }
                 Err(e) => {
                     log_at!(
@@ -579,7 +584,7 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
         }
         // The claim's answer may have brought the stock the client used.
         Some(Ok(None)) => match stock::take_offer(local, peer) {
-            Some(taken) => attach_stock(fd, nonblock, taken, peer),
+            Some(taken) => attach_stock(fd, nonblock, taken, peer, defaults),
             None => log_at!(4, "fd {fd}: {peer} is plain TCP"),
         },
         Some(Err(e)) => log_at!(2, "fd {fd}: claim failed: {e}; TCP"),
@@ -589,10 +594,10 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
 
 /// Server: attaches `conn` (true) or finds that the client gave up on it
 /// (false: the connection stays on TCP).
-fn attach_server(fd: c_int, conn: Conn, peer: SocketAddr) -> bool {
+fn attach_server(fd: c_int, conn: Conn, peer: SocketAddr, defaults: bool) -> bool {
     let id = conn.id;
     if conn.probe.server_attach() {
-        conn.take_tcp_options(fd);
+        conn.take_tcp_options(fd, defaults);
         log_at!(3, "fd {fd}: channel {id} (server) for {peer}");
         let ring = conn.probe.server_must_ring_attach();
         drop(state::install(fd, Arc::new(conn)));
@@ -613,10 +618,10 @@ fn attach_server(fd: c_int, conn: Conn, peer: SocketAddr) -> bool {
 /// Server: attaches a stock channel the client offered for this
 /// connection. No message to the daemon: it reads "taken" in the offer
 /// word (docs/shm-lane.md, "Pre-created channels").
-fn attach_stock(fd: c_int, nonblock: bool, taken: stock::Taken, peer: SocketAddr) {
+fn attach_stock(fd: c_int, nonblock: bool, taken: stock::Taken, peer: SocketAddr, defaults: bool) {
     let mut conn = Conn::from_region(taken.id, taken.region, Side::Server, nonblock, false);
     conn.stock = true;
-    attach_server(fd, conn, peer);
+    attach_server(fd, conn, peer, defaults);
 }
 
 /// A client connection whose server never attached becomes plain TCP: all

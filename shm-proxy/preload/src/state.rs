@@ -32,6 +32,12 @@ impl FdBits {
         let fd = fd as usize; // negative fds wrap to huge values and fail the bound
         fd < MAX_FD && self.0[fd / 64].load(Ordering::Relaxed) & (1 << (fd % 64)) != 0
     }
+    /// Clears every bit (atomic stores only: safe in a fork handler).
+    pub fn clear_all(&self) {
+        for w in &self.0 {
+            w.store(0, Ordering::Relaxed);
+        }
+    }
     pub fn set(&self, fd: i32, on: bool) {
         let fd = fd as usize;
         if fd < MAX_FD {
@@ -59,6 +65,15 @@ pub static EPOLL_SEEN: FdBits = FdBits::new();
 /// they can move into the library's emulation if the connection goes onto
 /// the ring (see `wait::adopt_plain`).
 pub static UNCONNECTED: FdBits = FdBits::new();
+/// TCP sockets whose options the ring takes over (SO_RCVTIMEO,
+/// SO_SNDTIMEO, TCP_NODELAY, TCP_CORK) hold the kernel's defaults as far
+/// as this process can know: made by `socket()` here, none of the four set
+/// since, and no fork since (another process may share the socket and set
+/// them). Meaningful only with `UNCONNECTED` (both are set by the same
+/// `socket()`, and `UNCONNECTED` is cleared whenever the fd leaves that
+/// state): a connection set up on such a socket, or accepted from such a
+/// listener (Linux copies the listener's options), reads none of them.
+pub static DEFAULT_OPTIONS: FdBits = FdBits::new();
 /// Epoll fds of the application (`epoll_create*`, and their duplicates).
 pub static EPOLL_INSTANCES: FdBits = FdBits::new();
 /// Epoll fds that duplicate another one (`dup`, `fcntl(F_DUPFD*)`: mio's
@@ -464,6 +479,7 @@ extern "C" fn before_fork() {
 
 extern "C" fn after_fork() {
     FORK_GEN.fetch_add(1, Ordering::Relaxed);
+    DEFAULT_OPTIONS.clear_all();
     unlock();
 }
 
@@ -472,6 +488,7 @@ extern "C" fn after_fork() {
 /// parent blocked in `read` left its connection's read lock taken).
 extern "C" fn after_fork_child() {
     FORK_GEN.fetch_add(1, Ordering::Relaxed);
+    DEFAULT_OPTIONS.clear_all();
     // SAFETY: `before_fork` took the table lock in this very thread, so
     // nothing else can reach the tables.
     if let Some(t) = unsafe { &mut *STATE.tables.get() } {

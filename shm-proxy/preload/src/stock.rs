@@ -49,6 +49,9 @@ const SERVER_TTL: Duration = Duration::from_secs(60);
 /// taken a stock channel to write its source port.
 pub const OFFER_WAIT: Duration = Duration::from_millis(20);
 
+/// How long a server spins on a connecting offer before it sleeps on it.
+const OFFER_SPIN: Duration = Duration::from_micros(20);
+
 struct ClientEntry {
     dst: SocketAddr,
     id: u64,
@@ -282,8 +285,30 @@ pub fn take_offer(local: SocketAddr, peer: SocketAddr) -> Option<Taken> {
                     waited_out(id);
                     return None;
                 }
-                region.offer_wait(left);
+                // The accept usually returns while the client's connect is
+                // still returning: its port follows within microseconds,
+                // sooner than a futex sleep and wake-up.
+                if !spin_while_connecting(&region) {
+                    region.offer_wait(left);
+                }
             }
+        }
+    }
+}
+
+/// Spins at most `OFFER_SPIN` while `region`'s offer says connecting;
+/// true if it changed.
+fn spin_while_connecting(region: &Region) -> bool {
+    let until = Instant::now() + OFFER_SPIN;
+    loop {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+        if !matches!(region.offer(), Offer::Connecting { .. }) {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
         }
     }
 }

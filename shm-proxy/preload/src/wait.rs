@@ -938,15 +938,19 @@ unsafe fn real_poll(
 
 /// `socket()` returned `fd` to the application: a TCP socket is remembered
 /// as not connected yet, so that its epoll registrations are recorded
-/// (`plain_ctl`) until its `connect`.
+/// (`plain_ctl`) until its `connect`, and as holding the default options
+/// (`state::DEFAULT_OPTIONS`).
 pub fn new_socket(fd: c_int, domain: c_int, ty: c_int, proto: c_int) {
     // The type may carry SOCK_NONBLOCK / SOCK_CLOEXEC.
     const SOCK_TYPE_MASK: c_int = 0xf;
     let tcp = matches!(domain, libc::AF_INET | libc::AF_INET6)
         && ty & SOCK_TYPE_MASK == libc::SOCK_STREAM
         && (proto == 0 || proto == libc::IPPROTO_TCP);
-    if tcp && (0..state::MAX_FD as c_int).contains(&fd) {
-        state::UNCONNECTED.set(fd, true);
+    if (0..state::MAX_FD as c_int).contains(&fd) {
+        state::DEFAULT_OPTIONS.set(fd, tcp);
+        if tcp {
+            state::UNCONNECTED.set(fd, true);
+        }
     }
 }
 
