@@ -488,6 +488,105 @@ fn socket_timeouts_bound_blocking_reads_and_writes() {
     assert_eq!(node.shm_opened(), 1);
 }
 
+/// Options set before the connection existed hold on the ring: set on the
+/// client's socket before `connect`, on a socket whose forked child set
+/// them (the library cannot see that: it reads them after any fork), and
+/// inherited from the listener by an accepted socket (Linux copies them).
+/// The set-up skips reading them only for a socket it knows holds the
+/// defaults (docs/shm-lane.md, "Doorbells").
+const EARLY_OPTS_SERVER: &str = r#"
+import socket, struct, sys, time
+tv = struct.pack('ll', 0, 300000)
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()
+def recv_until(c, want):
+    got = b''
+    while len(got) < len(want):
+        try:
+            d = c.recv(len(want) - len(got))
+        except BlockingIOError:
+            continue
+        if not d: raise SystemExit('eof')
+        got += d
+    assert got == want, got
+for i in range(2):
+    c, _ = s.accept()
+    assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    t0 = time.monotonic()
+    try:
+        c.recv(10)
+        raise SystemExit('recv returned without data')
+    except BlockingIOError:
+        pass
+    assert time.monotonic() - t0 >= 0.25, 'the listener timeout did not hold'
+    recv_until(c, b'ok')
+    c.sendall(b'go')
+    c.close()
+print('served ok')
+"#;
+
+const EARLY_OPTS_CLIENT: &str = r#"
+import os, socket, struct, sys, time
+tv = struct.pack('ll', 0, 300000)
+addr = (sys.argv[1], int(sys.argv[2]))
+def check(c, nodelay, what):
+    assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == nodelay, what
+    t0 = time.monotonic()
+    try:
+        c.recv(10)
+        raise SystemExit('recv returned without data: ' + what)
+    except BlockingIOError:
+        pass
+    assert time.monotonic() - t0 >= 0.25, what + ': the timeout did not hold'
+    c.sendall(b'ok')
+    got = b''
+    while len(got) < 2:
+        try:
+            d = c.recv(2)
+        except BlockingIOError:
+            continue
+        if not d: raise SystemExit('eof: ' + what)
+        got += d
+    assert got == b'go', got
+    c.close()
+c = socket.socket()
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+c.connect(addr)
+check(c, 1, 'set before connect')
+c = socket.socket()
+pid = os.fork()
+if pid == 0:
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    os._exit(0)
+os.waitpid(pid, 0)
+c.connect(addr)
+check(c, 0, 'set by a forked child')
+print('ok early options')
+"#;
+
+#[test]
+fn options_set_before_the_connection_hold_on_the_ring() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("eopt", 2);
+    let (c, s) = (&node.pods[0], &node.pods[1]);
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", EARLY_OPTS_SERVER, "7261"]));
+    wait_listening(s, 7261);
+    let ip = s.ip.to_string();
+    let out = run_ok(
+        node.cmd(c, true, &[PYTHON, "-c", EARLY_OPTS_CLIENT, &ip, "7261"]),
+        T,
+        "early options",
+    );
+    assert!(out.contains("ok early options"), "{out}");
+    let (st, srv_out, err) = srv.finish(T);
+    assert!(st.is_some_and(|s| s.success()), "server: {srv_out} {err}");
+    assert!(srv_out.contains("served ok"), "{srv_out}");
+    assert_eq!(node.shm_opened(), 2, "both connections on the lane");
+}
+
 /// The number after `tag` on the line that starts with it.
 fn last_number(out: &str, tag: &str) -> u64 {
     out.lines()
