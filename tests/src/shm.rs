@@ -485,20 +485,25 @@ pub fn run_ok(cmd: Command, timeout: Duration, what: &str) -> String {
     }
 }
 
+/// Whether something listens on `port` inside `pod` now (ss).
+pub fn listening(pod: &Pod, port: u16) -> bool {
+    let o = sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &pod.netns,
+        "ss",
+        "-Htln",
+        &format!("sport = :{port}"),
+    ]);
+    !String::from_utf8_lossy(&o.stdout).trim().is_empty()
+}
+
 /// Waits until something listens on `port` inside `pod` (ss), up to 20 s.
 pub fn wait_listening(pod: &Pod, port: u16) {
     let t0 = Instant::now();
     loop {
-        let o = sh(&[
-            "ip",
-            "netns",
-            "exec",
-            &pod.netns,
-            "ss",
-            "-Htln",
-            &format!("sport = :{port}"),
-        ]);
-        if !String::from_utf8_lossy(&o.stdout).trim().is_empty() {
+        if listening(pod, port) {
             return;
         }
         assert!(

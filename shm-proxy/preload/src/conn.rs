@@ -102,6 +102,51 @@ pub struct Conn {
     pub stock: bool,
     /// The real socket's TCP_NODELAY is on (`nodelay_for_bells`).
     nodelay_on: AtomicBool,
+    /// Client of a stock channel: bytes went into the ring before the
+    /// server attached (`send_before_attach`).
+    prewritten: AtomicBool,
+    /// Those bytes were sent on TCP instead, the server never having
+    /// attached (`replay_on_tcp`).
+    replayed: AtomicBool,
+}
+
+/// Sends all of `bytes` on the real socket, waiting for room (also on a
+/// non-blocking socket) until `deadline`; false on an error or timeout.
+/// Keeps errno unchanged.
+fn send_all_on_tcp(fd: c_int, mut bytes: &[u8], deadline: Instant) -> bool {
+    let saved = errno();
+    let ok = loop {
+        if bytes.is_empty() {
+            break true;
+        }
+        // SAFETY: sends from a live slice of `bytes.len()` bytes.
+        let r = unsafe {
+            real::send(
+                fd,
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if r > 0 {
+            bytes = &bytes[r as usize..];
+            continue;
+        }
+        let e = errno();
+        if r < 0 && (e == libc::EAGAIN || e == libc::EINTR) && Instant::now() < deadline {
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLOUT,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { real::poll(&mut p, 1, 100) };
+            continue;
+        }
+        break false;
+    };
+    set_errno(saved);
+    ok
 }
 
 /// Sets an int TCP option on the real socket (errno unchanged).
@@ -223,6 +268,8 @@ impl Conn {
             stock_offer: None,
             stock: false,
             nodelay_on: AtomicBool::new(false),
+            prewritten: AtomicBool::new(false),
+            replayed: AtomicBool::new(false),
         }
     }
 
@@ -445,7 +492,10 @@ impl Conn {
                     self.pending.store(false, Ordering::Release);
                     return Settle::Ring;
                 }
-                Attach::ClientGaveUp => return Settle::Tcp,
+                Attach::ClientGaveUp => {
+                    self.replay_on_tcp(fd);
+                    return Settle::Tcp;
+                }
                 Attach::Undecided => {}
             }
             if !self.connecting.load(Ordering::Acquire) || self.finish_connect(fd, false).is_ok() {
@@ -466,13 +516,13 @@ impl Conn {
                 set_errno(saved);
                 let tcp_moved = r >= 0 || (e != libc::EAGAIN && e != libc::EINTR);
                 if tcp_moved && self.probe.attach_state() == Attach::Undecided {
-                    return self.give_up();
+                    return self.give_up(fd);
                 }
             } else if self.tcp_reset.load(Ordering::Acquire) {
-                return self.give_up();
+                return self.give_up(fd);
             }
             if self.created.elapsed() >= ATTACH_TIMEOUT {
-                return self.give_up();
+                return self.give_up(fd);
             }
             // About to sleep (here, or in the caller's poll/epoll): the
             // server rings the attach bell only for a client that says so.
@@ -493,13 +543,85 @@ impl Conn {
         }
     }
 
-    fn give_up(&self) -> Settle {
+    fn give_up(&self, fd: c_int) -> Settle {
         if self.probe.client_give_up() {
+            self.replay_on_tcp(fd);
             Settle::Tcp
         } else {
             self.pending.store(false, Ordering::Release);
             Settle::Ring
         }
+    }
+
+    /// Client of a stock channel whose server has not attached yet: writes
+    /// `bufs` into the ring at once when they fit whole, instead of
+    /// waiting for the attach. The server attaches in its `accept` and
+    /// finds them there, so the first request costs no extra hand-off
+    /// between the two processes. Should the server never attach, they are
+    /// sent on TCP before anything else (`replay_on_tcp`). `None`: not
+    /// such a connection, or the bytes do not fit: the caller settles
+    /// (waits for the attach) as for any pending connection.
+    pub fn send_before_attach(
+        &self,
+        bufs: &[IoSlice<'_>],
+        flags: c_int,
+    ) -> Option<Result<usize, c_int>> {
+        if !self.stock
+            || !self.pending.load(Ordering::Acquire)
+            || self.connecting.load(Ordering::Acquire)
+            || self.shut_wr.load(Ordering::Relaxed)
+            || flags & libc::MSG_OOB != 0
+        {
+            return None;
+        }
+        let want: usize = bufs.iter().map(|b| b.len()).sum();
+        if want == 0 {
+            return None;
+        }
+        let mut tx = self.tx.lock();
+        // Under the lock: a client that gave up replays under it too, so
+        // no byte can land in the ring after its replay.
+        if self.probe.attach_state() != Attach::Undecided || tx.is_broken() || tx.free() < want {
+            return None;
+        }
+        self.prewritten.store(true, Ordering::Release);
+        let n = tx.write_vectored(bufs);
+        self.sent.fetch_add(n as u64, Ordering::Relaxed);
+        Some(Ok(n))
+    }
+
+    /// The server never attached and the client wrote into the ring
+    /// before it knew (`send_before_attach`): those bytes go on TCP now,
+    /// once, ahead of anything the connection sends next. Every thread
+    /// that finds the connection on TCP passes here first, and the replay
+    /// runs under the sending end's lock, so none sends before it ends.
+    fn replay_on_tcp(&self, fd: c_int) {
+        if !self.prewritten.load(Ordering::Acquire) {
+            return;
+        }
+        let _tx = self.tx.lock();
+        if self.replayed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(region) = &self.stock_offer else {
+            return;
+        };
+        // The server never attached (the attach word says so), so nobody
+        // consumed the client→server ring: read it back as its consumer.
+        let (_, mut c2s) = region.endpoints(Side::Server);
+        let mut buf = vec![0u8; 64 << 10];
+        let deadline = Instant::now() + ATTACH_TIMEOUT;
+        loop {
+            let n = c2s.read(&mut buf);
+            if n == 0 || !send_all_on_tcp(fd, &buf[..n], deadline) {
+                break;
+            }
+        }
+        crate::log::log_at!(
+            2,
+            "channel {}: the server never attached; bytes written ahead sent on TCP",
+            self.id
+        );
     }
 
     /// Waits for a non-blocking connect to finish (or reports EAGAIN).
@@ -886,6 +1008,13 @@ impl Conn {
     /// library's back, its number now someone else's): then only the rings
     /// are marked, the kernel told the peer when it closed the socket.
     pub fn finish(&self, fd: Option<c_int>) {
+        // Bytes written ahead of the attach are delivered whichever way the
+        // attach goes: wait for it (it comes with the server's accept).
+        if let Some(fd) = fd {
+            if self.prewritten.load(Ordering::Acquire) && self.pending.load(Ordering::Acquire) {
+                let _ = self.settle(fd, true);
+            }
+        }
         let c = &self.counts;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         crate::log::log_at!(

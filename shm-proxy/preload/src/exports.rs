@@ -167,6 +167,32 @@ fn dispatch<R: From<i8>>(
     })
 }
 
+/// `dispatch` for a one-buffer send: a stock client whose server has not
+/// attached yet writes into the ring without waiting for the attach when
+/// the bytes fit (`Conn::send_before_attach`).
+#[inline(always)]
+fn dispatch_send(
+    fd: c_int,
+    buf: Option<&[u8]>,
+    flags: c_int,
+    pass: impl Fn() -> ssize_t,
+) -> ssize_t {
+    if !CONN_FDS.get(fd) {
+        return pass();
+    }
+    guard(|| {
+        if let (Some(c), Some(b)) = (state::conn(fd), buf) {
+            if let Some(r) = c.send_before_attach(&[IoSlice::new(b)], flags) {
+                return ret(r, flags, true);
+            }
+        }
+        match active(fd, flags) {
+            Some(c) => conn_send1(&c, fd, buf, flags),
+            None => pass(),
+        }
+    })
+}
+
 // ------------------------------------------------------------ data path
 
 #[no_mangle]
@@ -312,25 +338,25 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
 
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
-    dispatch(
+    dispatch_send(
         fd,
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        unsafe { buf_ref(buf, n) },
         0,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         || unsafe { real::write(fd, buf, n) },
-        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        |c| conn_send1(c, fd, unsafe { buf_ref(buf, n) }, 0),
     )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
-    dispatch(
+    dispatch_send(
         fd,
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        unsafe { buf_ref(buf, n) },
         flags,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         || unsafe { real::send(fd, buf, n, flags) },
-        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        |c| conn_send1(c, fd, unsafe { buf_ref(buf, n) }, flags),
     )
 }
 
@@ -343,14 +369,14 @@ pub unsafe extern "C" fn sendto(
     addr: *const sockaddr,
     len: socklen_t,
 ) -> ssize_t {
-    dispatch(
+    // A connected TCP socket ignores the address.
+    dispatch_send(
         fd,
+        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
+        unsafe { buf_ref(buf, n) },
         flags,
         // SAFETY: forwards the caller's arguments unchanged (same C contract).
         || unsafe { real::sendto(fd, buf, n, flags, addr, len) },
-        // A connected TCP socket ignores the address.
-        // SAFETY: pointers come from the caller under this function's C contract (checked non-null where C would).
-        |c| conn_send1(c, fd, unsafe { buf_ref(buf, n) }, flags),
     )
 }
 

@@ -494,6 +494,20 @@ fn socket_timeouts_bound_blocking_reads_and_writes() {
 /// inherited from the listener by an accepted socket (Linux copies them).
 /// The set-up skips reading them only for a socket it knows holds the
 /// defaults (docs/shm-lane.md, "Doorbells").
+/// Both scripts start with `RECV_UNTIL`.
+const RECV_UNTIL: &str = r#"
+def recv_until(c, want, what):
+    got = b''
+    while len(got) < len(want):
+        try:
+            d = c.recv(len(want) - len(got))
+        except BlockingIOError:
+            continue
+        if not d: raise SystemExit('eof: ' + what)
+        got += d
+    assert got == want, got
+"#;
+
 const EARLY_OPTS_SERVER: &str = r#"
 import socket, struct, sys, time
 tv = struct.pack('ll', 0, 300000)
@@ -501,16 +515,6 @@ s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()
-def recv_until(c, want):
-    got = b''
-    while len(got) < len(want):
-        try:
-            d = c.recv(len(want) - len(got))
-        except BlockingIOError:
-            continue
-        if not d: raise SystemExit('eof')
-        got += d
-    assert got == want, got
 for i in range(2):
     c, _ = s.accept()
     assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
@@ -521,7 +525,10 @@ for i in range(2):
     except BlockingIOError:
         pass
     assert time.monotonic() - t0 >= 0.25, 'the listener timeout did not hold'
-    recv_until(c, b'ok')
+    # The client times its own recv only after this: nothing is sent to
+    # either end while it waits.
+    c.sendall(b'a')
+    recv_until(c, b'ok', 'server')
     c.sendall(b'go')
     c.close()
 print('served ok')
@@ -533,6 +540,7 @@ tv = struct.pack('ll', 0, 300000)
 addr = (sys.argv[1], int(sys.argv[2]))
 def check(c, nodelay, what):
     assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == nodelay, what
+    recv_until(c, b'a', what)
     t0 = time.monotonic()
     try:
         c.recv(10)
@@ -541,15 +549,7 @@ def check(c, nodelay, what):
         pass
     assert time.monotonic() - t0 >= 0.25, what + ': the timeout did not hold'
     c.sendall(b'ok')
-    got = b''
-    while len(got) < 2:
-        try:
-            d = c.recv(2)
-        except BlockingIOError:
-            continue
-        if not d: raise SystemExit('eof: ' + what)
-        got += d
-    assert got == b'go', got
+    recv_until(c, b'go', what)
     c.close()
 c = socket.socket()
 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -572,18 +572,19 @@ fn options_set_before_the_connection_hold_on_the_ring() {
     let _turn = crate::turn::take(module_path!());
     let node = Node::new("eopt", 2);
     let (c, s) = (&node.pods[0], &node.pods[1]);
-    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", EARLY_OPTS_SERVER, "7261"]));
+    let script = |body: &str| format!("{RECV_UNTIL}{body}");
+    let srv = Bg::spawn(node.cmd(s, true, &[PYTHON, "-c", &script(EARLY_OPTS_SERVER), "7261"]));
     wait_listening(s, 7261);
     let ip = s.ip.to_string();
-    let out = run_ok(
-        node.cmd(c, true, &[PYTHON, "-c", EARLY_OPTS_CLIENT, &ip, "7261"]),
-        T,
-        "early options",
-    );
-    assert!(out.contains("ok early options"), "{out}");
+    let client = script(EARLY_OPTS_CLIENT);
+    let cli = Bg::spawn(node.cmd(c, true, &[PYTHON, "-c", &client, &ip, "7261"]));
+    let (cst, out, cerr) = cli.finish(T);
     let (st, srv_out, err) = srv.finish(T);
-    assert!(st.is_some_and(|s| s.success()), "server: {srv_out} {err}");
-    assert!(srv_out.contains("served ok"), "{srv_out}");
+    let both = format!("client: {out} {cerr}\nserver: {srv_out} {err}");
+    assert!(cst.is_some_and(|s| s.success()), "{both}");
+    assert!(out.contains("ok early options"), "{both}");
+    assert!(st.is_some_and(|s| s.success()), "{both}");
+    assert!(srv_out.contains("served ok"), "{both}");
     assert_eq!(node.shm_opened(), 2, "both connections on the lane");
 }
 

@@ -108,9 +108,12 @@ for k in kids:
 const LINE_CLIENT: &str = r#"
 import socket, sys
 host, port = sys.argv[1], int(sys.argv[2])
+# A third argument 'blocking': no timeout (Python then polls before no
+# call, so its first send is a plain blocking write).
+timeout = None if sys.argv[3:] == ['blocking'] else 30
 for line in sys.stdin:
     try:
-        s = socket.create_connection((host, port), timeout=30)
+        s = socket.create_connection((host, port), timeout=timeout)
         data = bytes(range(256)) * 4
         s.sendall(b"E" + data)
         got = bytearray()
@@ -124,6 +127,62 @@ for line in sys.stdin:
     except Exception as e:
         print("error", repr(e), flush=True)
 "#;
+
+/// `LINE_CLIENT` in pod 0 against pod 1's `port`: `go` makes one
+/// connection and checks its echo.
+struct LineClient {
+    child: std::process::Child,
+    input: Option<std::process::ChildStdin>,
+    output: BufReader<std::process::ChildStdout>,
+}
+
+impl LineClient {
+    /// Started with `extra` arguments, after 4 connections to a flowlane
+    /// server: all on the lane, and the process holds stock.
+    fn warmed_up(node: &Node, port: u16, extra: &[&str]) -> LineClient {
+        let ip = node.pods[1].ip.to_string();
+        let port = port.to_string();
+        let mut argv = vec![PYTHON, "-c", LINE_CLIENT, &ip, &port];
+        argv.extend_from_slice(extra);
+        let mut child = node
+            .cmd(&node.pods[0], true, &argv)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("client");
+        let input = child.stdin.take();
+        let output = BufReader::new(child.stdout.take().unwrap());
+        let mut client = LineClient {
+            child,
+            input,
+            output,
+        };
+        for i in 0..4 {
+            client.go(&format!("connection {i} to the flowlane server"));
+        }
+        assert_eq!(node.shm_opened(), 4);
+        assert!(
+            node.stats().lanes["shm"].channels_stocked > 0,
+            "the client process holds stock now"
+        );
+        client
+    }
+
+    fn go(&mut self, what: &str) {
+        writeln!(self.input.as_mut().unwrap(), "go").unwrap();
+        let mut line = String::new();
+        self.output.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ok", "{what}");
+    }
+}
+
+impl Drop for LineClient {
+    fn drop(&mut self) {
+        drop(self.input.take());
+        let _ = self.child.wait();
+    }
+}
 
 /// `THREADED_CLIENT` in pod 0 against pod 1's `port`: every echo intact,
 /// every connection on the lane.
@@ -237,34 +296,7 @@ fn st_stock_dies_with_its_listener() {
     let server = &node.pods[1];
     let srv = Bg::spawn(node.cmd(server, true, &[&bench_bin(), "serve", "7453"]));
     wait_listening(server, 7453);
-    let ip = server.ip.to_string();
-    let mut client = node
-        .cmd(
-            &node.pods[0],
-            true,
-            &[PYTHON, "-c", LINE_CLIENT, &ip, "7453"],
-        )
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("client");
-    let mut input = client.stdin.take().unwrap();
-    let mut output = BufReader::new(client.stdout.take().unwrap());
-    let mut go = |what: &str| {
-        writeln!(input, "go").unwrap();
-        let mut line = String::new();
-        output.read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ok", "{what}");
-    };
-    for i in 0..4 {
-        go(&format!("connection {i} to the flowlane server"));
-    }
-    assert_eq!(node.shm_opened(), 4);
-    assert!(
-        node.stats().lanes["shm"].channels_stocked > 0,
-        "the client process holds stock now"
-    );
+    let mut client = LineClient::warmed_up(&node, 7453, &[]);
     // The server goes (killed: no unregister); the daemon notices at its
     // sweep and revokes the stock.
     drop(srv);
@@ -277,7 +309,7 @@ fn st_stock_dies_with_its_listener() {
     wait_listening(server, 7453);
     let fallbacks = |s: &Stats, why: &str| s.fallbacks.get(why).copied().unwrap_or(0);
     let before = node.stats();
-    go("connection to the plain server");
+    client.go("connection to the plain server");
     let after = node.stats();
     assert_eq!(node.shm_opened(), 4, "no lane to a plain server");
     assert_eq!(
@@ -292,8 +324,85 @@ fn st_stock_dies_with_its_listener() {
         "no client waited for an attach: {:?}",
         after.fallbacks
     );
-    drop(input);
-    let _ = client.wait();
+}
+
+/// An echo server for `LINE_CLIENT`: serves `argv[2]` connections (0:
+/// forever), then, if `argv[3]` is given, execs it: its listening socket
+/// closes with the exec (close-on-exec), unseen by the library, while the
+/// process lives on.
+const ECHO_THEN_EXEC: &str = r#"
+import os, socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen()
+n = int(sys.argv[2])
+i = 0
+while n == 0 or i < n:
+    c, _ = s.accept()
+    got = b''
+    while len(got) < 1025:
+        d = c.recv(4096)
+        if not d: break
+        got += d
+    c.sendall(got[1:])
+    c.close()
+    i += 1
+if len(sys.argv) > 3:
+    os.execv(sys.argv[3], sys.argv[3:])
+"#;
+
+/// A client writes its request into a stock channel before the attach (its
+/// first write does not wait), and this time the server never attaches: a
+/// plain server took the port while the daemon still stands behind the
+/// stock (the flowlane server's process lives on without its listening
+/// socket). The bytes written ahead reach the plain server on TCP, intact,
+/// once the client gives up on the attach.
+#[test]
+fn st_bytes_written_ahead_reach_a_server_that_never_attaches() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("stwa", 2);
+    let server = &node.pods[1];
+    let sleep = ["/bin/sleep", "600"];
+    let _gone = Bg::spawn(node.cmd(
+        server,
+        true,
+        &[
+            PYTHON,
+            "-c",
+            ECHO_THEN_EXEC,
+            "7454",
+            "4",
+            sleep[0],
+            sleep[1],
+        ],
+    ));
+    wait_listening(server, 7454);
+    let mut client = LineClient::warmed_up(&node, 7454, &["blocking"]);
+    let stocked = |n: &Node| n.stats().lanes["shm"].channels_stocked;
+    // The flowlane server has exec'd: no listening socket, same process.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while shm::listening(server, 7454) {
+        assert!(Instant::now() < deadline, "the listening socket stayed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _plain = Bg::spawn(node.cmd(server, false, &[PYTHON, "-c", ECHO_THEN_EXEC, "7454", "0"]));
+    wait_listening(server, 7454);
+    let before = node.stats();
+    let t0 = Instant::now();
+    client.go("connection to the plain server");
+    let waited = t0.elapsed();
+    let after = node.stats();
+    assert_eq!(node.shm_opened(), 4, "no lane to a plain server");
+    assert!(
+        stocked(&node) > 0,
+        "the daemon still stands behind the stock"
+    );
+    let fallbacks = |s: &Stats| s.fallbacks.get("no-peer-library").copied().unwrap_or(0);
+    assert_eq!(
+        fallbacks(&after) - fallbacks(&before),
+        1,
+        "the client gave up on the attach: {:?} after {waited:?}",
+        after.fallbacks
+    );
 }
 
 /// Not a check: `connrate` under strace at both ends, for reading where a
