@@ -26,6 +26,15 @@ use std::time::{Duration, Instant};
 /// which no futex wake announces.
 const FUTEX_SLICE_MS: u32 = 100;
 
+/// Most bytes one write puts into a stock channel's ring ahead of the
+/// attach (`Conn::send_before_attach`): a request, which the socket's send
+/// buffer takes whole should it have to go on TCP instead.
+const PREWRITE_MAX: usize = 16 << 10;
+
+/// How long sending the bytes written ahead on TCP may wait for room in
+/// the socket (the server never attached) before the connection is reset.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How long a client waits for the server to attach to the region before
 /// both ends stay on TCP (the server is not accepting, accepted without a
 /// claim, or its claim failed). Until then its first read/write waits.
@@ -554,7 +563,8 @@ impl Conn {
     }
 
     /// Client of a stock channel whose server has not attached yet: writes
-    /// `bufs` into the ring at once when they fit whole, instead of
+    /// `bufs` (at most `PREWRITE_MAX`) into the ring at once when they fit
+    /// whole, instead of
     /// waiting for the attach. The server attaches in its `accept` and
     /// finds them there, so the first request costs no extra hand-off
     /// between the two processes. Should the server never attach, they are
@@ -575,7 +585,7 @@ impl Conn {
             return None;
         }
         let want: usize = bufs.iter().map(|b| b.len()).sum();
-        if want == 0 {
+        if want == 0 || want > PREWRITE_MAX {
             return None;
         }
         let mut tx = self.tx.lock();
@@ -609,12 +619,24 @@ impl Conn {
         // The server never attached (the attach word says so), so nobody
         // consumed the client→server ring: read it back as its consumer.
         let (_, mut c2s) = region.endpoints(Side::Server);
-        let mut buf = vec![0u8; 64 << 10];
-        let deadline = Instant::now() + ATTACH_TIMEOUT;
+        let mut buf = vec![0u8; PREWRITE_MAX];
+        let deadline = Instant::now() + REPLAY_TIMEOUT;
         loop {
             let n = c2s.read(&mut buf);
-            if n == 0 || !send_all_on_tcp(fd, &buf[..n], deadline) {
+            if n == 0 {
                 break;
+            }
+            if !send_all_on_tcp(fd, &buf[..n], deadline) {
+                // Bytes the application was told were sent cannot be
+                // delivered: the connection ends visibly, never silently
+                // short.
+                crate::log::log_at!(
+                    1,
+                    "channel {}: bytes written ahead could not be sent on TCP; connection reset",
+                    self.id
+                );
+                crate::setup::reset(fd);
+                return;
             }
         }
         crate::log::log_at!(

@@ -484,7 +484,7 @@ fn stock_finish(fd: c_int, taken: stock::Taken, offered: bool, connected: bool, 
 }
 
 /// Turns the TCP connection into a visible reset (SO_LINGER 0 + shutdown).
-fn reset(fd: c_int) {
+pub fn reset(fd: c_int) {
     let l = libc::linger {
         l_onoff: 1,
         l_linger: 0,
