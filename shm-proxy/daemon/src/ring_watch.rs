@@ -47,10 +47,6 @@ impl RingWatch {
         RingWatch::File(File::from(memfd))
     }
 
-    pub fn mapped(view: Arc<Region>) -> Self {
-        RingWatch::Mapped(view)
-    }
-
     /// Whether reading it costs no system call.
     pub fn is_mapped(&self) -> bool {
         matches!(self, RingWatch::Mapped(_))
@@ -128,7 +124,7 @@ mod tests {
             stx.close();
             assert!(watch.progress().unwrap().both_closed);
             // A mapping sees the same words.
-            let mapped = RingWatch::mapped(region.clone());
+            let mapped = RingWatch::Mapped(region.clone());
             assert_eq!(mapped.progress().unwrap(), watch.progress().unwrap());
         }
     }

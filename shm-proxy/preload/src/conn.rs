@@ -362,7 +362,9 @@ impl Conn {
     /// The real socket's TCP_NODELAY, before its first doorbell: Nagle
     /// would hold a doorbell back for a delayed ACK (40 ms per wake-up).
     fn nodelay_for_bells(&self, fd: c_int) {
-        if !self.nodelay_on.swap(true, Ordering::Relaxed) {
+        if !self.nodelay_on.load(Ordering::Relaxed)
+            && !self.nodelay_on.swap(true, Ordering::Relaxed)
+        {
             set_tcp_int(fd, libc::TCP_NODELAY, 1);
         }
     }

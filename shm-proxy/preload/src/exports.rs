@@ -134,7 +134,11 @@ fn conn_send(c: &Conn, fd: c_int, bufs: Option<Vec<IoSlice<'_>>>, flags: c_int) 
 /// the fd is (now) plain TCP. A client whose server has not attached yet is
 /// settled here: blocking callers wait for the decision.
 fn active(fd: c_int, flags: c_int) -> Option<Arc<Conn>> {
-    let c = state::conn(fd)?;
+    settled(state::conn(fd)?, fd, flags)
+}
+
+/// `active` for a connection already looked up.
+fn settled(c: Arc<Conn>, fd: c_int, flags: c_int) -> Option<Arc<Conn>> {
     let block =
         flags & libc::MSG_DONTWAIT == 0 && !c.nonblock.load(std::sync::atomic::Ordering::Relaxed);
     match c.settle(fd, block) {
@@ -181,12 +185,15 @@ fn dispatch_send(
         return pass();
     }
     guard(|| {
-        if let (Some(c), Some(b)) = (state::conn(fd), buf) {
+        let Some(c) = state::conn(fd) else {
+            return pass();
+        };
+        if let Some(b) = buf {
             if let Some(r) = c.send_before_attach(&[IoSlice::new(b)], flags) {
                 return ret(r, flags, true);
             }
         }
-        match active(fd, flags) {
+        match settled(c, fd, flags) {
             Some(c) => conn_send1(&c, fd, buf, flags),
             None => pass(),
         }

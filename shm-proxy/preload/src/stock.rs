@@ -49,8 +49,8 @@ const SERVER_TTL: Duration = Duration::from_secs(60);
 /// taken a stock channel to write its source port.
 pub const OFFER_WAIT: Duration = Duration::from_millis(20);
 
-/// How long a server spins on a connecting offer before it sleeps on it.
-const OFFER_SPIN: Duration = Duration::from_micros(20);
+/// The spinner of this process's waits for a connecting offer.
+static OFFER_WAITS: crate::spin::Spinner = crate::spin::Spinner::new();
 
 struct ClientEntry {
     dst: SocketAddr,
@@ -287,28 +287,13 @@ pub fn take_offer(local: SocketAddr, peer: SocketAddr) -> Option<Taken> {
                 }
                 // The accept usually returns while the client's connect is
                 // still returning: its port follows within microseconds,
-                // sooner than a futex sleep and wake-up.
-                if !spin_while_connecting(&region) {
+                // sooner than a futex sleep and wake-up (the process's
+                // spinner stops spinning where that does not pay).
+                let offered = || !matches!(region.offer(), Offer::Connecting { .. });
+                if !OFFER_WAITS.spin(offered) {
                     region.offer_wait(left);
                 }
             }
-        }
-    }
-}
-
-/// Spins at most `OFFER_SPIN` while `region`'s offer says connecting;
-/// true if it changed.
-fn spin_while_connecting(region: &Region) -> bool {
-    let until = Instant::now() + OFFER_SPIN;
-    loop {
-        for _ in 0..64 {
-            std::hint::spin_loop();
-        }
-        if !matches!(region.offer(), Offer::Connecting { .. }) {
-            return true;
-        }
-        if Instant::now() >= until {
-            return false;
         }
     }
 }

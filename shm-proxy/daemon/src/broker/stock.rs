@@ -423,7 +423,7 @@ impl Broker {
                 // stock connection send no close report, and a mapping is
                 // read at every tick without a system call.
                 watch: Some(match s.view {
-                    Some(view) => RingWatch::mapped(view),
+                    Some(view) => RingWatch::Mapped(view),
                     None => RingWatch::new(s.memfd),
                 }),
                 seen: Default::default(),
