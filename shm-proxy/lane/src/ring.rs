@@ -139,12 +139,30 @@ const FIXED_OFFSET: usize = 64;
 /// Offset of the attach-waiter word, written by the client: 0 = a client
 /// that never says (an older library: the server rings the attach bell
 /// always), 1 = a client that says when it waits, not waiting, 2 = waiting
-/// for the attach (the server rings). The server reads it after its
-/// compare-and-swap of the attach word, the client writes 2 before its
-/// last look at the attach word ahead of a sleep, each behind a SeqCst
-/// fence (the Dekker pattern of the rings' waiting flags): either the
-/// client sees the attach, or the server sees it waiting and rings.
+/// for the attach in poll/epoll on the socket (the server rings the attach
+/// bell), 3 = asleep on the server→client ring's data futex (the server
+/// bumps it and wakes it: no TCP segment), 4 = both. The server reads it
+/// after its compare-and-swap of the attach word, the client writes it
+/// before its last look at the attach word ahead of a sleep, each behind a
+/// SeqCst fence (the Dekker pattern of the rings' waiting flags): either
+/// the client sees the attach, or the server sees it waiting and wakes it.
 const ATTACH_WAITER_OFFSET: usize = 256;
+
+/// Values of the attach-waiter word (see `ATTACH_WAITER_OFFSET`).
+const WAITER_NOT_WAITING: u32 = 1;
+const WAITER_BELL: u32 = 2;
+const WAITER_FUTEX: u32 = 3;
+const WAITER_BOTH: u32 = 4;
+
+/// How the server wakes a client that waits for its attach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AttachWake {
+    /// A doorbell byte on the socket (a client in poll/epoll, or one that
+    /// never says).
+    pub bell: bool,
+    /// The server→client ring's data futex (a client blocked in a call).
+    pub futex: bool,
+}
 
 /// Values of the attach word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -679,19 +697,61 @@ impl Probe {
     }
 
     /// Client, before its last look at the attach word ahead of a sleep
-    /// until the attach (the attach bell wakes it).
+    /// in poll/epoll on the socket until the attach (the attach bell wakes
+    /// it).
     pub fn client_waits_for_attach(&self) {
-        self.region.attach_waiter_word().store(2, Ordering::Relaxed);
+        self.mark_attach_waiter(WAITER_BELL);
+    }
+
+    /// Client, before its last look at the attach word ahead of a sleep in
+    /// [`Self::sleep_until_attach`]: returns the futex value to sleep on
+    /// (read before the mark, so a wake between the look and the sleep is
+    /// not lost).
+    pub fn client_sleeps_for_attach(&self) -> u32 {
+        let seq = self.rx.ctl().flags.0.data_seq.load(Ordering::Acquire);
+        self.mark_attach_waiter(WAITER_FUTEX);
+        seq
+    }
+
+    /// Client: sleeps until the server attaches (or writes, or closes),
+    /// at most `timeout_ms`; `seq` from `client_sleeps_for_attach`.
+    pub fn sleep_until_attach(&self, seq: u32, timeout_ms: u32) {
+        futex_wait(&self.rx.ctl().flags.0.data_seq, seq, timeout_ms);
+    }
+
+    /// Adds a way of waiting to the word (the other one stays: two threads
+    /// of the client may wait each its own way).
+    fn mark_attach_waiter(&self, how: u32) {
+        let word = self.region.attach_waiter_word();
+        let _ = word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            Some(match (v, how) {
+                (WAITER_BELL | WAITER_BOTH, WAITER_FUTEX)
+                | (WAITER_FUTEX | WAITER_BOTH, WAITER_BELL) => WAITER_BOTH,
+                _ => how,
+            })
+        });
         fence(Ordering::SeqCst);
     }
 
-    /// Server, after `server_attach`: whether the client may be asleep
-    /// waiting for the attach and must be rung (any value but "not
-    /// waiting": a client that never says, or one that wrote nonsense,
-    /// is rung).
-    pub fn server_must_ring_attach(&self) -> bool {
+    /// Server, after `server_attach`: how the client may be asleep waiting
+    /// for the attach, so how it must be woken. Any value but the four a
+    /// client writes (one that never says, or nonsense) gets the bell: it
+    /// can only cost the client a byte.
+    pub fn server_attach_wake(&self) -> AttachWake {
         fence(Ordering::SeqCst);
-        self.region.attach_waiter_word().load(Ordering::Relaxed) != 1
+        let v = self.region.attach_waiter_word().load(Ordering::Relaxed);
+        AttachWake {
+            bell: !matches!(v, WAITER_NOT_WAITING | WAITER_FUTEX),
+            futex: matches!(v, WAITER_FUTEX | WAITER_BOTH),
+        }
+    }
+
+    /// Server: wakes a client asleep in `sleep_until_attach` (the futex
+    /// value moves first, so a client about to sleep does not).
+    pub fn wake_attach_sleeper(&self) {
+        let seq = &self.tx.ctl().flags.0.data_seq;
+        seq.fetch_add(1, Ordering::Release);
+        futex_wake(seq);
     }
 
     /// Client: give up on the lane. False if the server attached first (then

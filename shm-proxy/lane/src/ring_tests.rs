@@ -880,20 +880,75 @@ fn readiness_probes_racing_reader_and_writer_threads_see_no_violation() {
 
 #[test]
 fn the_attach_bell_is_rung_only_for_a_client_that_may_wait() {
+    let bell = AttachWake {
+        bell: true,
+        futex: false,
+    };
     let (c, s) = Region::twin_mappings(region_len_for(4096), false).unwrap();
     let (client, server) = (c.probe(Side::Client), s.probe(Side::Server));
     // A client that never says (an older library): always rung.
     assert!(server.server_attach());
-    assert!(server.server_must_ring_attach());
+    assert_eq!(server.server_attach_wake(), bell);
     let (c, s) = Region::twin_mappings(region_len_for(4096), false).unwrap();
     let (client2, server2) = (c.probe(Side::Client), s.probe(Side::Server));
     client2.client_says_when_it_waits();
     assert!(server2.server_attach());
-    assert!(!server2.server_must_ring_attach(), "nobody waits: no bell");
+    assert_eq!(
+        server2.server_attach_wake(),
+        AttachWake::default(),
+        "nobody waits: no bell"
+    );
     client2.client_waits_for_attach();
-    assert!(server2.server_must_ring_attach());
+    assert_eq!(server2.server_attach_wake(), bell);
+    // A thread blocked in a call sleeps on the futex too: both.
+    client2.client_sleeps_for_attach();
+    assert_eq!(
+        server2.server_attach_wake(),
+        AttachWake {
+            bell: true,
+            futex: true
+        }
+    );
     // Nonsense from the client: rung (it can only cost it a byte).
     c.attach_waiter_word().store(77, Ordering::Relaxed);
-    assert!(server2.server_must_ring_attach());
+    assert_eq!(server2.server_attach_wake(), bell);
     drop(client);
+}
+
+#[test]
+fn a_client_asleep_on_the_futex_wakes_at_the_attach_without_a_bell() {
+    let (c, s) = Region::twin_mappings(region_len_for(4096), false).unwrap();
+    let (client, server) = (c.probe(Side::Client), s.probe(Side::Server));
+    client.client_says_when_it_waits();
+    let sleeper = std::thread::spawn(move || {
+        let t0 = std::time::Instant::now();
+        while client.attach_state() == Attach::Undecided && t0.elapsed().as_secs() < 10 {
+            let seq = client.client_sleeps_for_attach();
+            if client.attach_state() == Attach::Undecided {
+                client.sleep_until_attach(seq, 10_000);
+            }
+        }
+        (client.attach_state(), t0.elapsed())
+    });
+    // The client marks the word before it sleeps.
+    while c.attach_waiter_word().load(Ordering::Acquire) != WAITER_FUTEX {
+        std::thread::yield_now();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert!(server.server_attach());
+    let wake = server.server_attach_wake();
+    assert_eq!(
+        wake,
+        AttachWake {
+            bell: false,
+            futex: true
+        }
+    );
+    server.wake_attach_sleeper();
+    let (state, slept) = sleeper.join().unwrap();
+    assert_eq!(state, Attach::ServerAttached);
+    assert!(
+        slept < std::time::Duration::from_secs(10),
+        "the client was not woken"
+    );
 }

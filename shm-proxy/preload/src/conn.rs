@@ -40,6 +40,10 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(30);
 /// claim, or its claim failed). Until then its first read/write waits.
 pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Longest a client blocked on the attach sleeps between looks at its
+/// socket (bytes or EOF there: the server runs on TCP).
+const ATTACH_LOOK_MS: u32 = 1;
+
 /// Where a client connection stands on the attach handshake.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settle {
@@ -535,6 +539,18 @@ impl Conn {
             if self.created.elapsed() >= ATTACH_TIMEOUT {
                 return self.give_up(fd);
             }
+            // A blocking call on a stock channel sleeps on the ring's data
+            // futex, which the server's attach bumps: no bell byte on TCP
+            // and no read of it. Its server is a library process (it
+            // claimed the stock), so bytes on TCP instead are rare (a
+            // server that exec'd away its socket): seen at the next look.
+            if block && self.stock {
+                let seq = self.probe.client_sleeps_for_attach();
+                if self.probe.attach_state() == Attach::Undecided {
+                    self.probe.sleep_until_attach(seq, ATTACH_LOOK_MS);
+                }
+                continue;
+            }
             // About to sleep (here, or in the caller's poll/epoll): the
             // server rings the attach bell only for a client that says so.
             self.probe.client_waits_for_attach();
@@ -550,7 +566,7 @@ impl Conn {
                 revents: 0,
             };
             // SAFETY: one valid pollfd.
-            unsafe { real::poll(&mut p, 1, 1) };
+            unsafe { real::poll(&mut p, 1, ATTACH_LOOK_MS as c_int) };
         }
     }
 

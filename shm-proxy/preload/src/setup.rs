@@ -599,13 +599,17 @@ fn attach_server(fd: c_int, conn: Conn, peer: SocketAddr, defaults: bool) -> boo
     if conn.probe.server_attach() {
         conn.take_tcp_options(fd, defaults);
         log_at!(3, "fd {fd}: channel {id} (server) for {peer}");
-        let ring = conn.probe.server_must_ring_attach();
-        drop(state::install(fd, Arc::new(conn)));
-        // Wake a client waiting for the attach (only one that says it
+        let wake = conn.probe.server_attach_wake();
+        let conn = Arc::new(conn);
+        drop(state::install(fd, conn.clone()));
+        // Wake a client waiting for the attach, only the way it says it
         // waits: a bell nobody waits for is a TCP segment each way and a
-        // read for the client).
-        if ring {
-            state::conn(fd).inspect(|c| c.ring_bell(fd));
+        // read for the client; a futex wake is one system call here.
+        if wake.futex {
+            conn.probe.wake_attach_sleeper();
+        }
+        if wake.bell {
+            conn.ring_bell(fd);
         }
         true
     } else {

@@ -139,5 +139,11 @@ pub fn run(quick: bool) {
         println!("{:<40} {l:>14.2} {t:>14.2} {ratio:>8.3}x", f.name);
     }
     println!("(latency rows: ratio is tcp/lib, so above 1 is better for both kinds of row)");
+    // Every round's figures, to tell a steady cost from one noisy round.
+    if std::env::var_os("FLS_BENCH_ROUNDS").is_some() {
+        for (i, f) in figures.iter().enumerate() {
+            println!("rounds {:<33} lib {:?} tcp {:?}", f.name, lib[i], tcp[i]);
+        }
+    }
     println!("daemon: {opened} shm connections opened during the run");
 }
