@@ -28,15 +28,27 @@ pub fn run(quick: bool) {
     let me = std::env::current_exe().unwrap();
     let me = me.to_str().unwrap().to_string();
     let out = OutsideHost::new(c, "ptsb");
-    // Plain server, server with the library (the lane), outside server.
-    let _tcp = Bg::spawn(node.cmd(s, false, &[&me, "serve", "7100"]));
-    let _shm = Bg::spawn(node.cmd(s, true, &[&me, "serve", "7101"]));
-    let _out = Bg::spawn(out.cmd(&[&me, "serve", "7200"]));
-    wait_listening(s, 7100);
-    wait_listening(s, 7101);
-    out.wait_listening(7200);
+    // Plain servers, a server with the library (the lane), outside
+    // servers. Each connection-rate run has a destination port of its
+    // own: the client closes first, so every connection leaves a
+    // TIME_WAIT socket for a minute, and tens of thousands of them towards
+    // one destination make the kernel's search for a free source port the
+    // cost of every connect, for whichever variant runs then.
+    let mut servers = Vec::new();
+    for (lib, port) in [(false, 7100), (true, 7101), (false, 7102), (false, 7103)] {
+        servers.push(Bg::spawn(node.cmd(
+            s,
+            lib,
+            &[&me, "serve", &port.to_string()],
+        )));
+        wait_listening(s, port);
+    }
+    for port in 7200..7204 {
+        servers.push(Bg::spawn(out.cmd(&[&me, "serve", &port.to_string()])));
+        out.wait_listening(port);
+    }
     let pod = |port: u16| format!("{}:{port}", s.ip);
-    let outside = format!("{}:7200", out.ip);
+    let outside = |port: u16| format!("{}:{port}", out.ip);
     let run = |lib: bool, args: &[&str]| -> Vec<f64> {
         let mut argv = vec![me.as_str()];
         argv.extend_from_slice(args);
@@ -75,20 +87,20 @@ pub fn run(quick: bool) {
         },
         Figure {
             name: "connections/s, pod to outside host",
-            lib_addr: outside.clone(),
-            args: connrate(&outside),
+            lib_addr: outside(7201),
+            args: connrate(&outside(7200)),
             index: 0,
         },
         Figure {
             name: "connect+1st byte p50 us, outside host",
-            lib_addr: outside.clone(),
-            args: connrate(&outside),
+            lib_addr: outside(7203),
+            args: connrate(&outside(7202)),
             index: 1,
         },
         Figure {
             name: "connect+1st byte p50 us, peer no lib",
-            lib_addr: pod(7100),
-            args: connrate(&pod(7100)),
+            lib_addr: pod(7103),
+            args: connrate(&pod(7102)),
             index: 1,
         },
         Figure {
