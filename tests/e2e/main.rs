@@ -91,6 +91,7 @@ mod relay {
 /// Hostile peers on the shared-memory lane.
 mod security {
     mod rings;
+    mod stock;
 }
 
 /// The same-node shared-memory lane.

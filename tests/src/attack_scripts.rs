@@ -281,3 +281,83 @@ print("done", n, "resets", resets, flush=True)
 "#
     )
 }
+
+/// `stock_hostile.py IP PORT ROUNDS`: a client that holds stock channels
+/// (docs/shm-lane.md, "Pre-created channels") and scribbles, in its own
+/// mapping of every stock region it has not used yet, the words a server
+/// and the daemon read before an attach: the offer word (connecting with a
+/// stamp in the future or a fresh one, "connecting, waited for", offered
+/// for a port no connection of its own uses, taken, random), the
+/// attach-waiter word (futex, both, random) and the server→client data
+/// futex. Each round: 10 connections of its own to get stock (an echo each),
+/// the scribbles, then 10 more connections of its own, each an echo of
+/// random bytes checked byte for byte. Prints `round R scribbled N`, and
+/// `own ok|bad|error` per connection: `bad` (wrong bytes without an
+/// error) must never happen; `error` is the attacker hurting itself.
+pub const STOCK_HOSTILE: &str = r#"
+import ctypes, random, socket, sys, time
+host, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(13)
+CONNECTING, OFFERED, TAKEN = 1 << 16, 2 << 16, 3 << 16
+OFFER, STAMP, WAITER, S2C_DATA_SEQ = 128, 192, 256, 1024 + 256 + 16
+
+def regions():
+    out = []
+    for line in open("/proc/self/maps"):
+        if "/memfd:flowlane-ch-" in line:
+            out.append(int(line.split()[0].split("-")[0], 16))
+    return out
+
+def u32(a):
+    return ctypes.c_uint32.from_address(a)
+
+def now_ms():
+    return int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1000)
+
+def echo(payload):
+    s = socket.create_connection((host, port), timeout=10)
+    try:
+        s.sendall(b"E" + payload)
+        got = b""
+        while len(got) < len(payload):
+            d = s.recv(65536)
+            if not d:
+                break
+            got += d
+        return got == payload
+    finally:
+        s.close()
+
+for r in range(rounds):
+    for _ in range(10):
+        assert echo(b"x" * 100), "an honest echo before any scribble"
+    fresh = [b for b in regions() if u32(b).value == 0 and u32(b + OFFER).value == 0]
+    for j, b in enumerate(fresh):
+        kind = (j + r) % 8
+        if kind == 0:
+            u32(b + OFFER).value = CONNECTING
+            ctypes.c_uint64.from_address(b + STAMP).value = now_ms() + 10 ** 9
+        elif kind == 1:
+            ctypes.c_uint64.from_address(b + STAMP).value = now_ms()
+            u32(b + OFFER).value = CONNECTING | 1
+        elif kind == 2:
+            # A port below every ephemeral one: no connection of its own.
+            u32(b + OFFER).value = OFFERED | rng.randint(1, 1000)
+        elif kind == 3:
+            u32(b + OFFER).value = TAKEN
+        elif kind == 4:
+            u32(b + OFFER).value = rng.getrandbits(32)
+        elif kind == 5:
+            u32(b + WAITER).value = rng.choice([3, 4, rng.getrandbits(32)])
+        elif kind == 6:
+            u32(b + S2C_DATA_SEQ).value = rng.getrandbits(32)
+        # kind 7: left as it is.
+    print("round", r, "scribbled", len(fresh), flush=True)
+    for _ in range(10):
+        data = rng.randbytes(rng.randint(1, 65536))
+        try:
+            print("own", "ok" if echo(data) else "bad", flush=True)
+        except OSError as e:
+            print("own error", e, flush=True)
+print("done", flush=True)
+"#;

@@ -23,6 +23,8 @@
 //! Bounds: a pod's stock counts against its pending channels
 //! (`max_pending_per_pod`), a (client process, destination) pair holds at
 //! most `MAX_STOCK_PER_PAIR`, an answer grants at most `MAX_STOCK_GRANTS`.
+//! A pod whose live stock connections reach `max_pending_per_pod` gets no
+//! more stock: they open on a word the client can write itself.
 //! Stock expires (`stock_ttl`, and with its client process); dropping it
 //! closes the daemon's copy only.
 
@@ -138,8 +140,9 @@ impl Broker {
         want: u32,
     ) -> Answer {
         // Stock taken since the last tick is no stock any more: it must not
-        // count against the pod's budget nor the pair's bound.
-        self.open_taken_stock();
+        // count against the pod's budget nor the pair's bound; stock
+        // connections closed since then no longer count as live.
+        self.refresh_connections();
         let answer = self.connect_intent(caller, src, dst, region_len, Some(socket_fd));
         let Response::Channel { id, len } = answer.response else {
             return answer;
@@ -168,6 +171,16 @@ impl Broker {
         if !self.takes_stock.contains(&listener) {
             return None;
         }
+        // A stock connection opens on its region's offer word, which the
+        // client can write itself: without its server's word nothing else
+        // bounds how many connections (each a mapping here) the daemon
+        // keeps for a pod. Past its budget in live stock connections a pod
+        // gets no more stock: its next connections ask, and a server's
+        // claim admits them.
+        if self.live_stock_of_pod(p.client_pod) >= self.limits.max_pending_per_pod {
+            tracing::debug!(pod = ?p.client_pod, "no more stock: the pod's live stock connections reach its budget");
+            return None;
+        }
         let of_pair = self
             .stock
             .values()
@@ -192,6 +205,14 @@ impl Broker {
             server_pod,
             dst: p.dst,
         })
+    }
+
+    /// Live connections of `pod` (as client) that opened from stock.
+    fn live_stock_of_pod(&self, pod: PodId) -> usize {
+        self.active
+            .values()
+            .filter(|c| c.client_pod == pod && c.watch.as_ref().is_some_and(|w| w.is_mapped()))
+            .count()
     }
 
     /// Channels a pod holds against `max_pending_per_pod`: pending, stock,

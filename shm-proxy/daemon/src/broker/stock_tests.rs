@@ -761,3 +761,57 @@ fn stock_taken_between_ticks_leaves_the_budget_at_the_next_intent() {
     let a = stock_intent(b, &client, "10.202.9.1:40001", "10.202.9.2:80", 2);
     assert_eq!(grants(&a).len(), 2, "{:?}", a.response);
 }
+
+/// A stock connection opens on its region's offer word, which the client
+/// can write itself: a pod that marks its stock taken and never closes it
+/// gets no more stock once its live stock connections reach its budget,
+/// and gets stock again when they close.
+#[test]
+fn live_stock_connections_are_bounded_per_pod() {
+    use flowlane_lane::region::Region;
+    use flowlane_lane::ring::Side;
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = budgeted("stock-live-bound", 3);
+    let b = &mut n.broker;
+    let mut views = Vec::new();
+    let mut port = 5000u16;
+    for round in 0..2 {
+        let src = format!("10.202.9.1:{}", 40000 + round);
+        let a = stock_intent(b, &client, &src, "10.202.9.2:80", 2);
+        assert_eq!(grants(&a).len(), 2, "round {round}: {:?}", a.response);
+        let _ = stock_claim(b, &server, "10.202.9.2:80", &src);
+        for fd in &a.fds[1..] {
+            let view = Region::map_memfd(fd.as_fd(), 12288).unwrap();
+            // The client alone writes every state up to "taken".
+            assert!(view.offer_begin());
+            view.offer_port(port);
+            assert!(view.offer_take(port));
+            port += 1;
+            views.push(view);
+        }
+    }
+    let a = stock_intent(b, &client, "10.202.9.1:40002", "10.202.9.2:80", 2);
+    assert!(
+        grants(&a).is_empty(),
+        "4 live stock connections, budget 3: {:?}",
+        a.response
+    );
+    assert!(
+        matches!(a.response, Response::Channel { .. }),
+        "the connection itself still gets its channel: {:?}",
+        a.response
+    );
+    let _ = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:40002");
+    // They close (both producers): stock again.
+    for v in &views {
+        for side in [Side::Client, Side::Server] {
+            let (tx, _rx) = v.endpoints(side);
+            tx.close();
+        }
+    }
+    let a = stock_intent(b, &client, "10.202.9.1:40003", "10.202.9.2:80", 2);
+    assert_eq!(grants(&a).len(), 2, "{:?}", a.response);
+}
