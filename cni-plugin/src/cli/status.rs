@@ -123,12 +123,15 @@ fn render(s: &Stats) -> String {
                 l.connections_active.to_string(),
                 l.connections_closed.to_string(),
                 l.channels_pending.to_string(),
+                l.channels_stocked.to_string(),
                 crate::cli::human_bytes(l.bytes),
             ]
         })
         .collect();
     out += &table(
-        &["LANE", "OPENED", "ACTIVE", "CLOSED", "PENDING", "BYTES"],
+        &[
+            "LANE", "OPENED", "ACTIVE", "CLOSED", "PENDING", "STOCKED", "BYTES",
+        ],
         &lanes,
     );
     let total: u64 = s.fallbacks.values().sum();
@@ -335,6 +338,7 @@ mod tests {
                 connections_closed: 2,
                 bytes: 3 << 30,
                 channels_pending: 0,
+                channels_stocked: 5,
                 ..LaneStats::default()
             },
         );
@@ -366,7 +370,7 @@ mod tests {
         });
         let t = render(&s);
         assert!(
-            t.contains("shm   3       1       2       0        3.0 GiB"),
+            t.contains("shm   3       1       2       0        5        3.0 GiB"),
             "{t}"
         );
         assert!(t.contains("FALLBACKS TO TCP: 4"));

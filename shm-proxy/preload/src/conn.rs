@@ -41,7 +41,8 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(30);
 pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Longest a client blocked on the attach sleeps between looks at its
-/// socket (bytes or EOF there: the server runs on TCP).
+/// socket (bytes or EOF there: the server runs on TCP) and at its age
+/// (`ATTACH_TIMEOUT`).
 const ATTACH_LOOK_MS: u32 = 1;
 
 /// Where a client connection stands on the attach handshake.
@@ -539,34 +540,27 @@ impl Conn {
             if self.created.elapsed() >= ATTACH_TIMEOUT {
                 return self.give_up(fd);
             }
-            // A blocking call on a stock channel sleeps on the ring's data
-            // futex, which the server's attach bumps: no bell byte on TCP
-            // and no read of it. Its server is a library process (it
-            // claimed the stock), so bytes on TCP instead are rare (a
-            // server that exec'd away its socket): seen at the next look.
-            if block && self.stock {
+            // A blocking call sleeps on the ring's data futex, which the
+            // attach bumps (the server's library, or the relay's daemon,
+            // which cannot ring this socket's doorbell itself): no bell
+            // byte on TCP and no read of it. The daemon made the channel
+            // for a listener a library registered, so bytes on TCP instead
+            // are rare (a server that gave the lane up or exec'd away its
+            // socket): seen at the next look.
+            if block {
                 let seq = self.probe.client_sleeps_for_attach();
                 if self.probe.attach_state() == Attach::Undecided {
                     self.probe.sleep_until_attach(seq, ATTACH_LOOK_MS);
                 }
                 continue;
             }
-            // About to sleep (here, or in the caller's poll/epoll): the
+            // The caller is about to sleep in poll/epoll on the socket: the
             // server rings the attach bell only for a client that says so.
             self.probe.client_waits_for_attach();
             if self.probe.attach_state() != Attach::Undecided {
                 continue;
             }
-            if !block {
-                return Settle::Pending;
-            }
-            let mut p = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            unsafe { real::poll(&mut p, 1, ATTACH_LOOK_MS as c_int) };
+            return Settle::Pending;
         }
     }
 

@@ -27,7 +27,9 @@
 //! (module `setup_bench`: pod to pod, pod to a host outside every pod
 //! network, request/response rates, the fallback path's first byte);
 //! `bench --memory` the memory of 1,000 idle connections beside the 64 KiB
-//! stream and request/response rates (module `memory_bench`).
+//! stream and request/response rates (module `memory_bench`);
+//! `bench --relay-setup` the connection set-up across two nodes through the
+//! relay (module `relay_setup_bench`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -299,6 +301,9 @@ fn main() {
         "bench" if args.iter().any(|x| x == "--setup") => {
             setup_bench::run(args.iter().any(|x| x == "--quick"))
         }
+        "bench" if args.iter().any(|x| x == "--relay-setup") => {
+            relay_setup_bench::run(args.iter().any(|x| x == "--quick"))
+        }
         "bench" => bench::run(
             args.iter().any(|x| x == "--quick"),
             args.iter().any(|x| x == "--stream"),
@@ -309,8 +314,26 @@ fn main() {
 }
 
 fn usage() -> ! {
-    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | idle ADDR N CARRY MSG DIR | ceiling SIZE | bench [--quick] [--stream | --setup | --memory]");
+    eprintln!("usage: shm-bench serve PORT | serve-unix PATH | stream ADDR SIZE BYTES | pingpong ADDR SIZE ITERS | connrate ADDR N | integrity ADDR BYTES SEED | idle ADDR N CARRY MSG DIR | ceiling SIZE | bench [--quick] [--stream | --setup | --relay-setup | --memory]");
     std::process::exit(2)
+}
+
+/// The median of one figure's rounds (robust against a round hit by other
+/// load).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs one of this program's client commands (`cmd`, set up in its pod)
+/// within `timeout` and returns the figures of its output line: every
+/// number after the first word.
+fn figures_of(cmd: std::process::Command, timeout: Duration, what: &str) -> Vec<f64> {
+    flowlane_e2e::shm::run_ok(cmd, timeout, what)
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect()
 }
 
 #[path = "shm-bench/setup_bench.rs"]
@@ -319,8 +342,11 @@ mod setup_bench;
 #[path = "shm-bench/memory_bench.rs"]
 mod memory_bench;
 
+#[path = "shm-bench/relay_setup_bench.rs"]
+mod relay_setup_bench;
+
 mod bench {
-    use super::Duration;
+    use super::{median, Duration};
     use flowlane_e2e::shm::{run_ok, wait_listening, Bg, Node};
 
     const T: Duration = Duration::from_secs(300);
@@ -530,12 +556,6 @@ mod bench {
             crate::ceiling::futex_wakeup_us(),
             crate::ceiling::line_round_trip_ns()
         );
-    }
-
-    /// Median of a few values (robust against one run hit by other load).
-    fn median(mut v: Vec<f64>) -> f64 {
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        v[v.len() / 2]
     }
 
     /// The fallback path's overhead: plain TCP between the

@@ -145,12 +145,13 @@ fn describe(s: &mut Section, stats: &Stats, state_dir: &Path) {
         s.info(
             "daemon.lane",
             format!(
-                "lane {lane}: {} active, {} opened, {} closed, {} moved by closed connections, {} pending",
+                "lane {lane}: {} active, {} opened, {} closed, {} moved by closed connections, {} pending, {} stocked",
                 l.connections_active,
                 l.connections_opened,
                 l.connections_closed,
                 crate::cli::human_bytes(l.bytes),
-                l.channels_pending
+                l.channels_pending,
+                l.channels_stocked
             ),
         );
     }

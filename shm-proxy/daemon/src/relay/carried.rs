@@ -354,15 +354,14 @@ impl Carried {
     /// a pod that never does stayed on TCP, which the client pod (already on
     /// the ring) must not silently miss.
     fn await_attach(&self) -> bool {
-        let deadline = Instant::now() + ATTACH_GRACE;
-        loop {
+        let decided = super::backoff::until(Instant::now() + ATTACH_GRACE, || {
             match self.probe.attach_state() {
-                Attach::ServerAttached => return true,
-                Attach::ClientGaveUp => return false,
-                Attach::Undecided if Instant::now() >= deadline => return false,
-                Attach::Undecided => std::thread::sleep(Duration::from_millis(2)),
+                Attach::ServerAttached => Some(true),
+                Attach::ClientGaveUp => Some(false),
+                Attach::Undecided => None,
             }
-        }
+        });
+        decided.unwrap_or(false)
     }
 
     /// Pod's sending ring -> lane.

@@ -29,6 +29,7 @@
 //! Then `carried.rs` pumps bytes (`placed.rs`: without copies, over a
 //! transport that can place them). Gated off unless `--lane-listen` is given.
 
+mod backoff;
 pub mod budget;
 mod carried;
 pub mod frames;
@@ -760,13 +761,17 @@ impl Relay {
             return;
         }
         // The pod maps its channel right after its connect returns.
-        let deadline = Instant::now() + MAP_WAIT;
-        let mut mapped = os::process_maps_memfd(pid, &memfd_name);
-        while !mapped && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-            mapped = os::process_maps_memfd(pid, &memfd_name);
+        let mapped = backoff::until(Instant::now() + MAP_WAIT, || {
+            os::process_maps_memfd(pid, &memfd_name).then_some(())
+        })
+        .is_some();
+        let probe = region.probe(Side::Server);
+        let attached = mapped && probe.server_attach();
+        // A pod thread blocked on the attach sleeps on the region's futex
+        // (a doorbell byte could come only from the remote end).
+        if attached && probe.server_attach_wake().futex {
+            probe.wake_attach_sleeper();
         }
-        let attached = mapped && region.probe(Side::Server).server_attach();
         let answer = if attached {
             frames::ATTACHED
         } else {

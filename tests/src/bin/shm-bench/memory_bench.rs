@@ -20,17 +20,14 @@
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use flowlane_e2e::shm::{channel_memfds, run_ok, wait_listening, Bg, Node};
+use flowlane_e2e::shm::{channel_memfds, wait_listening, Bg, Node};
+
+use super::{figures_of, median};
 
 const T: Duration = Duration::from_secs(600);
 const CONNS: usize = 1000;
 const CARRY: usize = (1 << 20) + (256 << 10);
 const MSG: usize = 8192;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
 
 /// The kernel's TCP buffer memory now, bytes (sockstat counts pages).
 fn tcp_buffer_bytes() -> f64 {
@@ -170,11 +167,7 @@ pub fn run(quick: bool) {
     let run = |lib: Option<&str>, args: &[&str]| -> Vec<f64> {
         let mut argv = vec![me.as_str()];
         argv.extend_from_slice(args);
-        let o = run_ok(cmd(&node, 0, lib, &argv), T, &format!("shm-bench {args:?}"));
-        o.split_whitespace()
-            .skip(1)
-            .filter_map(|x| x.parse().ok())
-            .collect()
+        figures_of(cmd(&node, 0, lib, &argv), T, &format!("shm-bench {args:?}"))
     };
     let rounds = if quick { 1 } else { 3 };
     let iters = if quick { "20000" } else { "100000" };

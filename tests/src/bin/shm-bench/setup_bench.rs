@@ -13,14 +13,11 @@
 use std::time::Duration;
 
 use flowlane_e2e::outside::OutsideHost;
-use flowlane_e2e::shm::{run_ok, wait_listening, Bg, Node};
+use flowlane_e2e::shm::{wait_listening, Bg, Node};
+
+use super::{figures_of, median};
 
 const T: Duration = Duration::from_secs(300);
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
 
 pub fn run(quick: bool) {
     let node = Node::new("ptsb", 2);
@@ -52,11 +49,7 @@ pub fn run(quick: bool) {
     let run = |lib: bool, args: &[&str]| -> Vec<f64> {
         let mut argv = vec![me.as_str()];
         argv.extend_from_slice(args);
-        let o = run_ok(node.cmd(c, lib, &argv), T, &format!("shm-bench {args:?}"));
-        o.split_whitespace()
-            .skip(1)
-            .filter_map(|x| x.parse().ok())
-            .collect()
+        figures_of(node.cmd(c, lib, &argv), T, &format!("shm-bench {args:?}"))
     };
     let rounds = if quick { 3 } else { 5 };
     let conns = if quick { "500" } else { "2000" };
