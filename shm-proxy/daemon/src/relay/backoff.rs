@@ -10,11 +10,15 @@ const FIRST: Duration = Duration::from_micros(50);
 /// The longest pause between two looks.
 const LONGEST: Duration = Duration::from_millis(2);
 
+/// The pauses between looks: 50 µs, 100 µs, 200 µs, ... then 2 ms each.
+fn pauses() -> impl Iterator<Item = Duration> {
+    std::iter::successors(Some(FIRST), |p| Some((*p * 2).min(LONGEST)))
+}
+
 /// Calls `look` until it answers `Some` or `deadline` passes (`None`),
-/// pausing 50 µs, 100 µs, 200 µs, ... at most 2 ms between looks.
+/// pausing between looks as [`pauses`] says.
 pub(super) fn until<T>(deadline: Instant, mut look: impl FnMut() -> Option<T>) -> Option<T> {
-    let mut pause = FIRST;
-    loop {
+    for pause in pauses() {
         if let Some(v) = look() {
             return Some(v);
         }
@@ -23,8 +27,8 @@ pub(super) fn until<T>(deadline: Instant, mut look: impl FnMut() -> Option<T>) -
             return None;
         }
         std::thread::sleep(pause.min(deadline - now));
-        pause = (pause * 2).min(LONGEST);
     }
+    unreachable!("pauses() never ends")
 }
 
 #[cfg(test)]
@@ -32,22 +36,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn looks_often_first_then_less_often_and_stops_at_the_deadline() {
-        let t0 = Instant::now();
+    fn pauses_double_from_50_us_up_to_2_ms() {
+        let us: Vec<u128> = pauses().take(9).map(|p| p.as_micros()).collect();
+        assert_eq!(us, [50, 100, 200, 400, 800, 1600, 2000, 2000, 2000]);
+    }
+
+    #[test]
+    fn looks_until_an_answer_or_the_deadline() {
         let mut looks = 0;
-        let got = until(t0 + Duration::from_millis(30), || {
+        let got = until(Instant::now() + Duration::from_secs(60), || {
             looks += 1;
             (looks == 3).then_some(looks)
         });
         assert_eq!(got, Some(3));
-        let mut looks = 0;
-        let none: Option<()> = until(Instant::now() + Duration::from_millis(30), || {
-            looks += 1;
-            None
-        });
+        let t0 = Instant::now();
+        let none: Option<()> = until(t0 + Duration::from_millis(5), || None);
         assert_eq!(none, None);
-        // 50 + 100 + ... + 1600 µs is 3.15 ms, then 2 ms pauses: about 20
-        // looks in 30 ms, not hundreds, and more than the 15 of 2 ms pauses.
-        assert!((10..=40).contains(&looks), "{looks} looks");
+        assert!(t0.elapsed() >= Duration::from_millis(5), "gave up early");
     }
 }
