@@ -321,3 +321,37 @@ else:
     except OSError as e:
         print("ended", type(e).__name__, n, flush=True)
 "#;
+
+/// Threads x connections each, every connection an echo of random bytes
+/// of a random size, checked byte for byte. Prints `ok N errors M [first errors]`
+/// (`ok` counts the intact ones; the server echoes after a first byte `E`).
+pub const THREADED_CLIENT: &str = r#"
+import os, random, socket, sys, threading
+host, port, threads, each = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+ok = []
+errors = []
+def run(seed):
+    rnd = random.Random(seed)
+    for _ in range(each):
+        try:
+            data = rnd.randbytes(rnd.randint(1, 65536))
+            s = socket.create_connection((host, port))
+            s.sendall(b"E" + data)
+            got = bytearray()
+            while len(got) < len(data):
+                chunk = s.recv(len(data) - len(got))
+                if not chunk:
+                    break
+                got += chunk
+            s.close()
+            if bytes(got) != data:
+                errors.append("corrupt echo of %d bytes (got %d)" % (len(data), len(got)))
+            else:
+                ok.append(1)
+        except Exception as e:
+            errors.append(repr(e))
+ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+for t in ts: t.start()
+for t in ts: t.join()
+print("ok", len(ok), "errors", len(errors), errors[:3])
+"#;

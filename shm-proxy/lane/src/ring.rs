@@ -274,6 +274,14 @@ pub(crate) fn futex_wake(word: &AtomicU32) {
     };
 }
 
+/// Moves a futex word on, then wakes its sleepers: a thread that read the
+/// old value and is about to sleep on it returns at once instead of
+/// missing the wake-up.
+fn bump_and_wake(seq: &AtomicU32) {
+    seq.fetch_add(1, Ordering::Release);
+    futex_wake(seq);
+}
+
 /// Sleeps on `word` while it still holds `expected`, at most `timeout_ms`.
 fn futex_wait(word: &AtomicU32, expected: u32, timeout_ms: u32) {
     futex_wait_for(
@@ -492,8 +500,7 @@ impl RingRef {
             self.violation();
         }
         if v & WAIT_FUTEX != 0 {
-            seq.fetch_add(1, Ordering::Release);
-            futex_wake(seq);
+            bump_and_wake(seq);
         }
         v & WAIT_BELL != 0
     }
@@ -547,8 +554,7 @@ impl RingRef {
         }
         let old = f.writer_waiting.fetch_and(!bits, Ordering::AcqRel) & bits;
         if old & WAIT_FUTEX != 0 {
-            f.room_seq.fetch_add(1, Ordering::Release);
-            futex_wake(&f.room_seq);
+            bump_and_wake(&f.room_seq);
         }
         old & WAIT_BELL != 0
     }
@@ -749,9 +755,7 @@ impl Probe {
     /// Server: wakes a client asleep in `sleep_until_attach` (the futex
     /// value moves first, so a client about to sleep does not).
     pub fn wake_attach_sleeper(&self) {
-        let seq = &self.tx.ctl().flags.0.data_seq;
-        seq.fetch_add(1, Ordering::Release);
-        futex_wake(seq);
+        bump_and_wake(&self.tx.ctl().flags.0.data_seq);
     }
 
     /// Client: give up on the lane. False if the server attached first (then
@@ -1477,17 +1481,13 @@ impl Probe {
     /// Wakes a thread in [`Consumer::wait_change`] on the receiving ring
     /// (bumps its futex word first, so a wake-up cannot be lost).
     pub fn wake_rx_waiter(&self) {
-        let f = &self.rx.ctl().flags.0;
-        f.data_seq.fetch_add(1, Ordering::Release);
-        futex_wake(&f.data_seq);
+        bump_and_wake(&self.rx.ctl().flags.0.data_seq);
     }
 
     /// Wakes a thread in [`Probe::wait_tx_free`] (bumps the futex word
     /// first), so it recomputes what it waits for.
     pub fn wake_tx_waiter(&self) {
-        let f = &self.tx.ctl().flags.0;
-        f.room_seq.fetch_add(1, Ordering::Release);
-        futex_wake(&f.room_seq);
+        bump_and_wake(&self.tx.ctl().flags.0.room_seq);
     }
 
     /// Sending-ring producer position.

@@ -15,34 +15,9 @@ use std::time::Duration;
 
 use flowlane_e2e::attack_scripts::STOCK_HOSTILE;
 use flowlane_e2e::shm::{self, run_ok, wait_listening, Bg, Node};
-use flowlane_e2e::shm_scripts::PYTHON;
+use flowlane_e2e::shm_scripts::{PYTHON, THREADED_CLIENT};
 
 const T: Duration = Duration::from_secs(300);
-
-/// `N` connections, each an echo of random bytes of a random size checked
-/// byte for byte; prints `ok N` when every one came back intact.
-const HONEST: &str = r#"
-import random, socket, sys
-host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-rnd = random.Random(5)
-ok = 0
-for i in range(n):
-    data = rnd.randbytes(rnd.randint(1, 65536))
-    s = socket.create_connection((host, port), timeout=30)
-    s.sendall(b"E" + data)
-    got = bytearray()
-    while len(got) < len(data):
-        d = s.recv(65536)
-        if not d:
-            break
-        got += d
-    s.close()
-    if bytes(got) != data:
-        print("corrupt", i, len(got), len(data), flush=True)
-        sys.exit(1)
-    ok += 1
-print("ok", ok, flush=True)
-"#;
 
 #[test]
 fn a_hostile_stock_client_hurts_only_its_own_connections() {
@@ -60,7 +35,11 @@ fn a_hostile_stock_client_hurts_only_its_own_connections() {
         &[PYTHON, "-c", STOCK_HOSTILE, &ip, "7611", "4"],
     ));
     let out = run_ok(
-        node.cmd(honest, true, &[PYTHON, "-c", HONEST, &ip, "7611", "120"]),
+        node.cmd(
+            honest,
+            true,
+            &[PYTHON, "-c", THREADED_CLIENT, &ip, "7611", "1", "120"],
+        ),
         T,
         "honest client",
     );
@@ -96,7 +75,11 @@ fn a_hostile_stock_client_hurts_only_its_own_connections() {
     // The server served to the end, the lane still carries new pods'
     // connections, and the daemon answers.
     let out = run_ok(
-        node.cmd(honest, true, &[PYTHON, "-c", HONEST, &ip, "7611", "10"]),
+        node.cmd(
+            honest,
+            true,
+            &[PYTHON, "-c", THREADED_CLIENT, &ip, "7611", "1", "10"],
+        ),
         T,
         "honest client after the attack",
     );

@@ -18,7 +18,8 @@ fn pauses() -> impl Iterator<Item = Duration> {
 /// Calls `look` until it answers `Some` or `deadline` passes (`None`),
 /// pausing between looks as [`pauses`] says.
 pub(super) fn until<T>(deadline: Instant, mut look: impl FnMut() -> Option<T>) -> Option<T> {
-    for pause in pauses() {
+    let mut pauses = pauses();
+    loop {
         if let Some(v) = look() {
             return Some(v);
         }
@@ -26,9 +27,9 @@ pub(super) fn until<T>(deadline: Instant, mut look: impl FnMut() -> Option<T>) -
         if now >= deadline {
             return None;
         }
+        let pause = pauses.next().unwrap_or(LONGEST);
         std::thread::sleep(pause.min(deadline - now));
     }
-    unreachable!("pauses() never ends")
 }
 
 #[cfg(test)]
