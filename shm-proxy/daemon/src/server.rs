@@ -288,6 +288,7 @@ async fn serve_client(mut stream: UnixStream, caller: Caller, shared: Shared, la
                         | Request::RelayableIntent { .. }
                         | Request::ServiceIntent { .. }
                         | Request::StockIntent { .. }
+                        | Request::StockRefill { .. }
                 );
                 match lanes.relay.as_ref().filter(|r| r.takes(&req)) {
                     // Cross-node set-ups block (lane open, handshake with

@@ -394,6 +394,61 @@ impl DaemonClient {
         })
     }
 
+    /// Sends [`Request::StockRefill`] without reading its answer: read it
+    /// with [`Self::recv_stock_ahead`] before any other request on this
+    /// connection. Not sent to a daemon known to predate stock.
+    pub fn send_stock_refill(&mut self, dst: SocketAddr, want: u32) -> io::Result<()> {
+        let want = want.min(proto::MAX_STOCK_GRANTS as u32);
+        self.send_ahead(&Request::StockRefill { dst, want })
+    }
+
+    /// Sends [`Request::StockFetch`] without reading its answer (as
+    /// [`Self::send_stock_refill`]).
+    pub fn send_stock_fetch(&mut self, local: SocketAddr) -> io::Result<()> {
+        self.send_ahead(&Request::StockFetch { local })
+    }
+
+    fn send_ahead(&mut self, req: &Request) -> io::Result<()> {
+        if self.no_stock {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "the daemon predates stock",
+            ));
+        }
+        self.guarded(|c| {
+            let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
+            sys::send_all(c.fd, &frame, Instant::now() + c.timeout)
+        })
+    }
+
+    /// True when the answer to a request sent ahead can be read without
+    /// waiting (or the daemon closed the connection).
+    pub fn answer_waiting(&self) -> bool {
+        sys::readable_now(self.fd)
+    }
+
+    /// Reads the answer to [`Self::send_stock_refill`] or
+    /// [`Self::send_stock_fetch`] (waiting for it up to the timeout): the
+    /// stock it grants, each fd checked like a channel's. A refusal or an
+    /// older daemon's `bad-request` grants none (and no more is sent
+    /// ahead to an older daemon).
+    pub fn recv_stock_ahead(&mut self) -> io::Result<Vec<Granted>> {
+        let answer = self.guarded(|c| {
+            let deadline = Instant::now() + c.timeout;
+            c.recv_answer(deadline)
+        })?;
+        match answer {
+            (Response::Error { code, message }, _) => {
+                if is_unknown_op(code, &message) {
+                    self.no_stock = true;
+                }
+                Ok(Vec::new())
+            }
+            (Response::Stocked { channel: None, .. }, _) => Ok(self.stocked_from(answer)?.stock),
+            (other, _) => Err(self.unexpected_kind(other)),
+        }
+    }
+
     /// [`Self::connect_intent`] for a Service IP `dst` (the peer table's
     /// Service ranges): a channel when the Service may have a lane behind
     /// it; after connect, [`Self::resolve_service`] says whether it does.
@@ -526,6 +581,10 @@ impl DaemonClient {
         let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
         let deadline = Instant::now() + self.timeout;
         sys::send_all(self.fd, &frame, deadline)?;
+        self.recv_answer(deadline)
+    }
+
+    fn recv_answer(&mut self, deadline: Instant) -> io::Result<(Response, Vec<OwnedFd>)> {
         let mut fds = Vec::new();
         let mut header = [0u8; proto::HEADER_LEN];
         sys::recv_exact(self.fd, &mut header, &mut fds, deadline)?;
@@ -620,6 +679,12 @@ impl DaemonClient {
             channel,
             stock: granted,
         })
+    }
+
+    /// An answer of the wrong kind: the stream is out of step.
+    fn unexpected_kind(&mut self, resp: Response) -> io::Error {
+        self.broken = true;
+        invalid_data(format!("unexpected daemon answer {resp:?}"))
     }
 
     /// Turns an error answer (or an answer of the wrong kind) into io::Error.
@@ -1157,6 +1222,99 @@ mod tests {
         assert!(e.to_string().contains("smaller"), "{e}");
         for p in [p, p2, p3] {
             let _ = std::fs::remove_file(p);
+        }
+    }
+
+    /// A daemon that reads each request and answers it with the next of
+    /// `answers`; returns the requests it read.
+    fn scripted_daemon(
+        name: &str,
+        answers: Vec<Response>,
+    ) -> (std::path::PathBuf, std::thread::JoinHandle<Vec<Request>>) {
+        let p = temp_socket(name);
+        let listener = UnixListener::bind(&p).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut seen = Vec::new();
+            for answer in answers {
+                let mut hdr = [0u8; 4];
+                conn.read_exact(&mut hdr).unwrap();
+                let mut body = vec![0u8; u32::from_le_bytes(hdr) as usize];
+                conn.read_exact(&mut body).unwrap();
+                seen.push(proto::decode_request(&body).unwrap());
+                let frame = proto::encode_frame(&answer, proto::MAX_RESPONSE_FRAME).unwrap();
+                conn.write_all(&frame).unwrap();
+            }
+            seen
+        });
+        (p, server)
+    }
+
+    fn wait_for_answer(c: &DaemonClient) {
+        let t = Instant::now();
+        while !c.answer_waiting() {
+            assert!(t.elapsed() < Duration::from_secs(5), "no answer");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn stock_asked_ahead_is_read_later_and_an_older_daemon_is_not_asked_again() {
+        let dst: SocketAddr = "10.0.0.2:80".parse().unwrap();
+        let none = Response::Stocked {
+            channel: None,
+            stock: Vec::new(),
+        };
+        let unknown = Response::error(
+            ErrorCode::BadRequest,
+            "unknown variant `stock-fetch`, expected one of ...",
+        );
+        let (p, server) = scripted_daemon("ahead", vec![none, unknown]);
+        let mut c = DaemonClient::connect(&p, Duration::from_secs(5)).unwrap();
+        c.send_stock_refill(dst, 99).unwrap();
+        wait_for_answer(&c);
+        assert!(c.recv_stock_ahead().unwrap().is_empty());
+        // An older daemon: no stock, not broken, and nothing more ahead.
+        c.send_stock_fetch(dst).unwrap();
+        wait_for_answer(&c);
+        assert!(c.recv_stock_ahead().unwrap().is_empty());
+        assert!(!c.is_broken());
+        let e = c.send_stock_refill(dst, 1).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::Unsupported);
+        assert_eq!(
+            server.join().unwrap(),
+            vec![
+                // `want` is clamped to what one answer may grant.
+                Request::StockRefill {
+                    dst,
+                    want: proto::MAX_STOCK_GRANTS as u32
+                },
+                Request::StockFetch { local: dst },
+            ]
+        );
+        let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn an_answer_ahead_of_the_wrong_kind_breaks_the_connection() {
+        let dst: SocketAddr = "10.0.0.2:80".parse().unwrap();
+        for (name, wrong) in [
+            ("ahead-channel", Response::Channel { id: 1, len: 4096 }),
+            (
+                "ahead-claim",
+                Response::Stocked {
+                    channel: Some(ChannelGrant { id: 1, len: 4096 }),
+                    stock: Vec::new(),
+                },
+            ),
+        ] {
+            let (p, server) = scripted_daemon(name, vec![wrong]);
+            let mut c = DaemonClient::connect(&p, Duration::from_secs(5)).unwrap();
+            c.send_stock_fetch(dst).unwrap();
+            assert!(c.recv_stock_ahead().is_err());
+            assert!(c.is_broken());
+            server.join().unwrap();
+            let _ = std::fs::remove_file(&p);
         }
     }
 

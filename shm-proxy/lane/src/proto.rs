@@ -176,6 +176,19 @@ pub enum Request {
         local: SocketAddr,
         peer: SocketAddr,
     },
+    /// From a client process that still holds stock for `dst` and will run
+    /// out soon: up to `want` more, made as its last stock intent's were
+    /// (the daemon repeats only what an intent admitted, while the process
+    /// still holds stock from it). Sent ahead: the library reads the
+    /// answer ([`Response::Stocked`] without a channel, possibly with no
+    /// stock) at its next use of the connection, so no connection waits
+    /// for it. Older daemons answer `bad-request`.
+    StockRefill { dst: SocketAddr, want: u32 },
+    /// From a server process that still holds stock for its listener
+    /// `local` and will run out soon: the listener's stock it does not
+    /// hold yet, as a [`Request::StockClaim`] would grant it (sent ahead,
+    /// like [`Request::StockRefill`]).
+    StockFetch { local: SocketAddr },
 }
 
 /// Most stock channels one answer grants (and one intent may ask for).
@@ -251,6 +264,8 @@ impl Request {
             Request::StockIntent { .. } => "stock-intent",
             Request::StockClaim { .. } => "stock-claim",
             Request::StockTaken { .. } => "stock-taken",
+            Request::StockRefill { .. } => "stock-refill",
+            Request::StockFetch { .. } => "stock-fetch",
         }
     }
 }
@@ -307,7 +322,8 @@ pub enum Response {
         stats: Box<Stats>,
     },
     /// The answer to [`Request::StockIntent`] and [`Request::StockClaim`]
-    /// when it grants stock: this connection's channel, if any, and up to
+    /// when it grants stock, and always to [`Request::StockRefill`] and
+    /// [`Request::StockFetch`] (no channel; the stock may be empty): this connection's channel, if any, and up to
     /// [`MAX_STOCK_GRANTS`] stock channels (at least one of the two). The
     /// frame's SCM_RIGHTS data holds the channel's memfd first (when
     /// there is a channel), then one memfd per grant, in order.
@@ -805,6 +821,8 @@ mod tests {
                 reason: "musl cannot load a glibc library".into(),
                 containers: vec!["app".into(), "tool".into()],
             },
+            Request::StockRefill { dst: a, want: 8 },
+            Request::StockFetch { local: b },
         ]
     }
 

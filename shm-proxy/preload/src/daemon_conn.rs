@@ -19,11 +19,16 @@
 //! - **daemon restarts:** a connection the daemon closed (idle timeout,
 //!   restart) is noticed before use; one that fails during a request is
 //!   replaced once and the request repeated, then the connection stays on
-//!   TCP as before.
+//!   TCP as before;
+//! - **stock asked for ahead** (`send_ahead`): one request at most whose
+//!   answer is read later, at the next connect or accept that finds it
+//!   waiting, or before the next request on the connection. No connection
+//!   waits for the daemon to make stock.
 
-use crate::state;
+use crate::{state, stock};
 use flowlane_lane::client::DaemonClient;
 use std::cell::{Cell, UnsafeCell};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -40,6 +45,17 @@ struct Held {
     /// the library's back (a raw close_range, glibc's closefrom) may have
     /// reused the number; then it is not ours to use or to close.
     id: (u64, u64),
+    /// A request sent ahead whose answer is still to be read.
+    ahead: Option<Ahead>,
+}
+
+/// A stock request sent ahead (`send_ahead`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ahead {
+    /// A client's `stock-refill` for this destination.
+    Refill { dst: SocketAddr, want: u32 },
+    /// A server's `stock-fetch` for this listener address.
+    Fetch { local: SocketAddr },
 }
 
 /// (device, inode) of what `fd` refers to now.
@@ -66,7 +82,34 @@ impl Held {
             netns,
             gone,
             id,
+            ahead: None,
         })
+    }
+
+    /// Reads the answer to the request sent ahead, if one is outstanding,
+    /// and keeps the stock it grants. A failure breaks the connection (the
+    /// caller discards it).
+    fn finish_ahead(&mut self) {
+        let Some(ahead) = self.ahead.take() else {
+            return;
+        };
+        let Ok(granted) = self.client.recv_stock_ahead() else {
+            return;
+        };
+        match ahead {
+            Ahead::Refill { dst, .. } => stock::add_client(dst, granted),
+            Ahead::Fetch { local } => stock::add_held(local, granted),
+        }
+    }
+
+    /// True when the answer can be read now (in this process: a forked
+    /// child's copy is not its to read).
+    fn ahead_ready(&self, pid: u32) -> bool {
+        // The poll first: while the daemon is still at it, one system call.
+        self.ahead.is_some()
+            && self.pid == pid
+            && (self.client.is_broken() || self.client.answer_waiting())
+            && self.still_ours()
     }
 
     fn still_ours(&self) -> bool {
@@ -159,19 +202,18 @@ pub fn with<R>(
     timeout: Duration,
     mut f: impl FnMut(&mut DaemonClient) -> R,
 ) -> Option<R> {
-    if SLOT
-        .busy
-        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-        .is_err()
-    {
+    let Some(_unlock) = try_lock() else {
         return one_shot(socket, timeout, &mut f);
-    }
-    let _unlock = Unlock;
+    };
     // SAFETY: we hold `busy`: no other thread reaches the slot.
     let slot = unsafe { &mut *SLOT.held.get() };
     let pid = std::process::id();
     let mut reused = false;
-    if let Some(h) = slot.take() {
+    if let Some(mut h) = slot.take() {
+        // An answer still owed reads as unasked-for bytes: read it first.
+        if h.ahead.is_some() && h.pid == pid && h.still_ours() {
+            h.finish_ahead();
+        }
         if h.usable(pid) {
             if h.netns != thread_netns() {
                 // A thread in another namespace: the kept connection speaks
@@ -211,6 +253,73 @@ pub fn with<R>(
         }
     }
     Some(r)
+}
+
+/// Sends `ahead` on the process's kept connection without waiting for
+/// its answer. Skipped (it is only ever an optimisation) when the
+/// connection is busy, not made yet, in another network namespace, or
+/// still owes the answer to an earlier request sent ahead.
+pub fn send_ahead(ahead: Ahead) {
+    let Some(_unlock) = try_lock() else {
+        return;
+    };
+    // SAFETY: we hold `busy`: no other thread reaches the slot.
+    let slot = unsafe { &mut *SLOT.held.get() };
+    let pid = std::process::id();
+    let Some(h) = slot.as_mut() else {
+        return;
+    };
+    if h.ahead_ready(pid) {
+        h.finish_ahead();
+    }
+    if h.ahead.is_some() || !h.usable(pid) || h.netns != thread_netns() {
+        return;
+    }
+    let sent = match ahead {
+        Ahead::Refill { dst, want } => h.client.send_stock_refill(dst, want),
+        Ahead::Fetch { local } => h.client.send_stock_fetch(local),
+    };
+    if sent.is_ok() {
+        h.ahead = Some(ahead);
+    } else if h.client.is_broken() {
+        if let Some(h) = slot.take() {
+            h.discard();
+        }
+    }
+}
+
+/// Reads the answer to a request sent ahead and keeps its stock: only if
+/// it has arrived, or (`wait`) waiting for it. True when one was read.
+pub fn collect_ahead(wait: bool) -> bool {
+    let Some(_unlock) = try_lock() else {
+        return false;
+    };
+    // SAFETY: we hold `busy`: no other thread reaches the slot.
+    let slot = unsafe { &mut *SLOT.held.get() };
+    let pid = std::process::id();
+    let Some(h) = slot.as_mut() else {
+        return false;
+    };
+    let ready = h.ahead_ready(pid) || (wait && h.ahead.is_some() && h.pid == pid && h.still_ours());
+    if !ready {
+        return false;
+    }
+    h.finish_ahead();
+    if h.client.is_broken() {
+        if let Some(h) = slot.take() {
+            h.discard();
+        }
+    }
+    true
+}
+
+/// The slot, if no other thread (or an interrupted request on this one)
+/// holds it.
+fn try_lock() -> Option<Unlock> {
+    SLOT.busy
+        .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .ok()
+        .map(|_| Unlock)
 }
 
 /// In a forked child (from the fork handler, one thread left): the fd was

@@ -5,7 +5,7 @@
 
 use crate::conn::{errno, set_errno, Conn};
 use crate::log::log_at;
-use crate::{config, real, state, stock};
+use crate::{config, daemon_conn, real, state, stock};
 use flowlane_lane::client::{Channel, DaemonClient, FallbackReason};
 use flowlane_lane::peer_table::Verdict;
 use flowlane_lane::ring::{self, Side};
@@ -34,12 +34,25 @@ pub fn in_lib() -> bool {
 /// it), marking the thread as inside the library. `None` when no daemon
 /// answers.
 fn with_daemon<R>(f: impl FnMut(&mut DaemonClient) -> R) -> Option<R> {
+    as_library(|| daemon_conn::with(&config::get().socket, DAEMON_TIMEOUT, f))
+}
+
+/// Runs `f` marked as the library's own work, the caller's errno kept.
+fn as_library<R>(f: impl FnOnce() -> R) -> R {
     IN_LIB.with(|c| c.set(true));
     let saved = errno();
-    let r = crate::daemon_conn::with(&config::get().socket, DAEMON_TIMEOUT, f);
+    let r = f();
     set_errno(saved);
     IN_LIB.with(|c| c.set(false));
     r
+}
+
+fn send_ahead(ahead: daemon_conn::Ahead) {
+    as_library(|| daemon_conn::send_ahead(ahead));
+}
+
+fn collect_ahead(wait: bool) -> bool {
+    as_library(|| daemon_conn::collect_ahead(wait))
 }
 
 /// Tells the daemon (if any) why a connection stays on TCP (or, for
@@ -247,6 +260,9 @@ pub enum Intent {
         taken: stock::Taken,
         /// The socket was bound already: the offer names its port.
         offered: bool,
+        /// Few channels left for this destination: ask for more ahead
+        /// once connected.
+        refill: Option<SocketAddr>,
     },
 }
 
@@ -290,12 +306,23 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
     let mut src = name_of(fd, false)?;
     // A channel made ahead for this destination: no round trip.
     if !service {
-        if let Some(taken) = stock::take_for(dst) {
+        // Stock asked for ahead may have arrived; if none is left, the
+        // answer still owed is waited for (the daemon made it while this
+        // process used the rest) rather than asked for again.
+        collect_ahead(false);
+        let taken = stock::take_for(dst)
+            .or_else(|| collect_ahead(true).then(|| stock::take_for(dst)).flatten());
+        if let Some(taken) = taken {
             let offered = src.port() != 0;
             if offered {
                 taken.region.offer_port(src.port());
             }
-            return Some(Intent::Stock { taken, offered });
+            let refill = (stock::client_left(dst) <= stock::ASK_AHEAD_AT).then_some(dst);
+            return Some(Intent::Stock {
+                taken,
+                offered,
+                refill,
+            });
         }
     }
     // The socket's fd number lets the daemon read the connection's
@@ -388,8 +415,18 @@ pub fn client_finish(fd: c_int, intent: Intent, rc: c_int, err: c_int) {
     let in_progress = rc != 0 && (err == libc::EINPROGRESS || err == libc::EINTR);
     let (channel, service) = match intent {
         Intent::Asked { channel, service } => (channel, service),
-        Intent::Stock { taken, offered } => {
-            return stock_finish(fd, taken, offered, rc == 0 || in_progress, in_progress)
+        Intent::Stock {
+            taken,
+            offered,
+            refill,
+        } => {
+            let connected = rc == 0 || in_progress;
+            stock_finish(fd, taken, offered, connected, in_progress);
+            if let Some(dst) = refill.filter(|_| connected) {
+                let want = stock::want_for(dst);
+                send_ahead(daemon_conn::Ahead::Refill { dst, want });
+            }
+            return;
         }
     };
     let id = channel.id;
@@ -553,10 +590,21 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
     let nonblock = flags & libc::SOCK_NONBLOCK != 0;
     // Linux copies the listener's options to the accepted socket.
     let defaults = state::UNCONNECTED.get(listen_fd) && state::DEFAULT_OPTIONS.get(listen_fd);
-    // A channel the client took from stock: no round trip.
+    // A channel the client took from stock: no round trip. Stock fetched
+    // ahead may have arrived, or be on its way with this connection's.
     if stock::holds_for(local) {
-        if let Some(taken) = stock::take_offer(local, peer) {
-            return attach_stock(fd, nonblock, taken, peer, defaults);
+        collect_ahead(false);
+        let taken = stock::take_offer(local, peer).or_else(|| {
+            collect_ahead(true)
+                .then(|| stock::take_offer(local, peer))
+                .flatten()
+        });
+        if let Some(taken) = taken {
+            attach_stock(fd, nonblock, taken, peer, defaults);
+            if stock::held_for(local, peer.ip()) <= stock::ASK_AHEAD_AT {
+                send_ahead(daemon_conn::Ahead::Fetch { local });
+            }
+            return;
         }
     }
     let answer = with_daemon(|d| {

@@ -27,6 +27,13 @@ use crate::state;
 /// Most stock a client asks for with one round trip to a destination.
 const BATCH: u32 = 8;
 
+/// A client that has this many channels left for a destination after a
+/// take asks for more ahead (`stock-refill`), and a server that holds this
+/// many for a listener and client address after a take fetches what it
+/// does not hold yet (`stock-fetch`): the answers arrive while the
+/// remaining ones are used, and no connection waits for the daemon.
+pub const ASK_AHEAD_AT: usize = BATCH as usize / 2;
+
 /// Destinations whose next batch size a client remembers.
 const MAX_ASKED: usize = 64;
 
@@ -183,6 +190,23 @@ pub fn take_for(dst: SocketAddr) -> Option<Taken> {
             });
         }
     }
+}
+
+/// Client: how many stock channels it holds for `dst`.
+pub fn client_left(dst: SocketAddr) -> usize {
+    state::with(|t| t.stock.client.iter().filter(|e| e.dst == dst).count())
+}
+
+/// Server: how many stock channels it holds for connections from `client`
+/// to `local`.
+pub fn held_for(local: SocketAddr, client: IpAddr) -> usize {
+    state::with(|t| {
+        t.stock
+            .held
+            .iter()
+            .filter(|e| e.local == local && e.client == client)
+            .count()
+    })
 }
 
 /// Server: keeps `grants` (answered to a claim on `local`).

@@ -214,10 +214,23 @@ fn st_repeated_connections_take_stock_without_round_trips() {
         intents(&after) - intents(&before),
         claims(&after) - claims(&before),
     );
-    eprintln!("{n} connections: {i} intents, {c} claims");
-    assert!(i <= n / 9 + 8, "{i} intents for {n} connections");
-    assert!(c <= n / 9 + 8, "{c} claims for {n} connections");
+    let ahead = |op: &str| requests(&after, op) - requests(&before, op);
+    let (refills, fetches) = (ahead("stock-refill"), ahead("stock-fetch"));
+    eprintln!("{n} connections: {i} intents, {c} claims, {refills} refills, {fetches} fetches");
+    // Round trips only while the process warms up (no stock the first
+    // time, then 1, 2, 4): from then on the library asks for more ahead
+    // (`stock-refill`, `stock-fetch`), and no connection waits for that.
+    assert!(i <= 8, "{i} intents for {n} connections");
+    // A server's fetch may reach the daemon before the refill it was
+    // meant to collect (the client sends it after its connect, the server
+    // after its attach); if the client uses up what is left before the
+    // next fetch returns, the server claims. A few in a hundred cycles.
+    assert!(c <= n / 50 + 8, "{c} claims for {n} connections");
     assert!(requests(&after, "stock-intent") > 0);
+    // A batch of 8 asked for when 4 are left: a refill per 8 connections
+    // at most (one sent ahead at a time), a fetch likewise.
+    assert!(refills >= n / 16 && refills <= n / 4, "{refills} refills");
+    assert!(fetches <= n / 2, "{fetches} fetches");
 }
 
 /// Threads of one process connect at once: each connection finds its own

@@ -304,6 +304,9 @@ impl Broker {
                 want,
             } => self.stock_intent(caller, src, dst, region_len, socket_fd, want),
             Request::StockClaim { local, peer, .. } => self.stock_claim(caller, local, peer),
+            // Sent ahead by a library about to run out (`stock.rs`).
+            Request::StockRefill { dst, want } => self.stock_refill(caller, dst, want),
+            Request::StockFetch { local } => self.stock_fetch(caller, local),
             // One way: whatever it yields is dropped unsent.
             Request::StockTaken {
                 channel_id,
@@ -497,6 +500,13 @@ fn canonical_request(req: Request) -> Request {
             local: canonical(local),
             peer: canonical(peer),
             socket_fd,
+        },
+        Request::StockRefill { dst, want } => Request::StockRefill {
+            dst: canonical(dst),
+            want,
+        },
+        Request::StockFetch { local } => Request::StockFetch {
+            local: canonical(local),
         },
         Request::StockTaken {
             channel_id,

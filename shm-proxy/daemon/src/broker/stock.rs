@@ -177,23 +177,7 @@ impl Broker {
         // keeps for a pod. Past its budget in live stock connections a pod
         // gets no more stock: its next connections ask, and a server's
         // claim admits them.
-        if self.live_stock_of_pod(p.client_pod) >= self.limits.max_pending_per_pod {
-            tracing::debug!(pod = ?p.client_pod, "no more stock: the pod's live stock connections reach its budget");
-            return None;
-        }
-        let of_pair = self
-            .stock
-            .values()
-            .filter(|s| s.client_process == client_process && s.dst == p.dst)
-            .count();
-        let budget = self
-            .limits
-            .max_pending_per_pod
-            .saturating_sub(self.held_by_pod(p.client_pod));
-        let count = (want as usize)
-            .min(MAX_STOCK_GRANTS)
-            .min(MAX_STOCK_PER_PAIR.saturating_sub(of_pair))
-            .min(budget);
+        let count = self.stock_count(p.client_pod, client_process, p.dst, want);
         (count > 0).then_some(StockOrder {
             count,
             len: p.len,
@@ -205,6 +189,98 @@ impl Broker {
             server_pod,
             dst: p.dst,
         })
+    }
+
+    /// How many of `want` stock channels (client process, `dst`) may have
+    /// now: none past the pod's budget in live stock connections, then
+    /// within the pair's bound and the pod's budget of held channels.
+    fn stock_count(
+        &self,
+        client_pod: PodId,
+        client_process: ProcessId,
+        dst: SocketAddr,
+        want: u32,
+    ) -> usize {
+        if self.live_stock_of_pod(client_pod) >= self.limits.max_pending_per_pod {
+            tracing::debug!(pod = ?client_pod, "no more stock: the pod's live stock connections reach its budget");
+            return 0;
+        }
+        let of_pair = self
+            .stock
+            .values()
+            .filter(|s| s.client_process == client_process && s.dst == dst)
+            .count();
+        let budget = self
+            .limits
+            .max_pending_per_pod
+            .saturating_sub(self.held_by_pod(client_pod));
+        (want as usize)
+            .min(MAX_STOCK_GRANTS)
+            .min(MAX_STOCK_PER_PAIR.saturating_sub(of_pair))
+            .min(budget)
+    }
+
+    /// `stock-refill`: more stock for a client process that still holds
+    /// stock for `dst`, made as that stock was (its intent's admission:
+    /// client address, server pod, length), after the same checks an
+    /// intent's stock gets. A process that holds none of it any more
+    /// asks with an intent.
+    pub(super) fn stock_refill(&mut self, caller: &Caller, dst: SocketAddr, want: u32) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(refused) => return refused,
+        };
+        self.refresh_connections();
+        let none = || Self::stocked(None, Vec::new(), Vec::new());
+        let Some(client_process) = caller.process else {
+            return none();
+        };
+        let Some(order) = self
+            .stock
+            .values()
+            .find(|s| s.client_process == client_process && s.client_pod == pod && s.dst == dst)
+            .map(|s| StockOrder {
+                count: 0,
+                len: s.len,
+                client_pod: pod,
+                client_process,
+                client_ip: s.client_ip,
+                server_pod: s.server_pod,
+                dst,
+            })
+        else {
+            return none();
+        };
+        // The listener went away, or its server no longer takes stock.
+        let takes = self
+            .listener_key(order.server_pod, dst)
+            .is_some_and(|l| self.takes_stock.contains(&l));
+        if !takes || !self.pod_is_live(order.server_pod) {
+            return none();
+        }
+        let count = self.stock_count(pod, client_process, dst, want);
+        if count == 0 {
+            return none();
+        }
+        let made = self.make_stock(StockOrder { count, ..order });
+        Self::stocked(None, Vec::new(), made)
+    }
+
+    /// `stock-fetch`: the stock of the caller's pod's listener `local`
+    /// that the calling process does not hold yet (what a `stock-claim`
+    /// would grant with its answer).
+    pub(super) fn stock_fetch(&mut self, caller: &Caller, local: SocketAddr) -> Answer {
+        let pod = match self.caller_pod(caller) {
+            Ok(p) => p,
+            Err(refused) => return refused,
+        };
+        // Stock taken since the last tick is not granted again.
+        self.open_taken_stock();
+        let grants = match self.listener_key(pod, local) {
+            Some(l) if self.takes_stock.contains(&l) => self.grant_stock(caller, pod, local, local),
+            _ => Vec::new(),
+        };
+        Self::stocked(None, Vec::new(), grants)
     }
 
     /// Live connections of `pod` (as client) that opened from stock.

@@ -815,3 +815,103 @@ fn live_stock_connections_are_bounded_per_pod() {
     let a = stock_intent(b, &client, "10.202.9.1:40003", "10.202.9.2:80", 2);
     assert_eq!(grants(&a).len(), 2, "{:?}", a.response);
 }
+
+fn refill(b: &mut Broker, who: &Caller, dst: &str, want: u32) -> Answer {
+    b.handle(who, Request::StockRefill { dst: sa(dst), want })
+}
+
+fn fetch(b: &mut Broker, who: &Caller, local: &str) -> Answer {
+    b.handle(who, Request::StockFetch { local: sa(local) })
+}
+
+/// An empty answer to a request sent ahead: no channel, no stock, no fd.
+fn assert_none_stocked(a: &Answer) {
+    assert_eq!(
+        a.response,
+        Response::Stocked {
+            channel: None,
+            stock: Vec::new()
+        }
+    );
+    assert!(a.fds.is_empty());
+}
+
+#[test]
+fn a_refill_repeats_only_what_an_intent_admitted_while_its_stock_is_held() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = taking_stock("stock-refill", Limits::default());
+    let other = process_of(&n, 1);
+    let intruder = process_of(&n, 3);
+    let b = &mut n.broker;
+    // Nothing admitted yet: nothing to repeat.
+    assert_none_stocked(&refill(b, &client, "10.202.9.2:80", 8));
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 2);
+    let first = grants(&a);
+    assert_eq!(first.len(), 2);
+    // The same process gets more, made as its intent's stock was; no
+    // channel of its own (no connection waits for this answer).
+    let a = refill(b, &client, "10.202.9.2:80", 8);
+    let Response::Stocked {
+        channel: None,
+        ref stock,
+    } = a.response
+    else {
+        panic!("{:?}", a.response)
+    };
+    assert_eq!(stock.len(), 8);
+    assert_eq!(a.fds.len(), 8);
+    for g in stock {
+        assert_eq!((g.len, g.client), (12288, sa("10.202.9.1:0").ip()));
+        assert!(!ids(&first).contains(&g.id));
+    }
+    assert_eq!(stats(b).channels_stocked, 10);
+    // Within the pair's bound: 16 at most held at once.
+    assert_eq!(grants(&refill(b, &client, "10.202.9.2:80", 16)).len(), 6);
+    assert_none_stocked(&refill(b, &client, "10.202.9.2:80", 16));
+    // Another process of the same pod, another pod, another destination:
+    // none of them was admitted by that intent.
+    assert_none_stocked(&refill(b, &other, "10.202.9.2:80", 8));
+    assert_none_stocked(&refill(b, &intruder, "10.202.9.2:80", 8));
+    assert_none_stocked(&refill(b, &client, "10.202.9.2:81", 8));
+    // The server's fetch brings what it does not hold yet, once.
+    let fetched = grants(&fetch(b, &server, "10.202.9.2:80"));
+    assert_eq!(fetched.len(), MAX_STOCK_GRANTS);
+    let rest = grants(&fetch(b, &server, "10.202.9.2:80"));
+    assert_eq!(fetched.len() + rest.len(), 16);
+    assert_none_stocked(&fetch(b, &server, "10.202.9.2:80"));
+    // Not the listener's pod: nothing; a listener that does not take
+    // stock: nothing.
+    assert_none_stocked(&fetch(b, &other, "10.202.9.2:80"));
+    assert_none_stocked(&fetch(b, &server, "10.202.9.2:81"));
+    // The listener goes: its stock goes with it, and a refill makes none.
+    let r = b.handle(
+        &server,
+        Request::UnregisterListener {
+            addr: sa("0.0.0.0:80"),
+        },
+    );
+    assert_eq!(r.response, Response::Ok);
+    assert_eq!(stats(b).channels_stocked, 0);
+    assert_none_stocked(&refill(b, &client, "10.202.9.2:80", 8));
+}
+
+#[test]
+fn a_refill_stays_within_the_pods_budget_and_an_undelivered_one_is_dropped() {
+    let Stocked { mut n, client, .. } = budgeted("stock-refill-budget", 6);
+    let b = &mut n.broker;
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 2);
+    assert_eq!(grants(&a).len(), 2);
+    // 1 pending channel + 2 stock held: 3 more fit the budget of 6.
+    let a = refill(b, &client, "10.202.9.2:80", 8);
+    let made = ids(&grants(&a));
+    assert_eq!(made.len(), 3);
+    assert_none_stocked(&refill(b, &client, "10.202.9.2:80", 8));
+    // The answer never reached the client: what it made is dropped.
+    let undelivered = Undelivered::of(true, &a.response).unwrap();
+    b.answer_undelivered(&client, undelivered);
+    assert_eq!(stats(b).channels_stocked, 2);
+    assert_eq!(grants(&refill(b, &client, "10.202.9.2:80", 8)).len(), 3);
+}

@@ -32,7 +32,9 @@ pub fn run(quick: bool) {
     // one destination make the kernel's search for a free source port the
     // cost of every connect, for whichever variant runs then.
     let mut servers = Vec::new();
-    for (lib, port) in [(false, 7100), (true, 7101), (false, 7102), (false, 7103)] {
+    let lanes = [(false, 7100), (true, 7101), (false, 7102), (false, 7103)];
+    let latencies = [(false, 7104), (true, 7105), (false, 7106), (true, 7107)];
+    for (lib, port) in lanes.into_iter().chain(latencies) {
         servers.push(Bg::spawn(node.cmd(
             s,
             lib,
@@ -77,6 +79,20 @@ pub fn run(quick: bool) {
             lib_addr: pod(7101),
             args: connrate(&pod(7100)),
             index: 0,
+        },
+        // The lane's tail: a connection that waits for the daemon shows
+        // here first.
+        Figure {
+            name: "connect+1st byte p50 us, pod to pod",
+            lib_addr: pod(7105),
+            args: connrate(&pod(7104)),
+            index: 1,
+        },
+        Figure {
+            name: "connect+1st byte p90 us, pod to pod",
+            lib_addr: pod(7107),
+            args: connrate(&pod(7106)),
+            index: 3,
         },
         Figure {
             name: "connections/s, pod to outside host",
