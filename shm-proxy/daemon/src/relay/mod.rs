@@ -40,6 +40,7 @@ mod service;
 #[cfg(feature = "test-transport")]
 pub mod tcp_test;
 mod wait_trace;
+mod watchdog;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -1020,28 +1021,14 @@ fn handshake(stream: &Arc<dyn LaneStream>) -> std::io::Result<bool> {
     }
 }
 
-/// One byte from the stream within `wait`; a watchdog resets the stream
-/// when the wait runs out (the blocking `recv` has no timeout of its own).
+/// One byte from the stream within `wait`; the daemon's watchdog resets
+/// the stream when the wait runs out (the blocking `recv` has no timeout
+/// of its own).
 fn recv_byte_within(stream: &Arc<dyn LaneStream>, wait: Duration) -> std::io::Result<u8> {
-    // (answered, timed out): whoever comes second knows what happened.
-    let state = Arc::new(Mutex::new((false, false)));
-    let (st, s) = (state.clone(), stream.clone());
-    std::thread::spawn(move || {
-        std::thread::sleep(wait);
-        let mut g = lock(&st);
-        if !g.0 {
-            g.1 = true;
-            s.reset();
-        }
-    });
+    let armed = watchdog::Watchdog::get().arm(wait, Box::new(stream.clone()));
     let mut b = [0u8; 1];
     let r = stream.recv(&mut b);
-    let timed_out = {
-        let mut g = lock(&state);
-        g.0 = true;
-        g.1
-    };
-    if timed_out {
+    if armed.disarm() {
         return Err(std::io::ErrorKind::TimedOut.into());
     }
     match r? {
