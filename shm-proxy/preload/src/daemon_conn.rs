@@ -296,10 +296,11 @@ pub fn collect_ahead(wait: bool) -> bool {
     };
     // SAFETY: we hold `busy`: no other thread reaches the slot.
     let slot = unsafe { &mut *SLOT.held.get() };
-    let pid = std::process::id();
-    let Some(h) = slot.as_mut() else {
+    // Nothing owed (most connects and accepts): no system call at all.
+    let Some(h) = slot.as_mut().filter(|h| h.ahead.is_some()) else {
         return false;
     };
+    let pid = std::process::id();
     let ready = h.ahead_ready(pid) || (wait && h.ahead.is_some() && h.pid == pid && h.still_ours());
     if !ready {
         return false;

@@ -224,8 +224,9 @@ fn st_repeated_connections_take_stock_without_round_trips() {
     // A server's fetch may reach the daemon before the refill it was
     // meant to collect (the client sends it after its connect, the server
     // after its attach); if the client uses up what is left before the
-    // next fetch returns, the server claims. A few in a hundred cycles.
-    assert!(c <= n / 50 + 8, "{c} claims for {n} connections");
+    // next fetch returns, the server claims: 18 to 41 in 4,000
+    // connections here (a claim per connection was n / 9).
+    assert!(c <= n / 25 + 10, "{c} claims for {n} connections");
     assert!(requests(&after, "stock-intent") > 0);
     // A batch of 8 asked for when 4 are left: a refill per 8 connections
     // at most (one sent ahead at a time), a fetch likewise.
