@@ -248,6 +248,90 @@ fn st_threads_connecting_at_once_each_find_their_own_channel() {
     assert!(intents(&s) < 320 / 2, "{} intents", intents(&s));
 }
 
+/// A client that forks while connecting: each round the parent makes a
+/// few more connections than the last (so that the fork lands at every
+/// point of its stock's cycle, also while the answer to a refill it sent
+/// ahead is still owed), forks a child that connects as often, and keeps
+/// connecting while the child runs. Prints `ok N errors M [first errors]`.
+const FORKING_CLIENT: &str = r#"
+import os, random, socket, sys
+host, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def echo(rnd):
+    data = rnd.randbytes(rnd.randint(1, 4096))
+    s = socket.create_connection((host, port))
+    s.sendall(b"E" + data)
+    got = bytearray()
+    while len(got) < len(data):
+        chunk = s.recv(len(data) - len(got))
+        if not chunk:
+            break
+        got += chunk
+    s.close()
+    return bytes(got) == data
+ok, errors, rnd = 0, [], random.Random(1)
+def burst(n, rnd):
+    good = 0
+    for _ in range(n):
+        try:
+            good += echo(rnd)
+        except Exception as e:
+            errors.append(repr(e))
+    return good
+for r in range(rounds):
+    each = 9 + r
+    ok += burst(each, rnd)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if burst(each, random.Random(100 + r)) == each else 1)
+    ok += burst(each, rnd)
+    _, status = os.waitpid(pid, 0)
+    if status == 0:
+        ok += each
+    else:
+        errors.append("child %d failed" % r)
+print("ok", ok, "errors", len(errors), errors[:3])
+"#;
+
+#[test]
+fn st_a_client_forking_while_stock_is_owed_keeps_every_connection_on_the_lane() {
+    let _turn = crate::turn::take(module_path!());
+    let node = Node::new("stfk", 2);
+    let _srv = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7453"]));
+    wait_listening(&node.pods[1], 7453);
+    let before = node.stats();
+    let ip = node.pods[1].ip.to_string();
+    let rounds = 6;
+    let out = run_ok(
+        node.cmd(
+            &node.pods[0],
+            true,
+            &[
+                PYTHON,
+                "-c",
+                FORKING_CLIENT,
+                &ip,
+                "7453",
+                &rounds.to_string(),
+            ],
+        ),
+        T,
+        "forking client",
+    );
+    eprintln!("{}", out.trim());
+    // 3 x (9 + r) connections per round r.
+    let n: u64 = (0..rounds).map(|r| 3 * (9 + r)).sum();
+    assert!(out.contains(&format!("ok {n} errors 0")), "{out}");
+    let after = node.stats();
+    assert_eq!(
+        node.shm_opened() - before.lanes.get("shm").map_or(0, |l| l.connections_opened),
+        n
+    );
+    // The parent asked ahead (and the children, each with stock of its
+    // own, may have too).
+    let refills = requests(&after, "stock-refill") - requests(&before, "stock-refill");
+    assert!(refills > 0, "no refill sent ahead");
+}
+
 /// Pre-forked workers accept on one listening socket: a worker that does
 /// not hold the stock a client used gets it from the daemon with its
 /// claim, so every connection is on the lane, whichever worker accepts.
