@@ -322,11 +322,35 @@ else:
         print("ended", type(e).__name__, n, flush=True)
 "#;
 
+/// Python: `echo(host, port, rnd, largest)` sends `E` and random bytes
+/// (1 to `largest` of them) on a new connection, reads the echo back and
+/// closes; returns (bytes sent, bytes echoed, whether they are the same).
+macro_rules! py_checked_echo {
+    () => {
+        r#"
+def echo(host, port, rnd, largest):
+    data = rnd.randbytes(rnd.randint(1, largest))
+    s = socket.create_connection((host, port))
+    s.sendall(b"E" + data)
+    got = bytearray()
+    while len(got) < len(data):
+        chunk = s.recv(len(data) - len(got))
+        if not chunk:
+            break
+        got += chunk
+    s.close()
+    return len(data), len(got), bytes(got) == data
+"#
+    };
+}
+
 /// Threads x connections each, every connection an echo of random bytes
 /// of a random size, checked byte for byte. Prints `ok N errors M [first errors]`
 /// (`ok` counts the intact ones; the server echoes after a first byte `E`).
-pub const THREADED_CLIENT: &str = r#"
-import os, random, socket, sys, threading
+pub const THREADED_CLIENT: &str = concat!(
+    "import os, random, socket, sys, threading\n",
+    py_checked_echo!(),
+    r#"
 host, port, threads, each = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 ok = []
 errors = []
@@ -334,18 +358,9 @@ def run(seed):
     rnd = random.Random(seed)
     for _ in range(each):
         try:
-            data = rnd.randbytes(rnd.randint(1, 65536))
-            s = socket.create_connection((host, port))
-            s.sendall(b"E" + data)
-            got = bytearray()
-            while len(got) < len(data):
-                chunk = s.recv(len(data) - len(got))
-                if not chunk:
-                    break
-                got += chunk
-            s.close()
-            if bytes(got) != data:
-                errors.append("corrupt echo of %d bytes (got %d)" % (len(data), len(got)))
+            sent, echoed, same = echo(host, port, rnd, 65536)
+            if not same:
+                errors.append("corrupt echo of %d bytes (got %d)" % (sent, echoed))
             else:
                 ok.append(1)
         except Exception as e:
@@ -354,4 +369,40 @@ ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
 for t in ts: t.start()
 for t in ts: t.join()
 print("ok", len(ok), "errors", len(errors), errors[:3])
-"#;
+"#
+);
+
+/// A client that forks while connecting: each round the parent makes a
+/// few more connections than the last (so that the fork lands at every
+/// point of its stock's cycle, also while the answer to a refill it sent
+/// ahead is still owed), forks a child that connects as often, and keeps
+/// connecting while the child runs. Prints `ok N errors M [first errors]`.
+pub const FORKING_CLIENT: &str = concat!(
+    "import os, random, socket, sys\n",
+    py_checked_echo!(),
+    r#"
+host, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ok, errors, rnd = 0, [], random.Random(1)
+def burst(n, rnd):
+    good = 0
+    for _ in range(n):
+        try:
+            good += echo(host, port, rnd, 4096)[2]
+        except Exception as e:
+            errors.append(repr(e))
+    return good
+for r in range(rounds):
+    each = 9 + r
+    ok += burst(each, rnd)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if burst(each, random.Random(100 + r)) == each else 1)
+    ok += burst(each, rnd)
+    _, status = os.waitpid(pid, 0)
+    if status == 0:
+        ok += each
+    else:
+        errors.append("child %d failed" % r)
+print("ok", ok, "errors", len(errors), errors[:3])
+"#
+);

@@ -415,10 +415,7 @@ impl DaemonClient {
                 "the daemon predates stock",
             ));
         }
-        self.guarded(|c| {
-            let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
-            sys::send_all(c.fd, &frame, Instant::now() + c.timeout)
-        })
+        self.guarded(|c| c.send_frame(req, Instant::now() + c.timeout))
     }
 
     /// True when the answer to a request sent ahead can be read without
@@ -526,10 +523,7 @@ impl DaemonClient {
                 "the daemon answers this request: use `call`",
             ));
         }
-        self.guarded(|c| {
-            let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
-            sys::send_all(c.fd, &frame, Instant::now() + c.timeout)
-        })
+        self.guarded(|c| c.send_frame(req, Instant::now() + c.timeout))
     }
 
     /// A connection stayed on TCP for `reason`.
@@ -578,10 +572,15 @@ impl DaemonClient {
     }
 
     fn call_inner(&mut self, req: &Request) -> io::Result<(Response, Vec<OwnedFd>)> {
-        let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
         let deadline = Instant::now() + self.timeout;
-        sys::send_all(self.fd, &frame, deadline)?;
+        self.send_frame(req, deadline)?;
         self.recv_answer(deadline)
+    }
+
+    /// Writes `req`'s frame (the caller reads the answer, if any).
+    fn send_frame(&mut self, req: &Request, deadline: Instant) -> io::Result<()> {
+        let frame = proto::encode_frame(req, proto::MAX_REQUEST_FRAME).map_err(invalid_data)?;
+        sys::send_all(self.fd, &frame, deadline)
     }
 
     fn recv_answer(&mut self, deadline: Instant) -> io::Result<(Response, Vec<OwnedFd>)> {

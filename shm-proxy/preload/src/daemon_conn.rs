@@ -301,7 +301,11 @@ pub fn collect_ahead(wait: bool) -> bool {
         return false;
     };
     let pid = std::process::id();
-    let ready = h.ahead_ready(pid) || (wait && h.ahead.is_some() && h.pid == pid && h.still_ours());
+    let ready = if wait {
+        h.pid == pid && h.still_ours()
+    } else {
+        h.ahead_ready(pid)
+    };
     if !ready {
         return false;
     }

@@ -90,6 +90,10 @@ pub struct Stock {
 pub struct Taken {
     pub id: u64,
     pub region: Arc<Region>,
+    /// Stock of the same kind left after this take (a client's for the
+    /// destination; a server's for the listener and the peer's address),
+    /// counted under the same lock: below `ASK_AHEAD_AT`, ask for more.
+    pub left: usize,
 }
 
 /// Maps granted channels (outside the lock); those that fail the region's
@@ -177,36 +181,21 @@ pub fn take_for(dst: SocketAddr) -> Option<Taken> {
                 .iter()
                 .position(|e| e.dst == dst)
                 .map(|i| s.client.swap_remove(i));
-            (found, expired)
+            let left = s.client.iter().filter(|e| e.dst == dst).count();
+            (found.map(|e| (e, left)), expired)
         });
         drop(expired);
-        let e = found?;
+        let (e, left) = found?;
         // Not free: the daemon revoked it (its listener went away), or a
         // forked copy of this process took it. Either way not ours now.
         if e.region.offer_begin() {
             return Some(Taken {
                 id: e.id,
                 region: e.region,
+                left,
             });
         }
     }
-}
-
-/// Client: how many stock channels it holds for `dst`.
-pub fn client_left(dst: SocketAddr) -> usize {
-    state::with(|t| t.stock.client.iter().filter(|e| e.dst == dst).count())
-}
-
-/// Server: how many stock channels it holds for connections from `client`
-/// to `local`.
-pub fn held_for(local: SocketAddr, client: IpAddr) -> usize {
-    state::with(|t| {
-        t.stock
-            .held
-            .iter()
-            .filter(|e| e.local == local && e.client == client)
-            .count()
-    })
 }
 
 /// Server: keeps `grants` (answered to a claim on `local`).
@@ -263,10 +252,15 @@ fn look(local: SocketAddr, peer: SocketAddr) -> Look {
             match e.region.offer() {
                 Offer::Offered(port) if port == peer.port() && e.region.offer_take(port) => {
                     let e = held.swap_remove(i);
+                    let left = held
+                        .iter()
+                        .filter(|h| h.local == local && h.client == peer.ip())
+                        .count();
                     return (
                         Look::Found(Taken {
                             id: e.id,
                             region: e.region,
+                            left,
                         }),
                         spent,
                     );

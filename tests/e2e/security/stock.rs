@@ -29,21 +29,19 @@ fn a_hostile_stock_client_hurts_only_its_own_connections() {
     wait_listening(server, 7611);
     let ip = server.ip.to_string();
     let before = node.shm_opened();
+    // `n` checked echoes from the honest pod, one after another.
+    let honest_echoes = |n: usize, what: &str| {
+        let n = n.to_string();
+        let argv = [PYTHON, "-c", THREADED_CLIENT, &ip, "7611", "1", &n];
+        let out = run_ok(node.cmd(honest, true, &argv), T, what);
+        assert!(out.contains(&format!("ok {n}")), "{out}");
+    };
     let atk = Bg::spawn(node.cmd(
         attacker,
         true,
         &[PYTHON, "-c", STOCK_HOSTILE, &ip, "7611", "4"],
     ));
-    let out = run_ok(
-        node.cmd(
-            honest,
-            true,
-            &[PYTHON, "-c", THREADED_CLIENT, &ip, "7611", "1", "120"],
-        ),
-        T,
-        "honest client",
-    );
-    assert!(out.contains("ok 120"), "{out}");
+    honest_echoes(120, "honest client");
     let (st, aout, aerr) = atk.finish(T);
     assert!(
         st.is_some_and(|s| s.success()) && aout.contains("done"),
@@ -74,16 +72,7 @@ fn a_hostile_stock_client_hurts_only_its_own_connections() {
     );
     // The server served to the end, the lane still carries new pods'
     // connections, and the daemon answers.
-    let out = run_ok(
-        node.cmd(
-            honest,
-            true,
-            &[PYTHON, "-c", THREADED_CLIENT, &ip, "7611", "1", "10"],
-        ),
-        T,
-        "honest client after the attack",
-    );
-    assert!(out.contains("ok 10"), "{out}");
+    honest_echoes(10, "honest client after the attack");
     assert!(
         node.shm_opened() - before >= 130,
         "the honest connections rode the lane"

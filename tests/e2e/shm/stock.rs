@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use flowlane_e2e::shm::{self, run_ok, wait_listening, Bg, Node};
-use flowlane_e2e::shm_scripts::{PYTHON, THREADED_CLIENT};
+use flowlane_e2e::shm_scripts::{FORKING_CLIENT, PYTHON, THREADED_CLIENT};
 use flowlane_lane::proto::Stats;
 
 const T: Duration = Duration::from_secs(180);
@@ -178,6 +178,19 @@ fn threaded_echoes_all_on_the_lane(node: &Node, port: u16, threads: usize, each:
     assert_eq!(node.shm_opened() - before, n as u64);
 }
 
+/// Two pods; pod 1 runs the bench's echo server (with the library) on
+/// `port`.
+fn node_with_echo_server(name: &str, port: u16) -> (Node, Bg) {
+    let node = Node::new(name, 2);
+    let srv = Bg::spawn(node.cmd(
+        &node.pods[1],
+        true,
+        &[&bench_bin(), "serve", &port.to_string()],
+    ));
+    wait_listening(&node.pods[1], port);
+    (node, srv)
+}
+
 /// One client process, one listener, connection after connection (what a
 /// connection rate measures, and what connection-per-request clients do):
 /// the first connections ask the daemon, every later one takes a channel
@@ -185,9 +198,7 @@ fn threaded_echoes_all_on_the_lane(node: &Node, port: u16, threads: usize, each:
 #[test]
 fn st_repeated_connections_take_stock_without_round_trips() {
     let _turn = crate::turn::take(module_path!());
-    let node = Node::new("stre", 2);
-    let _srv = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7450"]));
-    wait_listening(&node.pods[1], 7450);
+    let (node, _srv) = node_with_echo_server("stre", 7450);
     let before = node.stats();
     // FLS_STOCK_CONNS: more connections, for a profile of the set-up.
     let n: u64 = std::env::var("FLS_STOCK_CONNS")
@@ -240,64 +251,16 @@ fn st_repeated_connections_take_stock_without_round_trips() {
 #[test]
 fn st_threads_connecting_at_once_each_find_their_own_channel() {
     let _turn = crate::turn::take(module_path!());
-    let node = Node::new("stth", 2);
-    let _srv = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7451"]));
-    wait_listening(&node.pods[1], 7451);
+    let (node, _srv) = node_with_echo_server("stth", 7451);
     threaded_echoes_all_on_the_lane(&node, 7451, 8, 40);
     let s = node.stats();
     assert!(intents(&s) < 320 / 2, "{} intents", intents(&s));
 }
 
-/// A client that forks while connecting: each round the parent makes a
-/// few more connections than the last (so that the fork lands at every
-/// point of its stock's cycle, also while the answer to a refill it sent
-/// ahead is still owed), forks a child that connects as often, and keeps
-/// connecting while the child runs. Prints `ok N errors M [first errors]`.
-const FORKING_CLIENT: &str = r#"
-import os, random, socket, sys
-host, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-def echo(rnd):
-    data = rnd.randbytes(rnd.randint(1, 4096))
-    s = socket.create_connection((host, port))
-    s.sendall(b"E" + data)
-    got = bytearray()
-    while len(got) < len(data):
-        chunk = s.recv(len(data) - len(got))
-        if not chunk:
-            break
-        got += chunk
-    s.close()
-    return bytes(got) == data
-ok, errors, rnd = 0, [], random.Random(1)
-def burst(n, rnd):
-    good = 0
-    for _ in range(n):
-        try:
-            good += echo(rnd)
-        except Exception as e:
-            errors.append(repr(e))
-    return good
-for r in range(rounds):
-    each = 9 + r
-    ok += burst(each, rnd)
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0 if burst(each, random.Random(100 + r)) == each else 1)
-    ok += burst(each, rnd)
-    _, status = os.waitpid(pid, 0)
-    if status == 0:
-        ok += each
-    else:
-        errors.append("child %d failed" % r)
-print("ok", ok, "errors", len(errors), errors[:3])
-"#;
-
 #[test]
 fn st_a_client_forking_while_stock_is_owed_keeps_every_connection_on_the_lane() {
     let _turn = crate::turn::take(module_path!());
-    let node = Node::new("stfk", 2);
-    let _srv = Bg::spawn(node.cmd(&node.pods[1], true, &[&bench_bin(), "serve", "7453"]));
-    wait_listening(&node.pods[1], 7453);
+    let (node, _srv) = node_with_echo_server("stfk", 7453);
     let before = node.stats();
     let ip = node.pods[1].ip.to_string();
     let rounds = 6;

@@ -155,6 +155,15 @@ mod tests {
         (n.clone(), Box::new(Count(n)))
     }
 
+    /// Waits (10 s at most) until `count`'s target has expired.
+    fn wait_for_expiry(count: &AtomicUsize) {
+        let t = Instant::now();
+        while count.load(Ordering::SeqCst) == 0 {
+            assert!(t.elapsed() < Duration::from_secs(10), "never expired");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     #[test]
     fn a_deadline_expires_its_target_once_unless_disarmed_first() {
         let dog = Watchdog::get();
@@ -164,11 +173,7 @@ mod tests {
         let quick = dog.arm(Duration::from_secs(60), target);
         // Disarmed first: never expired, and it says so.
         assert!(!quick.disarm());
-        let t = Instant::now();
-        while late.load(Ordering::SeqCst) == 0 {
-            assert!(t.elapsed() < Duration::from_secs(10), "never expired");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_for_expiry(&late);
         // Passed first: the disarm says so, and nothing expires twice.
         assert!(armed.disarm());
         std::thread::sleep(Duration::from_millis(30));
@@ -183,11 +188,7 @@ mod tests {
         let long = dog.arm(Duration::from_secs(3600), target);
         let (near, target) = counter();
         let short = dog.arm(Duration::from_millis(5), target);
-        let t = Instant::now();
-        while near.load(Ordering::SeqCst) == 0 {
-            assert!(t.elapsed() < Duration::from_secs(10), "held up");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_for_expiry(&near);
         assert!(short.disarm());
         assert!(!long.disarm());
         assert_eq!(far.load(Ordering::SeqCst), 0);
