@@ -317,7 +317,7 @@ pub fn client_intent(fd: c_int, dst: SocketAddr) -> Option<Intent> {
             if offered {
                 taken.region.offer_port(src.port());
             }
-            let refill = (taken.left <= stock::ASK_AHEAD_AT).then_some(dst);
+            let refill = (stock::REFILL_AHEAD && taken.left <= stock::ASK_AHEAD_AT).then_some(dst);
             return Some(Intent::Stock {
                 taken,
                 offered,
@@ -600,7 +600,7 @@ pub fn accepted(listen_fd: c_int, fd: c_int, flags: c_int) {
                 .flatten()
         });
         if let Some(taken) = taken {
-            let fetch = taken.left <= stock::ASK_AHEAD_AT;
+            let fetch = stock::REFILL_AHEAD && taken.left <= stock::ASK_AHEAD_AT;
             attach_stock(fd, nonblock, taken, peer, defaults);
             if fetch {
                 send_ahead(daemon_conn::Ahead::Fetch { local });

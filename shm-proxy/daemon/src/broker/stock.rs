@@ -424,16 +424,26 @@ impl Broker {
         let Some(process) = caller.process else {
             return Vec::new();
         };
-        let mut ids: Vec<(bool, u64)> = self
+        let mut ids: Vec<(u8, bool, u64)> = self
             .stock
             .iter()
             .filter(|(_, s)| s.server_pod == pod && s.dst == local && !s.holders.contains(&process))
-            .map(|(id, s)| (!self.pod_owns(s.client_pod, peer.ip()), *id))
+            .map(|(id, s)| {
+                let rank = match s.view.as_ref().map(|v| v.offer()) {
+                    Some(Offer::Offered(port)) if port == peer.port() => 0,
+                    Some(Offer::Connecting { .. }) => 1,
+                    _ => 2,
+                };
+                (rank, !self.pod_owns(s.client_pod, peer.ip()), *id)
+            })
             .collect();
-        // The peer's pod's stock holds this connection's offer, if any.
+        // The channel offered for this connection first, then those a
+        // client is connecting with (with several client processes of one
+        // pod, more than one answer's worth of stock may be new to this
+        // process), then the peer's pod's.
         ids.sort_unstable();
         let mut grants = Vec::new();
-        for (_, id) in ids.into_iter().take(MAX_STOCK_GRANTS) {
+        for (_, _, id) in ids.into_iter().take(MAX_STOCK_GRANTS) {
             let Some(s) = self.stock.get_mut(&id) else {
                 continue;
             };
