@@ -65,10 +65,20 @@ fn accepted(mut srv: Bg) -> usize {
 /// the same backend while conntrack still holds the earlier entry is
 /// remapped by the node's NAT (docs/daemon.md, "Known limits"), which is
 /// not what these tests are about.
+///
+/// `SO_REUSEADDR` on every such socket: the client half-closes first, so
+/// its port may be left in TIME_WAIT (which end's FIN leaves first is a
+/// race on the lane, where the EOF travels in the ring), and a second
+/// `bind` of the port would fail with `EADDRINUSE` without it.
 const FIXED_SOURCE_PORT: &str = r#"
 import os, socket
-_connect = socket.create_connection
-socket.create_connection = lambda a, *r, **k: _connect(a, source_address=("", int(os.environ["SRC_PORT"])))
+def _from_fixed_port(a, *r, **k):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", int(os.environ["SRC_PORT"])))
+    s.connect(a)
+    return s
+socket.create_connection = _from_fixed_port
 "#;
 
 /// `bytes` checksummed both ways from `client` (with the library) to
