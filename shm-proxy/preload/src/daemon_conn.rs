@@ -23,7 +23,11 @@
 //! - **stock asked for ahead** (`send_ahead`): one request at most whose
 //!   answer is read later, at the next connect or accept that finds it
 //!   waiting, or before the next request on the connection. No connection
-//!   waits for the daemon to make stock.
+//!   waits for the daemon to make stock. While an answer is owed, a
+//!   request that finds the connection busy waits a little for it rather
+//!   than using a connection of its own: the daemon counts what it granted
+//!   ahead as held by this process, and a server's claim that went around
+//!   the owed answer would not be granted the channel its client used.
 
 use crate::{state, stock};
 use flowlane_lane::client::DaemonClient;
@@ -32,7 +36,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 struct Held {
     client: DaemonClient,
@@ -93,6 +97,7 @@ impl Held {
         let Some(ahead) = self.ahead.take() else {
             return;
         };
+        AHEAD_OWED.store(false, Ordering::Release);
         let Ok(granted) = self.client.recv_stock_ahead() else {
             return;
         };
@@ -126,6 +131,9 @@ impl Held {
     /// Closes the connection if the fd is still ours (and forgets the
     /// number either way).
     fn discard(self) {
+        if self.ahead.is_some() {
+            AHEAD_OWED.store(false, Ordering::Release);
+        }
         let ours = self.still_ours();
         if state::untrack_private(self.client.raw_fd()) && ours {
             drop(self.client);
@@ -202,7 +210,7 @@ pub fn with<R>(
     timeout: Duration,
     mut f: impl FnMut(&mut DaemonClient) -> R,
 ) -> Option<R> {
-    let Some(_unlock) = try_lock() else {
+    let Some(_unlock) = lock_for_request() else {
         return one_shot(socket, timeout, &mut f);
     };
     // SAFETY: we hold `busy`: no other thread reaches the slot.
@@ -281,6 +289,7 @@ pub fn send_ahead(ahead: Ahead) {
     };
     if sent.is_ok() {
         h.ahead = Some(ahead);
+        AHEAD_OWED.store(true, Ordering::Release);
     } else if h.client.is_broken() {
         if let Some(h) = slot.take() {
             h.discard();
@@ -291,7 +300,8 @@ pub fn send_ahead(ahead: Ahead) {
 /// Reads the answer to a request sent ahead and keeps its stock: only if
 /// it has arrived, or (`wait`) waiting for it. True when one was read.
 pub fn collect_ahead(wait: bool) -> bool {
-    let Some(_unlock) = try_lock() else {
+    let locked = if wait { lock_for_request() } else { try_lock() };
+    let Some(_unlock) = locked else {
         return false;
     };
     // SAFETY: we hold `busy`: no other thread reaches the slot.
@@ -318,6 +328,34 @@ pub fn collect_ahead(wait: bool) -> bool {
     true
 }
 
+/// Set while the kept connection owes the answer to a request sent ahead.
+static AHEAD_OWED: AtomicBool = AtomicBool::new(false);
+
+/// How long a request waits for a busy slot while an answer is owed (a
+/// request on the kept connection is a round trip to a local daemon; a
+/// signal handler that interrupted this thread's own request waits this
+/// long, then uses a connection of its own).
+const OWED_LOCK_WAIT: Duration = Duration::from_millis(20);
+
+/// The slot for a request: at once if free; while an answer sent ahead is
+/// owed, after waiting (`OWED_LOCK_WAIT` at most) for the thread using it.
+fn lock_for_request() -> Option<Unlock> {
+    if let Some(unlock) = try_lock() {
+        return Some(unlock);
+    }
+    if !AHEAD_OWED.load(Ordering::Acquire) {
+        return None;
+    }
+    let end = Instant::now() + OWED_LOCK_WAIT;
+    while Instant::now() < end {
+        std::thread::yield_now();
+        if let Some(unlock) = try_lock() {
+            return Some(unlock);
+        }
+    }
+    None
+}
+
 /// The slot, if no other thread (or an interrupted request on this one)
 /// holds it.
 fn try_lock() -> Option<Unlock> {
@@ -331,6 +369,8 @@ fn try_lock() -> Option<Unlock> {
 /// closed and marked gone by `state`; a parent thread that was inside a
 /// request left the slot locked, and its contents may be half-made.
 pub fn after_fork_child() {
+    // The parent's answer is the parent's to read.
+    AHEAD_OWED.store(false, Ordering::Relaxed);
     if SLOT.busy.load(Ordering::Relaxed) {
         // SAFETY: the forked child has one thread (this one), which is not
         // inside `with`.

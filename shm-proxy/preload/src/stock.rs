@@ -34,13 +34,9 @@ const BATCH: u32 = 8;
 /// remaining ones are used, and no connection waits for the daemon.
 pub const ASK_AHEAD_AT: usize = BATCH as usize / 2;
 
-/// Whether a client sends `stock-refill` ahead. Off: with three client
-/// processes of one pod connecting to one server at once, about one run
-/// in ten of `shm::peer_table::pt_many_processes_map_the_table_at_once`
-/// left one connection on TCP (a stock channel the server never took;
-/// without refills, none in 76 runs). The cause is not found yet; the
-/// daemon's ops stay. A server fetches only for a client that refills.
-pub const REFILL_AHEAD: bool = false;
+/// Whether a client sends `stock-refill` ahead (and so whether its server
+/// fetches). A switch for measuring and for an operator's bisecting.
+pub const REFILL_AHEAD: bool = true;
 
 /// Destinations whose next batch size a client remembers.
 const MAX_ASKED: usize = 64;
@@ -63,6 +59,10 @@ const SERVER_TTL: Duration = Duration::from_secs(60);
 /// How long a server waits, per accepted connection, for a client that has
 /// taken a stock channel to write its source port.
 pub const OFFER_WAIT: Duration = Duration::from_millis(20);
+
+/// Longest sleep on one connecting channel's word before the held stock
+/// is looked through again.
+const OFFER_WAIT_SLICE: Duration = Duration::from_millis(1);
 
 /// The spinner of this process's waits for a connecting offer.
 static OFFER_WAITS: crate::spin::Spinner = crate::spin::Spinner::new();
@@ -308,16 +308,26 @@ pub fn take_offer(local: SocketAddr, peer: SocketAddr) -> Option<Taken> {
             Look::Wait(id, region) => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    waited_out(id);
-                    return None;
+                    // The channel waited for may be another connection's
+                    // while this one's port arrived meanwhile: the last
+                    // look takes it, and only then is the wait given up.
+                    return match look(local, peer) {
+                        Look::Found(t) => Some(t),
+                        _ => {
+                            waited_out(id);
+                            None
+                        }
+                    };
                 }
                 // The accept usually returns while the client's connect is
                 // still returning: its port follows within microseconds,
                 // sooner than a futex sleep and wake-up (the process's
-                // spinner stops spinning where that does not pay).
+                // spinner stops spinning where that does not pay). The
+                // sleep is in slices: the word waited on may be another
+                // connection's, and this one's is written elsewhere.
                 let offered = || !matches!(region.offer(), Offer::Connecting { .. });
                 if !OFFER_WAITS.spin(offered) {
-                    region.offer_wait(left);
+                    region.offer_wait(left.min(OFFER_WAIT_SLICE));
                 }
             }
         }

@@ -231,13 +231,18 @@ fn st_repeated_connections_take_stock_without_round_trips() {
     // Round trips only while the process warms up (no stock the first
     // time, then 1, 2, 4): from then on the library asks for more ahead
     // (`stock-refill`, `stock-fetch`), and no connection waits for that.
-    // A batch is 8: one intent (and one claim) per 9 connections, plus
-    // the first ones (no stock the first time, then batches of 1, 2, 4).
-    // The client's refill ahead is off (`stock::REFILL_AHEAD`).
-    assert!(i <= n / 9 + 8, "{i} intents for {n} connections");
-    assert!(c <= n / 9 + 8, "{c} claims for {n} connections");
+    assert!(i <= 8, "{i} intents for {n} connections");
+    // A server's fetch may reach the daemon before the refill it was
+    // meant to collect (the client sends it after its connect, the server
+    // after its attach); if the client uses up what is left before the
+    // next fetch returns, the server claims: 18 to 41 in 4,000
+    // connections here (a claim per connection was n / 9).
+    assert!(c <= n / 25 + 10, "{c} claims for {n} connections");
     assert!(requests(&after, "stock-intent") > 0);
-    assert_eq!((refills, fetches), (0, 0), "sent ahead while it is off");
+    // A batch of 8 asked for when 4 are left: a refill per 8 connections
+    // at most (one sent ahead at a time), a fetch likewise.
+    assert!(refills >= n / 16 && refills <= n / 4, "{refills} refills");
+    assert!(fetches <= n / 2, "{fetches} fetches");
 }
 
 /// Threads of one process connect at once: each connection finds its own
@@ -279,10 +284,15 @@ fn st_a_client_forking_while_stock_is_owed_keeps_every_connection_on_the_lane() 
     // 3 x (9 + r) connections per round r.
     let n: u64 = (0..rounds).map(|r| 3 * (9 + r)).sum();
     assert!(out.contains(&format!("ok {n} errors 0")), "{out}");
+    let after = node.stats();
     assert_eq!(
         node.shm_opened() - before.lanes.get("shm").map_or(0, |l| l.connections_opened),
         n
     );
+    // The parent asked ahead (and the children, each with stock of its
+    // own, may have too).
+    let refills = requests(&after, "stock-refill") - requests(&before, "stock-refill");
+    assert!(refills > 0, "no refill sent ahead");
 }
 
 /// Pre-forked workers accept on one listening socket: a worker that does

@@ -277,7 +277,7 @@ impl Broker {
         // Stock taken since the last tick is not granted again.
         self.open_taken_stock();
         let grants = match self.listener_key(pod, local) {
-            Some(l) if self.takes_stock.contains(&l) => self.grant_stock(caller, pod, local, local),
+            Some(l) if self.takes_stock.contains(&l) => self.grant_stock(caller, pod, local, None),
             _ => Vec::new(),
         };
         Self::stocked(None, Vec::new(), grants)
@@ -395,7 +395,7 @@ impl Broker {
         if let Some(listener) = self.listener_key(pod, local) {
             self.takes_stock.insert(listener);
         }
-        let grants = self.grant_stock(caller, pod, local, peer);
+        let grants = self.grant_stock(caller, pod, local, Some(peer));
         if grants.is_empty() {
             return answer;
         }
@@ -410,14 +410,20 @@ impl Broker {
     }
 
     /// Grants the caller the stock of listener `local` of `pod` it does not
-    /// hold yet, the stock made for `peer`'s pod first, and records it as
-    /// a holder.
+    /// hold yet, the stock made for `peer`'s pod first (a claim's peer; a
+    /// fetch names none), and records it as a holder.
+    ///
+    /// The channel offered for a claim's own connection is granted even to
+    /// a process recorded as holding it: the answer that carried it may be
+    /// unread or lost (a request sent ahead whose connection broke), and
+    /// without it the connection would stay on TCP. A duplicate costs the
+    /// server one mapping, dropped once the channel reads taken.
     fn grant_stock(
         &mut self,
         caller: &Caller,
         pod: PodId,
         local: SocketAddr,
-        peer: SocketAddr,
+        peer: Option<SocketAddr>,
     ) -> Vec<(StockGrant, OwnedFd)> {
         // A holder is a process: an unidentified one would get the same
         // stock again at every claim.
@@ -427,14 +433,20 @@ impl Broker {
         let mut ids: Vec<(u8, bool, u64)> = self
             .stock
             .iter()
-            .filter(|(_, s)| s.server_pod == pod && s.dst == local && !s.holders.contains(&process))
-            .map(|(id, s)| {
+            .filter(|(_, s)| s.server_pod == pod && s.dst == local)
+            .filter_map(|(id, s)| {
+                let from_peer = peer.is_some_and(|p| self.pod_owns(s.client_pod, p.ip()));
                 let rank = match s.view.as_ref().map(|v| v.offer()) {
-                    Some(Offer::Offered(port)) if port == peer.port() => 0,
+                    Some(Offer::Offered(port))
+                        if from_peer && peer.is_some_and(|p| p.port() == port) =>
+                    {
+                        0
+                    }
+                    _ if s.holders.contains(&process) => return None,
                     Some(Offer::Connecting { .. }) => 1,
                     _ => 2,
                 };
-                (rank, !self.pod_owns(s.client_pod, peer.ip()), *id)
+                Some((rank, !from_peer, *id))
             })
             .collect();
         // The channel offered for this connection first, then those a
@@ -449,7 +461,15 @@ impl Broker {
             };
             match s.memfd.try_clone() {
                 Ok(fd) => {
-                    s.holders.push(process);
+                    if s.holders.contains(&process) {
+                        tracing::debug!(
+                            id,
+                            ?process,
+                            "stock granted again: offered for the claim's connection"
+                        );
+                    } else {
+                        s.holders.push(process);
+                    }
                     let grant = StockGrant {
                         id,
                         len: s.len,

@@ -915,3 +915,44 @@ fn a_refill_stays_within_the_pods_budget_and_an_undelivered_one_is_dropped() {
     assert_eq!(stats(b).channels_stocked, 2);
     assert_eq!(grants(&refill(b, &client, "10.202.9.2:80", 8)).len(), 3);
 }
+
+/// A server process that was granted stock ahead (a fetch) may never have
+/// read the answer (its thread found the kept connection busy and claimed
+/// on a connection of its own; the connection broke): its claim still gets
+/// the channel offered for its own connection, and only that one again.
+#[test]
+fn a_claim_grants_its_own_offered_channel_even_to_a_recorded_holder() {
+    let Stocked {
+        mut n,
+        client,
+        server,
+    } = taking_stock("stock-regrant", Limits::default());
+    let b = &mut n.broker;
+    let a = stock_intent(b, &client, "10.202.9.1:40000", "10.202.9.2:80", 3);
+    let made = grants(&a);
+    assert_eq!(made.len(), 3);
+    let fetched = grants(&fetch(b, &server, "10.202.9.2:80"));
+    assert_eq!(ids(&fetched), ids(&made), "the fetch records the server");
+    // The client offers the second channel for port 5000; another is
+    // between its connect and its port.
+    let offered = flowlane_lane::region::Region::map_memfd(a.fds[2].as_fd(), 12288).unwrap();
+    assert!(offered.offer_begin());
+    offered.offer_port(5000);
+    let connecting = flowlane_lane::region::Region::map_memfd(a.fds[3].as_fd(), 12288).unwrap();
+    assert!(connecting.offer_begin());
+    // A claim for another port, or from another pod at that port, gets
+    // nothing again.
+    let other_port = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:5001");
+    assert!(grants(&other_port).is_empty(), "{:?}", other_port.response);
+    let other_pod = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.3:5000");
+    assert!(grants(&other_pod).is_empty(), "{:?}", other_pod.response);
+    // The claim for the offered connection gets its channel once more,
+    // the same region, and nothing else it holds.
+    let c = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:5000");
+    assert_eq!(ids(&grants(&c)), [made[1].id]);
+    assert_eq!(ino(&c.fds[0]), ino(&a.fds[2]));
+    // Taken, it is no stock any more: not granted again.
+    assert!(offered.offer_take(5000));
+    let again = stock_claim(b, &server, "10.202.9.2:80", "10.202.9.1:5000");
+    assert!(grants(&again).is_empty(), "{:?}", again.response);
+}
