@@ -97,14 +97,15 @@ impl Held {
         let Some(ahead) = self.ahead.take() else {
             return;
         };
-        AHEAD_OWED.store(false, Ordering::Release);
-        let Ok(granted) = self.client.recv_stock_ahead() else {
-            return;
-        };
-        match ahead {
-            Ahead::Refill { dst, .. } => stock::add_client(dst, granted),
-            Ahead::Fetch { local } => stock::add_held(local, granted),
+        if let Ok(granted) = self.client.recv_stock_ahead() {
+            match ahead {
+                Ahead::Refill { dst, .. } => stock::add_client(dst, granted),
+                Ahead::Fetch { local } => stock::add_held(local, granted),
+            }
         }
+        // Only once the stock is in the tables: a thread that found the
+        // slot busy meanwhile waited for it (`lock_for_request`).
+        AHEAD_OWED.store(false, Ordering::Release);
     }
 
     /// True when the answer can be read now (in this process: a forked
@@ -377,5 +378,89 @@ pub fn after_fork_child() {
         let held = unsafe { &mut *SLOT.held.get() };
         std::mem::forget(held.take());
         SLOT.busy.store(false, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowlane_lane::proto::{self, Request, Response};
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+    use std::sync::mpsc;
+
+    /// A daemon answering each connection's requests in order: `Ok` to
+    /// anything but `stock-fetch`, whose answer (no stock) comes after
+    /// `fetch_delay`. It tells the test each request and the number of the
+    /// connection it came on (in the order they were accepted).
+    fn fake_daemon(path: &Path, fetch_delay: Duration) -> mpsc::Receiver<(usize, Request)> {
+        let listener = UnixListener::bind(path).unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for (n, conn) in listener.incoming().enumerate() {
+                let Ok(mut conn) = conn else { return };
+                let tx = tx.clone();
+                std::thread::spawn(move || loop {
+                    let mut hdr = [0u8; 4];
+                    if conn.read_exact(&mut hdr).is_err() {
+                        return;
+                    }
+                    let mut body = vec![0u8; u32::from_le_bytes(hdr) as usize];
+                    if conn.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let req = proto::decode_request(&body).unwrap();
+                    let answer = if matches!(req, Request::StockFetch { .. }) {
+                        std::thread::sleep(fetch_delay);
+                        Response::Stocked {
+                            channel: None,
+                            stock: Vec::new(),
+                        }
+                    } else {
+                        Response::Ok
+                    };
+                    let _ = tx.send((n, req));
+                    let frame = proto::encode_frame(&answer, proto::MAX_RESPONSE_FRAME).unwrap();
+                    if conn.write_all(&frame).is_err() {
+                        return;
+                    }
+                });
+            }
+        });
+        rx
+    }
+
+    // One test: the kept connection is process-wide.
+    #[test]
+    fn a_request_while_an_answer_is_owed_waits_for_the_kept_connection() {
+        let path = std::env::temp_dir().join(format!("fl-owed-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let seen = fake_daemon(&path, Duration::from_millis(5));
+        let timeout = Duration::from_secs(5);
+        let local: SocketAddr = "10.0.0.2:80".parse().unwrap();
+        let register = move |d: &mut DaemonClient| d.register_listener(local).is_ok();
+        // The kept connection (the daemon's connection 0), and a fetch
+        // sent ahead on it, its answer owed.
+        assert_eq!(with(&path, timeout, register), Some(true));
+        send_ahead(Ahead::Fetch { local });
+        assert!(AHEAD_OWED.load(Ordering::Acquire));
+        // One thread takes the connection and reads the owed answer first
+        // (the daemon takes 5 ms); another asks meanwhile. It waits for
+        // the kept connection instead of going around the answer on a
+        // connection of its own.
+        let p = path.clone();
+        let first = std::thread::spawn(move || with(&p, timeout, register));
+        std::thread::sleep(Duration::from_millis(1));
+        assert_eq!(with(&path, timeout, register), Some(true));
+        assert_eq!(first.join().unwrap(), Some(true));
+        assert!(!AHEAD_OWED.load(Ordering::Acquire));
+        let got: Vec<(usize, Request)> = seen.try_iter().collect();
+        assert_eq!(got.len(), 4, "{got:?}");
+        assert!(
+            got.iter().all(|(n, _)| *n == 0),
+            "a request went around the owed answer: {got:?}"
+        );
+        assert!(matches!(got[1].1, Request::StockFetch { .. }), "{got:?}");
+        let _ = std::fs::remove_file(&path);
     }
 }
