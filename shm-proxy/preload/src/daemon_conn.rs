@@ -401,11 +401,14 @@ mod tests {
                 let Ok(mut conn) = conn else { return };
                 let tx = tx.clone();
                 std::thread::spawn(move || loop {
-                    let mut hdr = [0u8; 4];
+                    let mut hdr = [0u8; proto::HEADER_LEN];
                     if conn.read_exact(&mut hdr).is_err() {
                         return;
                     }
-                    let mut body = vec![0u8; u32::from_le_bytes(hdr) as usize];
+                    let Ok(len) = proto::frame_len(hdr, proto::MAX_REQUEST_FRAME) else {
+                        return;
+                    };
+                    let mut body = vec![0u8; len];
                     if conn.read_exact(&mut body).is_err() {
                         return;
                     }

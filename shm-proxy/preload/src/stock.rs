@@ -35,7 +35,7 @@ const BATCH: u32 = 8;
 pub const ASK_AHEAD_AT: usize = BATCH as usize / 2;
 
 /// Whether a client sends `stock-refill` ahead (and so whether its server
-/// fetches). A switch for measuring and for an operator's bisecting.
+/// fetches): a build-time switch, for measuring without it.
 pub const REFILL_AHEAD: bool = true;
 
 /// Destinations whose next batch size a client remembers.
